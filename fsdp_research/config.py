@@ -1,0 +1,165 @@
+"""Config schemas. Each group's YAML in conf/<group>/ is merged onto these dataclasses, so a typo'd key,
+a wrong type or an unknown enum value fails at composition, before any process group or model exists."""
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+class ConfigError(ValueError):
+    """A bad config value: the message names the key and the fix, on one line."""
+
+    def __init__(self, key: str, problem: str, fix: str):
+        super().__init__(f"{key}: {problem}; fix: {fix}")
+
+
+@dataclass
+class ModelConfig:
+    name: str = "llama_tiny"
+    # A hub id or local directory: its config.json (and, for `pretrained`, its weights) are used.
+    name_or_path: Optional[str] = None
+    # Used when name_or_path is unset: AutoConfig.for_model(model_type, **config).
+    model_type: Optional[str] = None
+    config: Dict[str, Any] = field(default_factory=dict)
+    load_weights: bool = False
+    # The repeating block class; default: the model's _no_split_modules.
+    block_class: Optional[str] = None
+
+
+class Strategy(str, Enum):
+    blockwise = "blockwise"
+    reshard_all = "reshard_all"
+    no_reshard = "no_reshard"
+    root_only = "root_only"
+    per_linear = "per_linear"
+    ddp = "ddp"
+    hsdp = "hsdp"
+
+
+@dataclass
+class ShardingConfig:
+    strategy: Strategy = Strategy.blockwise
+    # hsdp: number of replica groups; each shards over world_size / replicate ranks.
+    replicate: int = 1
+    cpu_offload: bool = False
+    # Block index -> reshard_after_forward, overriding the strategy for those blocks.
+    reshard_override: Dict[int, bool] = field(default_factory=dict)
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "bf16"
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    # Dynamic loss scaling (fp16 only needs it: bf16 has fp32's exponent range).
+    loss_scaling: bool = False
+    init_scale: float = 65536.0
+    growth_interval: int = 200
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    # 0: off; 1: every block; k: every k-th block (blocks 0, k, 2k, ...).
+    stride: int = 0
+
+
+class DataKind(str, Enum):
+    local_text = "local_text"
+    hub = "hub"
+    synthetic = "synthetic"
+
+
+@dataclass
+class DataConfig:
+    kind: DataKind = DataKind.local_text
+    # local_text: files or glob patterns; empty -> the running Python's standard-library sources.
+    paths: List[str] = field(default_factory=list)
+    seq_len: int = 128
+    # "byte" (no download) or an HF tokenizer name or local path.
+    tokenizer: str = "byte"
+    # hub: datasets.load_dataset(hub_name, hub_config, split=split, streaming=streaming).
+    hub_name: Optional[str] = None
+    hub_config: Optional[str] = None
+    split: str = "train"
+    streaming: bool = False
+    # With streaming, how many documents to take.
+    max_documents: int = 10000
+    text_field: str = "text"
+    # synthetic: how many random sequences.
+    num_sequences: int = 4096
+    # Fraction of packed sequences held out for eval.
+    eval_fraction: float = 0.05
+    cache_dir: Optional[str] = None
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-3
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    warmup_steps: int = 10
+    # Cosine decay to lr * min_lr_ratio at max_steps.
+    min_lr_ratio: float = 0.1
+    # Max global gradient norm; 0 turns clipping off (the norm is still measured).
+    grad_clip: float = 1.0
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "wandb"
+    project: str = "fsdp_research"
+    group: Optional[str] = None
+    name: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    # offline unless set: runs with no account; `wandb sync` uploads later.
+    mode: str = "offline"
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300
+    global_batch_size: int = 16
+    micro_batch_size: int = 8
+    seed: int = 0
+    log_interval: int = 10
+    # 0 turns eval off.
+    eval_interval: int = 100
+    eval_batches: int = 4
+    compile: bool = False
+    # Gradient accumulation: skip the gradient reduction on all but the last micro-batch.
+    defer_grad_sync: bool = True
+    # Peak dense bf16 TFLOP/s of one device for MFU; null -> looked up from the GPU's name.
+    peak_tflops: Optional[float] = None
+    # auto: cuda if available, else cpu.
+    device: str = "auto"
+
+
+@dataclass
+class DistributedConfig:
+    # auto: nccl on CUDA, gloo on CPU.
+    backend: str = "auto"
+    # >1: this app starts that many worker processes itself (no torchrun needed).
+    nproc_per_node: int = 1
+    timeout_s: int = 600
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="train_schema", node=TrainConfig)

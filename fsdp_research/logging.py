@@ -1,0 +1,119 @@
+"""Where metrics go: a line on stdout (a progress bar on a terminal), metrics.jsonl in the run dir, and
+W&B. Only rank 0 logs; the other ranks get sinks that drop everything."""
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+from .config import LoggerConfig
+
+log = logging.getLogger("fsdp_research")
+
+
+def setup_logging(run_dir: str, rank: int) -> None:
+    """Rank 0 logs INFO to stdout and <run dir>/train.log; other ranks only warnings, to stderr."""
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+    fmt = logging.Formatter("[%(asctime)s][%(levelname)s] %(message)s", "%H:%M:%S")
+    handlers: List[logging.Handler] = [logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)]
+    if rank == 0:
+        handlers.append(logging.FileHandler(os.path.join(run_dir, "train.log")))
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+
+
+def _fmt(key: str, value: Any) -> str:
+    if isinstance(value, float):
+        if "tokens_per_s" in key or "samples_per_s" in key:
+            return f"{key} {value:,.0f}"
+        return f"{key} {value:.4g}"
+    return f"{key} {value}"
+
+
+class Console:
+    """One concise line per logged step; on a terminal, a progress bar with ETA."""
+
+    KEYS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu")
+
+    def __init__(self, max_steps: int, tty: Optional[bool] = None):
+        self.max_steps = max_steps
+        self.tty = sys.stdout.isatty() if tty is None else tty
+        self._t0 = time.perf_counter()
+        self._first_step: Optional[int] = None
+
+    def log(self, metrics: Dict[str, Any]) -> None:
+        step = metrics["step"]
+        text = " | ".join(_fmt(k, metrics[k]) for k in self.KEYS if k in metrics)
+        if not self.tty:
+            log.info(f"step {step}/{self.max_steps} | {text}")
+            return
+        if self._first_step is None:
+            self._first_step, self._t0 = step, time.perf_counter()
+        done = step - self._first_step
+        eta = (time.perf_counter() - self._t0) / done * (self.max_steps - step) if done else 0.0
+        bar = "#" * int(30 * step / self.max_steps)
+        end = "\n" if step >= self.max_steps else ""
+        sys.stdout.write(f"\r[{bar:<30}] {step}/{self.max_steps} ETA {eta:4.0f}s | {text}{end}")
+        sys.stdout.flush()
+
+
+class JsonlSink:
+    def __init__(self, path: str):
+        self.file = open(path, "a", buffering=1)
+
+    def log(self, metrics: Dict[str, Any]) -> None:
+        self.file.write(json.dumps(metrics) + "\n")
+
+    def finish(self) -> None:
+        self.file.close()
+
+
+class WandbSink:
+    def __init__(self, cfg: LoggerConfig, run_dir: str, config: Dict[str, Any], run_id: str):
+        import wandb
+
+        self.run = wandb.init(project=cfg.project, group=cfg.group, name=cfg.name, tags=list(cfg.tags),
+                              config=config, dir=run_dir, mode=cfg.mode, id=run_id, resume="allow")
+
+    def log(self, metrics: Dict[str, Any]) -> None:
+        self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class Sinks:
+    """Fans metrics out to every sink; empty on ranks other than 0."""
+
+    def __init__(self, sinks: list):
+        self.sinks = sinks
+
+    def log(self, metrics: Dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.log(metrics)
+
+    def finish(self) -> None:
+        for sink in self.sinks:
+            if hasattr(sink, "finish"):
+                sink.finish()
+
+
+def new_run_id() -> str:
+    import secrets
+
+    return secrets.token_hex(4)
+
+
+def build_sinks(cfg: LoggerConfig, run_dir: str, rank: int, max_steps: int, config: Dict[str, Any],
+                run_id: str) -> Sinks:
+    if rank != 0:
+        return Sinks([])
+    sinks: list = [Console(max_steps), JsonlSink(os.path.join(run_dir, "metrics.jsonl"))]
+    if cfg.kind == "wandb":
+        sinks.append(WandbSink(cfg, run_dir, config, run_id))
+    return Sinks(sinks)

@@ -1,0 +1,74 @@
+"""Throughput, MFU and peak memory, computed in one place and handed to whichever sinks are on."""
+import resource
+import time
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+# Peak dense bf16 TFLOP/s per device, by a substring of torch.cuda.get_device_name().
+PEAK_TFLOPS = {
+    "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "A800": 312.0,
+    "A10G": 125.0, "L40S": 362.0, "L4": 121.0, "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0,
+    "MI300X": 1307.0, "MI250X": 383.0,
+}
+
+
+def peak_tflops(device: torch.device, override: Optional[float]) -> Optional[float]:
+    if override is not None:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def flops_per_token(hf_config, n_params: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls with parameters, plus attention's 12 * L * d * T."""
+    layers = getattr(hf_config, "num_hidden_layers", 0)
+    width = getattr(hf_config, "hidden_size", 0)
+    return 6.0 * n_params + 12.0 * layers * width * seq_len
+
+
+def peak_memory(device: torch.device) -> Dict[str, float]:
+    """Peak memory of this process in GiB, the maximum over ranks."""
+    if device.type == "cuda":
+        values = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+                              dtype=torch.float64, device=device)
+        keys = ("peak_mem_allocated_gib", "peak_mem_reserved_gib")
+    else:
+        # ru_maxrss is in KiB on Linux.
+        values = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64)
+        keys = ("peak_rss_gib",)
+    if dist.is_initialized():
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+    return {k: round(v / 2**30, 4) for k, v in zip(keys, values.tolist())}
+
+
+class Throughput:
+    """Timing of the steps since the last report, and the rates derived from it."""
+
+    def __init__(self, tokens_per_step: int, samples_per_step: int, world_size: int, flops_per_token: float,
+                 peak_tflops: Optional[float], device: torch.device):
+        self.tokens_per_step, self.samples_per_step, self.world_size = tokens_per_step, samples_per_step, world_size
+        self.flops_per_token, self.peak_tflops, self.device = flops_per_token, peak_tflops, device
+        self._start = 0.0
+
+    def start(self) -> None:
+        self._start = time.perf_counter()
+
+    def stop(self, steps: int) -> Dict[str, float]:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = (time.perf_counter() - self._start) / steps
+        tokens_per_s = self.tokens_per_step / dt
+        out = {
+            "step_time_s": dt,
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_device": tokens_per_s / self.world_size,
+            "samples_per_s": self.samples_per_step / dt,
+            "samples_per_s_per_device": self.samples_per_step / dt / self.world_size,
+        }
+        if self.peak_tflops:
+            out["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size)
+        return out

@@ -1,0 +1,89 @@
+"""Mixed precision: FSDP2's MixedPrecisionPolicy (autocast for the DDP baseline), and a dynamic loss
+scaler that works on sharded gradients."""
+import contextlib
+from typing import Iterable, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from .config import ConfigError, PrecisionConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dtype(name: str, key: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ConfigError(key, f"unknown dtype {name!r}", f"use one of {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def check_device_supports(cfg: PrecisionConfig, device: torch.device) -> None:
+    param = dtype(cfg.param_dtype, "precision.param_dtype")
+    if device.type == "cuda" and param is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise ConfigError("precision", f"{torch.cuda.get_device_name(device)} cannot compute in bfloat16",
+                          "use precision=fp16 (or fp32)")
+
+
+def build_mp_policy(cfg: PrecisionConfig) -> Optional[MixedPrecisionPolicy]:
+    param = dtype(cfg.param_dtype, "precision.param_dtype")
+    reduce = dtype(cfg.reduce_dtype, "precision.reduce_dtype")
+    if param is torch.float32 and reduce is torch.float32:
+        return None
+    return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+
+def autocast(cfg: PrecisionConfig, device: torch.device, enabled: bool):
+    """Autocast for models FSDP does not cast (the DDP baseline); a no-op otherwise."""
+    param = dtype(cfg.param_dtype, "precision.param_dtype")
+    if not enabled or param is torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=param)
+
+
+class LossScaler:
+    """Dynamic loss scaling. Each rank checks its own gradient shards for inf/nan; one all-reduce makes
+    every rank skip the same steps. Disabled, it is the identity."""
+
+    def __init__(self, cfg: PrecisionConfig):
+        self.enabled = cfg.loss_scaling
+        self.scale = cfg.init_scale if self.enabled else 1.0
+        self.growth_interval = cfg.growth_interval
+        self.good_steps = 0
+        self.skipped_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    @torch.no_grad()
+    def unscale_and_check(self, params: Iterable[torch.nn.Parameter]) -> bool:
+        """Unscale gradients in place; True when every rank's gradients are finite."""
+        if not self.enabled:
+            return True
+        grads = [p.grad for p in params if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        found_inf = torch.zeros((), device=local[0].device)
+        for g in local:
+            g.mul_(1.0 / self.scale)
+            found_inf = torch.maximum(found_inf, (~torch.isfinite(g)).any().float())
+        if dist.is_initialized():
+            dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+        return not bool(found_inf.item())
+
+    def update(self, finite: bool) -> None:
+        if not self.enabled:
+            return
+        if finite:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2.0
+        else:
+            self.skipped_steps += 1
+            self.good_steps = 0
+            self.scale /= 2.0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps, self.skipped_steps = state["scale"], state["good_steps"], state["skipped_steps"]

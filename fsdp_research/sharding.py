@@ -1,0 +1,91 @@
+"""The sharding plan as data (which modules become FSDP units, each with its reshard flag), and its
+application with FSDP2's fully_shard, or plain DDP for the baseline."""
+import contextlib
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from .config import ConfigError, ShardingConfig, Strategy
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One FSDP unit: the module at `path` ("" is the root) and whether it reshards after forward."""
+
+    path: str
+    reshard_after_forward: bool
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    strategy: Strategy
+    # Innermost first, the root last; empty for ddp.
+    units: List[Unit]
+
+
+def _block_reshard_flags(strategy: Strategy, n_blocks: int) -> List[bool]:
+    if strategy is Strategy.no_reshard:
+        return [False] * n_blocks
+    if strategy is Strategy.reshard_all:
+        return [True] * n_blocks
+    # The last block's parameters are needed again as soon as backward starts: keep them.
+    return [True] * (n_blocks - 1) + [False]
+
+
+def build_plan(model: nn.Module, blocks: List[nn.Module], cfg: ShardingConfig) -> ShardingPlan:
+    strategy = Strategy(cfg.strategy)
+    if strategy is Strategy.ddp:
+        return ShardingPlan(strategy, [])
+    paths = {module: path for path, module in model.named_modules()}
+    flags = _block_reshard_flags(strategy, len(blocks))
+    for index, flag in cfg.reshard_override.items():
+        if not 0 <= index < len(blocks):
+            raise ConfigError("sharding.reshard_override", f"block {index} does not exist "
+                              f"(the model has {len(blocks)} blocks)", f"use indices 0..{len(blocks) - 1}")
+        flags[index] = flag
+    units: List[Unit] = []
+    if strategy is Strategy.per_linear:
+        units = [Unit(paths[m], True) for block in blocks for m in block.modules() if isinstance(m, nn.Linear)]
+    elif strategy is not Strategy.root_only:
+        units = [Unit(paths[block], flag) for block, flag in zip(blocks, flags)]
+    # The root's own flag is moot: FSDP keeps the root gathered for backward.
+    return ShardingPlan(strategy, units + [Unit("", False)])
+
+
+def build_mesh(cfg: ShardingConfig, device_type: str, world_size: int) -> DeviceMesh:
+    if Strategy(cfg.strategy) is Strategy.hsdp:
+        return init_device_mesh(device_type, (cfg.replicate, world_size // cfg.replicate),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+
+
+def apply_fsdp(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh,
+               mp_policy: Optional[MixedPrecisionPolicy], cfg: ShardingConfig) -> nn.Module:
+    """fully_shard each unit of the plan, innermost first (the model may still be on the meta device)."""
+    kwargs = {"mesh": mesh}
+    if mp_policy is not None:
+        kwargs["mp_policy"] = mp_policy
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for unit in plan.units:
+        fully_shard(model.get_submodule(unit.path), reshard_after_forward=unit.reshard_after_forward, **kwargs)
+    return model
+
+
+def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """Plain data parallel, on a materialized model."""
+    return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def grad_sync(model: nn.Module, enabled: bool):
+    """Context for one micro-batch's backward: with enabled=False the gradient reduction is deferred to a
+    later micro-batch (FSDP: no reduce-scatter; DDP: no all-reduce)."""
+    if isinstance(model, DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else model.no_sync()
+    model.set_requires_gradient_sync(enabled)
+    return contextlib.nullcontext()

@@ -1,0 +1,202 @@
+"""The training recipe: init distributed -> build the model on meta -> activation checkpointing -> shard ->
+materialize -> optimizer -> loop {data -> forward -> backward -> clip -> step -> metrics}."""
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from .activation_checkpointing import apply_activation_checkpointing
+from .config import ConfigError, DataKind, Strategy, TrainConfig
+from .data import Data, build_data, check_vocab, resolve_paths
+from .distributed import broadcast_object, device_for, init_distributed, launch_env, planned_world_size, spawn
+from .logging import build_sinks, new_run_id, setup_logging
+from .metrics import Throughput, flops_per_token, peak_memory, peak_tflops
+from .models import apply_compile, block_class_name, build_hf_config, build_model, find_blocks, materialize
+from .optim import build_optimizer, clip_grad_norm
+from .precision import LossScaler, autocast, build_mp_policy, check_device_supports
+from .sharding import apply_ddp, apply_fsdp, build_mesh, build_plan, grad_sync
+
+log = logging.getLogger("fsdp_research")
+
+
+def typed(cfg: Any) -> DictConfig:
+    """A config (DictConfig or plain dict) merged onto the schema, so values have their declared types."""
+    return OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
+
+
+def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.device) -> None:
+    """Every check that needs no compute: raises ConfigError naming the key and the fix."""
+    t = cfg.trainer
+    for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_interval"):
+        if t[key] < 1:
+            raise ConfigError(f"trainer.{key}", f"{t[key]} is below 1", f"set trainer.{key} to 1 or more")
+    if t.global_batch_size % (t.micro_batch_size * world_size):
+        unit = t.micro_batch_size * world_size
+        raise ConfigError("trainer.global_batch_size",
+                          f"{t.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
+                          f"({t.micro_batch_size} x {world_size} = {unit})",
+                          f"use a multiple of {unit}, or change trainer.micro_batch_size")
+    max_positions = getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None)
+    if max_positions and cfg.data.seq_len > max_positions:
+        raise ConfigError("data.seq_len", f"{cfg.data.seq_len} exceeds the model's {max_positions} positions",
+                          f"set data.seq_len to at most {max_positions}")
+    if cfg.sharding.strategy is Strategy.hsdp and (cfg.sharding.replicate < 1
+                                                   or world_size % cfg.sharding.replicate):
+        raise ConfigError("sharding.replicate", f"{cfg.sharding.replicate} replica groups do not divide "
+                          f"the world size {world_size}", "use a divisor of the world size")
+    check_device_supports(cfg.precision, device)
+    build_mp_policy(cfg.precision)
+    if cfg.data.kind is DataKind.local_text:
+        resolve_paths(cfg.data)
+    check_vocab(cfg.data, hf_config.vocab_size)
+    model = build_model(hf_config)
+    find_blocks(model, block_class_name(model, cfg.model.block_class))
+
+
+@dataclass
+class TrainResult:
+    model: nn.Module
+    losses: List[float] = field(default_factory=list)
+    summary: Dict[str, Any] = field(default_factory=dict)
+
+
+def _loss(model: nn.Module, batch: torch.Tensor, amp) -> torch.Tensor:
+    with amp:
+        logits = model(input_ids=batch[:, :-1]).logits
+    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data: Data, cfg: DictConfig, amp, device: torch.device) -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_rank = cfg.trainer.micro_batch_size
+    total = torch.zeros((), device=device)
+    model.eval()
+    for i in range(cfg.trainer.eval_batches):
+        start = (i * world + rank) * per_rank
+        index = torch.arange(start, start + per_rank) % len(data.eval)
+        total += _loss(model, data.eval[index].to(device), amp)
+    model.train()
+    return _mean_over_ranks(total) / cfg.trainer.eval_batches
+
+
+def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
+    """Train on this process's rank; every rank of the job calls it. Joins an existing process group."""
+    cfg = typed(cfg)
+    env = launch_env()
+    device = device_for(cfg.trainer.device, env.local_rank if env else 0)
+    init_distributed(cfg.distributed, device)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    run_dir = broadcast_object(run_dir)
+    if rank == 0:
+        os.makedirs(run_dir, exist_ok=True)
+    setup_logging(run_dir, rank)
+    hf_config = build_hf_config(cfg.model)
+    check_config(cfg, world, hf_config, device)
+    t = cfg.trainer
+    data = build_data(cfg.data, hf_config.vocab_size, t.seed)
+
+    model = build_model(hf_config)
+    blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
+    blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
+    apply_compile(blocks, t.compile)
+    plan = build_plan(model, blocks, cfg.sharding)
+    apply_fsdp(model, plan, build_mesh(cfg.sharding, device.type, world), build_mp_policy(cfg.precision),
+               cfg.sharding)
+    materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, t.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    is_ddp = plan.strategy is Strategy.ddp
+    if is_ddp:
+        model = apply_ddp(model, device)
+    amp = autocast(cfg.precision, device, enabled=is_ddp)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
+    scaler = LossScaler(cfg.precision)
+    log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {len(blocks)} blocks, "
+             f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}")
+
+    sinks = build_sinks(cfg.logger, run_dir, rank, t.max_steps, OmegaConf.to_container(cfg, resolve=True),
+                        new_run_id())
+    micro_steps = t.global_batch_size // (t.micro_batch_size * world)
+    throughput = Throughput(t.global_batch_size * cfg.data.seq_len, t.global_batch_size, world,
+                            flops_per_token(hf_config, n_params, cfg.data.seq_len), peak_tflops(device, t.peak_tflops),
+                            device)
+    result = TrainResult(model)
+    rates: List[float] = []
+    start_time = time.perf_counter()
+    throughput.start()
+    last_logged = 0
+    for step in range(t.max_steps):
+        batch = data.train.rank_batch(step, t.global_batch_size, rank, world).to(device)
+        loss_sum = torch.zeros((), device=device)
+        for i, micro in enumerate(batch.split(t.micro_batch_size)):
+            with grad_sync(model, i == micro_steps - 1 or not t.defer_grad_sync):
+                loss = _loss(model, micro, amp) / micro_steps
+                scaler.scale_loss(loss).backward()
+            loss_sum += loss.detach()
+        finite = scaler.unscale_and_check(model.parameters())
+        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+        if finite:
+            optimizer.step()
+        scaler.update(finite)
+        optimizer.zero_grad(set_to_none=True)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        done = step + 1
+        if done % t.log_interval == 0 or done == t.max_steps:
+            metrics = {"step": done, "loss": _mean_over_ranks(loss_sum), "lr": lr, "grad_norm": grad_norm.item(),
+                       **throughput.stop(done - last_logged), **peak_memory(device)}
+            if scaler.enabled:
+                metrics.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps)
+            if t.eval_interval and (done % t.eval_interval == 0 or done == t.max_steps):
+                metrics["eval_loss"] = evaluate(model, data, cfg, amp, device)
+            result.losses.append(metrics["loss"])
+            rates.append(metrics["tokens_per_s"])
+            sinks.log(metrics)
+            last_logged = done
+            throughput.start()
+    result.summary = {"final_loss": result.losses[-1], "steps": t.max_steps,
+                      "wall_time_s": round(time.perf_counter() - start_time, 2),
+                      "median_tokens_per_s": sorted(rates)[len(rates) // 2], **peak_memory(device)}
+    log.info("summary: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                     for k, v in result.summary.items()))
+    sinks.finish()
+    return result
+
+
+def _run_worker(cfg: Any, run_dir: str) -> None:
+    try:
+        train(cfg, run_dir)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(cfg: DictConfig, run_dir: str) -> None:
+    """Entry from train.py: check the config once, then train here or in nproc_per_node workers."""
+    cfg = typed(cfg)
+    container = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        if launch_env() is None and cfg.distributed.nproc_per_node > 1:
+            # Checked here so that a bad value fails once, before any worker starts.
+            check_config(cfg, planned_world_size(cfg.distributed), build_hf_config(cfg.model),
+                         device_for(cfg.trainer.device, 0))
+            spawn(_run_worker, cfg.distributed.nproc_per_node, container, run_dir)
+        else:
+            _run_worker(container, run_dir)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)

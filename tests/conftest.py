@@ -1,0 +1,38 @@
+"""Configs are composed with Hydra's compose API, exactly as train.py composes them; outputs go to tmp dirs."""
+import glob
+import os
+import sysconfig
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from fsdp_research.config import register_configs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A few standard-library modules: real text, on every machine, small enough to tokenize in a second.
+TEXT = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "[a-c]*.py")))
+
+# Small, fast and exact: fp32, no W&B, every step logged.
+FAST = ["precision=fp32", "logger=none", "trainer.log_interval=1", "trainer.eval_interval=0",
+        "data.seq_len=64", f"data.paths=[{','.join(TEXT)}]"]
+
+register_configs()
+
+
+def compose_config(overrides=()) -> DictConfig:
+    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
+        return compose(config_name="train", overrides=list(overrides))
+
+
+@pytest.fixture
+def compose_cfg():
+    return compose_config
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch, tmp_path_factory):
+    # No hub access at run time; W&B never leaves this machine.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "hf_datasets"))

@@ -1,0 +1,27 @@
+"""Hydra entry point: `python train.py <group>=<option> <key>=<value> ...` (see README.md)."""
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from fsdp_research.config import register_configs
+from fsdp_research.distributed import launch_env
+
+register_configs()
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="train")
+def main(cfg: DictConfig) -> None:
+    from fsdp_research.trainer import launch
+
+    launch(cfg, HydraConfig.get().runtime.output_dir)
+
+
+if __name__ == "__main__":
+    env = launch_env()
+    if env is not None and env.rank != 0:
+        # Under torchrun/srun every rank runs this file: only rank 0 makes the run dir and writes .hydra/;
+        # the others are told rank 0's run dir once the process group exists.
+        sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=."]
+    main()
