@@ -5,6 +5,7 @@ from enum import Enum
 from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 
 class ConfigError(ValueError):
@@ -147,6 +148,23 @@ class DistributedConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    # Save every `interval` steps (0: only at the end).
+    interval: int = 100
+    # Complete checkpoints kept; older ones are pruned once a newer one is complete (0 keeps all).
+    keep_last: int = 3
+    # auto: newest complete checkpoint in the run dir; never: start fresh; or a run dir / step dir.
+    resume: str = "auto"
+    # (checkpoint.async, a Python keyword, is added to the schema in schema(): dcp.async_save when true.)
+    # At the end, gather the full weights once and write a Hugging Face directory <run dir>/export/.
+    export: bool = True
+    # Split model.safetensors into shards above this size (bytes, or "500MB", "5GB").
+    export_shard_size: str = "5GB"
+    # null: the training param dtype.
+    export_dtype: Optional[str] = None
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
@@ -159,7 +177,29 @@ class TrainConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+def schema() -> DictConfig:
+    """TrainConfig as a structured config, plus `checkpoint.async`, a key no dataclass field can be named."""
+    node = OmegaConf.structured(TrainConfig)
+    with open_dict(node.checkpoint):
+        node.checkpoint["async"] = False
+    return node
+
+
+def typed(cfg: Any) -> DictConfig:
+    """A config (DictConfig or plain dict) merged onto the schema, so values have their declared types."""
+    return OmegaConf.merge(schema(), cfg)
+
+
+def _run_dir(resume: str, default: str) -> str:
+    from .checkpoint import run_dir_of
+
+    return run_dir_of(resume) or default
 
 
 def register_configs() -> None:
-    ConfigStore.instance().store(name="train_schema", node=TrainConfig)
+    ConfigStore.instance().store(name="train_schema", node=schema())
+    # hydra.run.dir: resuming from a path continues in that run's directory.
+    OmegaConf.register_new_resolver("run_dir", _run_dir, replace=True)

@@ -63,7 +63,16 @@ class Console:
 
 
 class JsonlSink:
-    def __init__(self, path: str):
+    """One JSON object per logged step. A resumed run first drops the lines after its checkpoint's step, so
+    the file never holds a step twice."""
+
+    def __init__(self, path: str, resume_step: int):
+        if os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+            with open(path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(path + ".tmp", path)
         self.file = open(path, "a", buffering=1)
 
     def log(self, metrics: Dict[str, Any]) -> None:
@@ -110,10 +119,10 @@ def new_run_id() -> str:
 
 
 def build_sinks(cfg: LoggerConfig, run_dir: str, rank: int, max_steps: int, config: Dict[str, Any],
-                run_id: str) -> Sinks:
+                run_id: str, resume_step: int) -> Sinks:
     if rank != 0:
         return Sinks([])
-    sinks: list = [Console(max_steps), JsonlSink(os.path.join(run_dir, "metrics.jsonl"))]
+    sinks: list = [Console(max_steps), JsonlSink(os.path.join(run_dir, "metrics.jsonl"), resume_step)]
     if cfg.kind == "wandb":
         sinks.append(WandbSink(cfg, run_dir, config, run_id))
     return Sinks(sinks)

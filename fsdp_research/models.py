@@ -1,11 +1,14 @@
 """Build a Hugging Face causal LM without allocating it, find its repeating blocks, and materialize it
 shard by shard with initial weights that do not depend on the world size."""
 import contextlib
+import json
+import os
 import zlib
-from typing import Iterator, List
+from typing import Any, Dict, Iterator, List
 
 import torch
 import torch.nn as nn
+from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .config import ConfigError, ModelConfig
@@ -89,26 +92,76 @@ def _initial_value(name: str, shape: torch.Size, std: float, seed: int) -> torch
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
-@torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, seed: int) -> None:
-    """Allocate this rank's shards on `device` and fill them. One full parameter exists at a time, never
-    the full model."""
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate this rank's shards on `device`, uninitialised; buffers keep their values."""
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     model.to_empty(device=device)
-    for name, buf in model.named_buffers():
-        buf.copy_(buffers[name])
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            buf.copy_(buffers[name])
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Fill this rank's shards. One full parameter exists at a time, never the full model."""
     std = getattr(model.config, "initializer_range", 0.02)
     for name, param in model.named_parameters():
-        full = _initial_value(clean_name(name), param.shape, std, seed).to(device, param.dtype)
+        full = _initial_value(clean_name(name), param.shape, std, seed).to(param.device, param.dtype)
         if isinstance(param, DTensor):
-            full = distribute_tensor(full, param.device_mesh, param.placements).to_local()
-            param.to_local().copy_(full)
+            param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
         else:
             param.copy_(full)
 
+
+def pretrained_dir(name_or_path: str) -> str:
+    """A local directory as is; a hub id through the local HF cache (downloaded only when asked for)."""
+    if os.path.isdir(name_or_path):
+        return name_or_path
+    from huggingface_hub import snapshot_download
+
+    return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"])
 
 def apply_compile(blocks: List[nn.Module], enabled: bool) -> None:
     """torch.compile each block before sharding (as torchtitan does), so FSDP's hooks stay outside."""
     if enabled:
         for block in blocks:
             block.compile()
+
+
+def _safetensors_files(path: str) -> Dict[str, str]:
+    """Tensor name -> file, for a single model.safetensors or a sharded one with an index."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise ConfigError("model.name_or_path", f"{path} holds no model.safetensors(.index.json)",
+                          "point it at a directory written by save_pretrained (safetensors)")
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+@torch.no_grad()
+def load_pretrained(model: nn.Module, path: str, device: torch.device) -> None:
+    """Fill the (materialized, possibly sharded) model from a safetensors checkpoint: each rank reads only
+    the slices it owns, so its peak memory stays near its shard."""
+    files = _safetensors_files(path)
+    handles: Dict[str, Any] = {}
+    for name, param in model.named_parameters():
+        key = clean_name(name)
+        if key not in files:
+            raise ConfigError("model.name_or_path", f"{path} has no weight {key}",
+                              "use a checkpoint of the same architecture as the model config")
+        if files[key] not in handles:
+            handles[files[key]] = safe_open(files[key], "pt")
+        tensor = handles[files[key]].get_slice(key)
+        if isinstance(param, DTensor):
+            # Private helper, but the exact region this rank's shard covers for any mesh and placements.
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            region = tensor[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+            param.to_local().copy_(region.to(device, param.dtype))
+        else:
+            param.copy_(tensor[:].to(device, param.dtype))

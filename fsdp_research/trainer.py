@@ -11,25 +11,24 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.multiprocessing import ProcessExitedException
 from omegaconf import DictConfig, OmegaConf
 
 from .activation_checkpointing import apply_activation_checkpointing
-from .config import ConfigError, DataKind, Strategy, TrainConfig
+from .checkpoint import CheckpointError, Checkpointer, check_fresh_start, config_files, find_resume, run_dir_of
+from .config import ConfigError, DataKind, Strategy, typed
 from .data import Data, build_data, check_vocab, resolve_paths
 from .distributed import broadcast_object, device_for, init_distributed, launch_env, planned_world_size, spawn
 from .logging import build_sinks, new_run_id, setup_logging
 from .metrics import Throughput, flops_per_token, peak_memory, peak_tflops
-from .models import apply_compile, block_class_name, build_hf_config, build_model, find_blocks, materialize
+from .models import (apply_compile, block_class_name, build_hf_config, build_model, find_blocks, init_weights,
+                     load_pretrained, materialize, pretrained_dir)
 from .optim import build_optimizer, clip_grad_norm
-from .precision import LossScaler, autocast, build_mp_policy, check_device_supports
+from .export import export_model, parse_size
+from .precision import LossScaler, autocast, build_mp_policy, check_device_supports, dtype
 from .sharding import apply_ddp, apply_fsdp, build_mesh, build_plan, grad_sync
 
 log = logging.getLogger("fsdp_research")
-
-
-def typed(cfg: Any) -> DictConfig:
-    """A config (DictConfig or plain dict) merged onto the schema, so values have their declared types."""
-    return OmegaConf.merge(OmegaConf.structured(TrainConfig), cfg)
 
 
 def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.device) -> None:
@@ -94,6 +93,27 @@ def evaluate(model: nn.Module, data: Data, cfg: DictConfig, amp, device: torch.d
     return _mean_over_ranks(total) / cfg.trainer.eval_batches
 
 
+def build_sharded_model(cfg: DictConfig, hf_config, device: torch.device, world: int):
+    """Model on meta -> activation checkpointing -> compile -> FSDP plan applied -> this rank's shards
+    materialized (initialised, or read from model.name_or_path) -> DDP for the baseline.
+    Returns (model, plan, number of blocks)."""
+    model = build_model(hf_config)
+    blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
+    blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
+    apply_compile(blocks, cfg.trainer.compile)
+    plan = build_plan(model, blocks, cfg.sharding)
+    apply_fsdp(model, plan, build_mesh(cfg.sharding, device.type, world), build_mp_policy(cfg.precision),
+               cfg.sharding)
+    materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device)
+    if cfg.model.load_weights:
+        load_pretrained(model, pretrained_dir(cfg.model.name_or_path), device)
+    else:
+        init_weights(model, cfg.trainer.seed)
+    if plan.strategy is Strategy.ddp:
+        model = apply_ddp(model, device)
+    return model, plan, len(blocks)
+
+
 def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
     """Train on this process's rank; every rank of the job calls it. Joins an existing process group."""
     cfg = typed(cfg)
@@ -101,35 +121,36 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
     device = device_for(cfg.trainer.device, env.local_rank if env else 0)
     init_distributed(cfg.distributed, device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    run_dir = broadcast_object(run_dir)
+    run_dir = broadcast_object(run_dir_of(cfg.checkpoint.resume) or run_dir)
+    hf_config = build_hf_config(cfg.model)
+    # Before the run dir is touched: a bad config must leave an existing run dir as it was.
+    check_config(cfg, world, hf_config, device)
     if rank == 0:
         os.makedirs(run_dir, exist_ok=True)
     setup_logging(run_dir, rank)
-    hf_config = build_hf_config(cfg.model)
-    check_config(cfg, world, hf_config, device)
+    resume_dir = broadcast_object(find_resume(cfg.checkpoint.resume, run_dir) if rank == 0 else None)
+    if cfg.checkpoint.resume == "never":
+        check_fresh_start(run_dir)
     t = cfg.trainer
     data = build_data(cfg.data, hf_config.vocab_size, t.seed)
 
-    model = build_model(hf_config)
-    blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
-    blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
-    apply_compile(blocks, t.compile)
-    plan = build_plan(model, blocks, cfg.sharding)
-    apply_fsdp(model, plan, build_mesh(cfg.sharding, device.type, world), build_mp_policy(cfg.precision),
-               cfg.sharding)
-    materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, t.seed)
+    model, plan, n_blocks = build_sharded_model(cfg, hf_config, device, world)
     n_params = sum(p.numel() for p in model.parameters())
-    is_ddp = plan.strategy is Strategy.ddp
-    if is_ddp:
-        model = apply_ddp(model, device)
-    amp = autocast(cfg.precision, device, enabled=is_ddp)
+    amp = autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
     scaler = LossScaler(cfg.precision)
-    log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {len(blocks)} blocks, "
-             f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}")
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
+    state = {"step": 0, "wandb_run_id": new_run_id()}
+    if resume_dir:
+        state = checkpointer.load(resume_dir, model, optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+        scaler.load_state_dict(state["scaler"])
+    log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {n_blocks} blocks, "
+             f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
+             f"starting at step {state['step']}")
 
     sinks = build_sinks(cfg.logger, run_dir, rank, t.max_steps, OmegaConf.to_container(cfg, resolve=True),
-                        new_run_id())
+                        state["wandb_run_id"], state["step"])
     micro_steps = t.global_batch_size // (t.micro_batch_size * world)
     throughput = Throughput(t.global_batch_size * cfg.data.seq_len, t.global_batch_size, world,
                             flops_per_token(hf_config, n_params, cfg.data.seq_len), peak_tflops(device, t.peak_tflops),
@@ -138,8 +159,8 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
     rates: List[float] = []
     start_time = time.perf_counter()
     throughput.start()
-    last_logged = 0
-    for step in range(t.max_steps):
+    last_logged = state["step"]
+    for step in range(state["step"], t.max_steps):
         batch = data.train.rank_batch(step, t.global_batch_size, rank, world).to(device)
         loss_sum = torch.zeros((), device=device)
         for i, micro in enumerate(batch.split(t.micro_batch_size)):
@@ -167,10 +188,22 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
             rates.append(metrics["tokens_per_s"])
             sinks.log(metrics)
             last_logged = done
+        if checkpointer.due(done, t.max_steps):
+            checkpointer.save(done, model, optimizer, {
+                "step": done, "tokens_seen": done * t.global_batch_size * cfg.data.seq_len,
+                "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
+                "wandb_run_id": state["wandb_run_id"], "world_size": world})
+        if last_logged == done:
             throughput.start()
-    result.summary = {"final_loss": result.losses[-1], "steps": t.max_steps,
+    checkpointer.wait()
+    if cfg.checkpoint.export:
+        export_dtype = cfg.checkpoint.export_dtype or cfg.precision.param_dtype
+        export_model(model, hf_config, os.path.join(run_dir, "export"), dtype(export_dtype, "checkpoint.export_dtype"),
+                     parse_size(cfg.checkpoint.export_shard_size), cfg.data.tokenizer)
+    result.summary = {"final_loss": result.losses[-1] if result.losses else None, "steps": t.max_steps,
                       "wall_time_s": round(time.perf_counter() - start_time, 2),
-                      "median_tokens_per_s": sorted(rates)[len(rates) // 2], **peak_memory(device)}
+                      "median_tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None,
+                      **peak_memory(device)}
     log.info("summary: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in result.summary.items()))
     sinks.finish()
@@ -180,6 +213,9 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
 def _run_worker(cfg: Any, run_dir: str) -> None:
     try:
         train(cfg, run_dir)
+    except (ConfigError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -200,3 +236,5 @@ def launch(cfg: DictConfig, run_dir: str) -> None:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except ProcessExitedException as err:  # the worker has said why
+        sys.exit(err.exit_code or 1)

@@ -15,7 +15,7 @@ TEXT = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "[a-c]*.py
 
 # Small, fast and exact: fp32, no W&B, every step logged.
 FAST = ["precision=fp32", "logger=none", "trainer.log_interval=1", "trainer.eval_interval=0",
-        "data.seq_len=64", f"data.paths=[{','.join(TEXT)}]"]
+        "data.seq_len=64", f"data.paths=[{','.join(TEXT)}]", "checkpoint.export=false"]
 
 register_configs()
 

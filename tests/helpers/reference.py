@@ -6,9 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_research.data import build_data
-from fsdp_research.models import build_hf_config, build_model, materialize
+from fsdp_research.models import build_hf_config, build_model, init_weights, materialize
 from fsdp_research.optim import build_optimizer
-from fsdp_research.trainer import typed
+from fsdp_research.config import typed
 
 
 def reference_run(cfg: Any) -> Tuple[List[float], Dict[str, torch.Tensor]]:
@@ -16,7 +16,8 @@ def reference_run(cfg: Any) -> Tuple[List[float], Dict[str, torch.Tensor]]:
     t = cfg.trainer
     hf_config = build_hf_config(cfg.model)
     model = build_model(hf_config)
-    materialize(model, torch.device("cpu"), t.seed)
+    materialize(model, torch.device("cpu"))
+    init_weights(model, t.seed)
     data = build_data(cfg.data, hf_config.vocab_size, t.seed)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
     losses = []

@@ -1,0 +1,255 @@
+"""Resume checkpoints. Every rank writes its own shard with torch.distributed.checkpoint (no rank ever holds
+the whole model) into checkpoints/.tmp_step_<N>/; once all ranks are done, rank 0 writes a manifest and
+renames the directory to step_<N>. A checkpoint without a valid manifest never existed, so a process killed
+at any moment leaves the previous one loadable."""
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from typing import Any, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from .config import ConfigError
+
+log = logging.getLogger("fsdp_research")
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer_state.pt"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or does not fit the run: one line, what and where."""
+
+
+def run_dir_of(resume: str) -> Optional[str]:
+    """The run dir that checkpoint.resume points into (a run dir, or one of its step dirs); None for
+    auto/never."""
+    if resume in ("auto", "never"):
+        return None
+    path = os.path.abspath(os.path.expanduser(resume))
+    if _STEP_DIR.match(os.path.basename(path)):
+        return os.path.dirname(os.path.dirname(path))
+    return path
+
+
+def checkpoints_in(root: str) -> List[Tuple[int, str]]:
+    """Published step dirs under root, newest first (not yet verified)."""
+    if not os.path.isdir(root):
+        return []
+    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
+             if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(root, name))]
+    return sorted(found, reverse=True)
+
+
+def verify(step_dir: str) -> Optional[str]:
+    """None when the checkpoint is complete and readable; otherwise what is wrong with it."""
+    try:
+        with open(os.path.join(step_dir, MANIFEST)) as f:
+            files = json.load(f)["files"]
+    except (OSError, ValueError, KeyError) as err:
+        return f"no valid {MANIFEST} ({type(err).__name__})"
+    for name, size in files.items():
+        path = os.path.join(step_dir, name)
+        if not os.path.isfile(path):
+            return f"missing {name}"
+        if os.path.getsize(path) != size:
+            return f"{name} has {os.path.getsize(path)} bytes, the manifest says {size}"
+    try:
+        dcp.FileSystemReader(step_dir).read_metadata()
+    except Exception as err:  # a garbled pickle can raise almost anything
+        return f"unreadable DCP metadata ({type(err).__name__})"
+    return None
+
+
+def find_resume(resume: str, run_dir: str) -> Optional[str]:
+    """The step dir to resume from: the newest complete one (skipping broken ones, with a warning), or None."""
+    if resume == "never":
+        return None
+    path = run_dir if resume == "auto" else os.path.abspath(os.path.expanduser(resume))
+    if resume != "auto" and not os.path.isdir(path):
+        raise ConfigError("checkpoint.resume", f"{path} does not exist",
+                          "give a run dir or a checkpoints/step_<N> dir, or use auto/never")
+    if _STEP_DIR.match(os.path.basename(path)):
+        candidates = [(0, path)]
+    else:
+        candidates = checkpoints_in(os.path.join(path, "checkpoints"))
+    for _, step_dir in candidates:
+        problem = verify(step_dir)
+        if problem is None:
+            return step_dir
+        log.warning(f"skipping checkpoint {step_dir}: {problem}")
+    if resume != "auto":
+        raise ConfigError("checkpoint.resume", f"no complete checkpoint in {path}",
+                          "point it at a complete step dir, or use auto/never")
+    return None
+
+
+def _rng_state() -> Dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: Dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _mismatches(step_dir: str, state: Dict[str, Dict[str, Any]]) -> List[str]:
+    """Tensor keys that are missing, unexpected or of another shape between the checkpoint and this run."""
+    saved = {k: tuple(v.size) for k, v in dcp.FileSystemReader(step_dir).read_metadata()
+             .state_dict_metadata.items() if hasattr(v, "size")}
+    ours = {f"model.{k}": tuple(v.shape) for k, v in state["model"].items() if hasattr(v, "shape")}
+    ours.update({f"optim.state.{fqn}.{name}": tuple(v.shape) for fqn, s in state["optim"]["state"].items()
+                 for name, v in s.items() if hasattr(v, "shape") and v.dim() > 0})
+    saved = {k: v for k, v in saved.items() if k.startswith("model.") or (k.startswith("optim.state.")
+                                                                          and len(v) > 0)}
+    problems = [f"missing {k}" for k in sorted(ours.keys() - saved.keys())]
+    problems += [f"unexpected {k}" for k in sorted(saved.keys() - ours.keys())]
+    problems += [f"{k} is {list(saved[k])} in the checkpoint, {list(ours[k])} here"
+                 for k in sorted(ours.keys() & saved.keys()) if ours[k] != saved[k]]
+    return problems
+
+
+class Checkpointer:
+    def __init__(self, cfg: DictConfig, run_dir: str, extra_files: Dict[str, str]):
+        """extra_files: name -> text, written into every checkpoint by rank 0 (configs for offline export)."""
+        self.cfg = cfg
+        self.root = os.path.join(run_dir, "checkpoints")
+        self.rank = dist.get_rank()
+        self.extra_files = extra_files
+        self.is_async = bool(cfg["async"])
+        # A gloo group of its own: CPU-side collectives on any backend, and async writes, which run
+        # collectives from a background thread, stay off the training group.
+        self._group = dist.new_group(backend="gloo")
+        self._pending: Optional[Tuple[Any, int, str]] = None
+
+    def due(self, step: int, max_steps: int) -> bool:
+        return step == max_steps or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
+
+    def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: Dict[str, Any]) -> None:
+        self.wait()
+        tmp = os.path.join(self.root, f".tmp_step_{step}")
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        self._barrier()
+        model_state, optim_state = get_state_dict(model, optimizer)
+        error = None
+        try:
+            os.makedirs(tmp, exist_ok=True)
+            torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{self.rank}.pt"))
+            if self.rank == 0:
+                torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
+                for name, text in self.extra_files.items():
+                    with open(os.path.join(tmp, name), "w") as f:
+                        f.write(text)
+        except OSError as err:
+            error = err
+        self._check_all(step, tmp, error)
+        state = {"model": model_state, "optim": optim_state}
+        try:
+            if self.is_async:
+                self._pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=self._group), step, tmp)
+                return
+            # DCP gathers every rank's write result, so a failure on any rank raises on all of them.
+            dcp.save(state, checkpoint_id=tmp, process_group=self._group)
+        except Exception as err:
+            self._fail(step, tmp, err)
+        self._publish(step, tmp)
+
+    def wait(self) -> None:
+        """Finish and publish the async save in flight, if any."""
+        if self._pending is None:
+            return
+        future, step, tmp = self._pending
+        self._pending = None
+        try:
+            future.result()
+        except Exception as err:
+            self._fail(step, tmp, err)
+        self._publish(step, tmp)
+
+    def _publish(self, step: int, tmp: str) -> None:
+        self._barrier()  # every rank's shard is on disk
+        error = None
+        if self.rank == 0:
+            try:
+                files = {name: os.path.getsize(os.path.join(tmp, name)) for name in os.listdir(tmp)}
+                with open(os.path.join(tmp, MANIFEST), "w") as f:
+                    json.dump({"step": step, "world_size": dist.get_world_size(), "files": files}, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+                final = os.path.join(self.root, f"step_{step}")
+                if os.path.exists(final):  # resumed from an older step: this save replaces that future
+                    shutil.rmtree(final)
+                os.rename(tmp, final)
+                self._prune()
+                log.info(f"saved checkpoint {final}")
+            except OSError as err:
+                error = err
+        self._check_all(step, tmp, error)
+
+    def _barrier(self) -> None:
+        dist.barrier(group=self._group)
+
+    def _check_all(self, step: int, tmp: str, error: Optional[Exception]) -> None:
+        """Fail on every rank if any rank failed, so no rank is left waiting in a collective."""
+        failed = torch.tensor([0 if error is None else 1])
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
+        if failed.item():
+            self._fail(step, tmp, error or OSError("another rank could not write its part"))
+
+    def _prune(self) -> None:
+        if self.cfg.keep_last > 0:
+            for _, old in checkpoints_in(self.root)[self.cfg.keep_last:]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def _fail(self, step: int, tmp: str, err: Exception) -> None:
+        if self.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        previous = next((d for _, d in checkpoints_in(self.root) if verify(d) is None), None)
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise CheckpointError(f"saving checkpoint step_{step} in {self.root} failed ({type(err).__name__}: "
+                              f"{reason}); the previous checkpoint ({previous or 'none'}) is intact") from err
+
+    def load(self, step_dir: str, model: torch.nn.Module, optimizer) -> Dict[str, Any]:
+        """Load model, optimizer and this rank's RNG state (DCP reshards to this world size); returns the
+        trainer state. Checks every tensor key and shape first, so a mismatch changes nothing."""
+        model_state, optim_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optim_state}
+        problems = _mismatches(step_dir, state)
+        if problems:
+            shown = "; ".join(problems[:6]) + (f"; ... {len(problems) - 6} more" if len(problems) > 6 else "")
+            raise CheckpointError(f"checkpoint {step_dir} does not fit this model/optimizer: {shown}")
+        dcp.load(state, checkpoint_id=step_dir)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng = os.path.join(step_dir, f"rng_rank{self.rank}.pt")
+        if os.path.exists(rng):  # absent when resuming at a larger world size
+            _set_rng_state(torch.load(rng, weights_only=False))
+        log.info(f"resumed from checkpoint {step_dir}")
+        return torch.load(os.path.join(step_dir, TRAINER_STATE), weights_only=False)
+
+
+def check_fresh_start(run_dir: str) -> None:
+    """resume=never must not overwrite another run's checkpoints."""
+    if checkpoints_in(os.path.join(run_dir, "checkpoints")):
+        raise ConfigError("checkpoint.resume", f"is never, but {run_dir} already holds checkpoints",
+                          "use a new hydra.run.dir, or checkpoint.resume=auto to continue that run")
+
+
+def config_files(cfg: DictConfig, hf_config) -> Dict[str, str]:
+    """What an offline export needs besides the weights: the model config and the run's config."""
+    return {"config.json": hf_config.to_json_string(), "train_config.yaml": OmegaConf.to_yaml(cfg, resolve=True)}
