@@ -147,6 +147,9 @@ SlurmctldHost=$NODE
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# Credential lifetime is also the delay before a requeued job may start again
+# (default 120 s); 30 s keeps requeue tests short yet is ample for a step launch.
+AuthInfo=cred_expire=30
 CredType=cred/munge
 MpiDefault=none
 # Containers have no usable cgroups: track processes via /proc, no task binding.
@@ -158,6 +161,11 @@ JobAcctGatherFrequency=30
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# Re-test pending jobs every 5 s (default 60/30 s): requeued jobs start promptly.
+SchedulerParameters=sched_interval=5,bf_interval=5
+# Reject jobs that can never run (e.g. -n3 on 2 CPUs) at submit instead of
+# leaving them pending forever with Reason=PartitionConfig.
+EnforcePartLimits=ALL
 # Jobs may be requeued (scontrol requeue, node failure) without --requeue.
 JobRequeue=1
 # A DOWN node comes back by itself as soon as slurmd registers.
@@ -220,7 +228,8 @@ log-error=$(logfile mariadbd)
 port=$DB_PORT
 bind-address=127.0.0.1
 skip-name-resolve
-# Values recommended for slurmdbd; native AIO is often unavailable in containers.
+# slurmdbd's lock timeout; a small pool is plenty here (slurmdbd logs a harmless
+# "not recommended" note). Native AIO is often unavailable in containers.
 innodb_buffer_pool_size=256M
 innodb_log_file_size=64M
 innodb_lock_wait_timeout=900
@@ -230,14 +239,34 @@ innodb_use_native_aio=0
 socket=$DB_DIR/mysqld.sock
 port=$DB_PORT
 EOF
+}
 
-    # Let clients work without SLURM_CONF, but never replace a real admin config.
+# Let clients work without SLURM_CONF, but never replace a real admin config.
+# Done only after a successful start, so a failed start never repoints clients.
+link_system_conf() {
     if [[ ! -e "$SYSTEM_SLURM_CONF" || -L "$SYSTEM_SLURM_CONF" ]]; then
         mkdir -p "$(dirname "$SYSTEM_SLURM_CONF")"
         ln -sfn "$ETC/slurm.conf" "$SYSTEM_SLURM_CONF"
     elif [[ "$(readlink -f "$SYSTEM_SLURM_CONF")" != "$ETC/slurm.conf" ]]; then
         say "note: $SYSTEM_SLURM_CONF is not ours; clients need SLURM_CONF=$ETC/slurm.conf"
     fi
+}
+
+port_busy() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+# Ports and the munge socket are machine-wide: refuse to start next to daemons that
+# are not ours (another state dir, a system slurm) instead of half-starting.
+check_conflicts() {
+    local d port
+    if ! running munged && munge_ok >/dev/null 2>&1; then
+        die "a munged not started from $STATE_DIR already serves $MUNGE_SOCKET; stop it first"
+    fi
+    for d in mariadbd:"$DB_PORT" slurmdbd:6819 slurmctld:6817 slurmd:6818; do
+        port="${d#*:}"
+        if ! running "${d%%:*}" && port_busy "$port"; then
+            die "port $port (${d%%:*}) is in use by a process not started from $STATE_DIR; stop it first"
+        fi
+    done
 }
 
 # ---------------------------------------------------------------- daemons
@@ -381,10 +410,12 @@ summary() {
 cmd_start() {
     if healthy 2>/dev/null; then
         say "already running"
+        link_system_conf
         summary
         return 0
     fi
     install_packages
+    check_conflicts
     write_configs
     start_munged
     start_mariadbd
@@ -392,6 +423,7 @@ cmd_start() {
     start_slurmctld
     start_slurmd
     wait_node
+    link_system_conf
     summary
 }
 
@@ -425,15 +457,15 @@ our_stepds() {
     return 0
 }
 
+no_active_jobs() { [[ -z "$(squeue -h -t RUNNING,CONFIGURING,COMPLETING -o %i 2>/dev/null)" ]]; }
+
 cmd_stop() {
     # Cancel running jobs first so no job processes outlive the cluster.
-    if running slurmctld && ctld_ok >/dev/null 2>&1; then
-        if [[ -n "$(squeue -h -t RUNNING,CONFIGURING,COMPLETING -o %i 2>/dev/null)" ]]; then
-            say "cancelling running jobs"
-            scancel --state=RUNNING >/dev/null 2>&1 || true
-            scancel --state=CONFIGURING >/dev/null 2>&1 || true
-            wait_for 20 test -z "$(squeue -h -t RUNNING,CONFIGURING,COMPLETING -o %i 2>/dev/null)" || true
-        fi
+    if running slurmctld && ctld_ok >/dev/null 2>&1 && ! no_active_jobs; then
+        say "cancelling running jobs"
+        scancel --state=RUNNING >/dev/null 2>&1 || true
+        scancel --state=CONFIGURING >/dev/null 2>&1 || true
+        wait_for 20 no_active_jobs || say "warning: jobs still active after 20 s"
     fi
     local i
     for ((i = ${#DAEMONS[@]} - 1; i >= 0; i--)); do
