@@ -1,0 +1,110 @@
+"""Trainer overhead: the trainer's steady-state step time against a bare loop of per-block fully_shard +
+AdamW and nothing else, same model, batch, sharding and data, on the same ranks, alternated in one run.
+
+    .venv/bin/python bench/overhead.py [--nproc 2] [--steps 60] [--repeats 3] [overrides ...]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from hydra import compose, initialize_config_dir  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+from fsdp_research.config import register_configs, typed  # noqa: E402
+from fsdp_research.data import build_data  # noqa: E402
+from fsdp_research.distributed import spawn  # noqa: E402
+from fsdp_research.models import (block_class_name, build_hf_config, build_model, find_blocks,  # noqa: E402
+                                  init_weights, materialize)
+from fsdp_research.trainer import train  # noqa: E402
+
+WARMUP = 10
+
+
+def bare_loop(cfg, steps: int) -> float:
+    """Seconds per step after warmup: fully_shard each block then the root, AdamW, nothing else."""
+    t = cfg.trainer
+    rank, world = dist.get_rank(), dist.get_world_size()
+    hf_config = build_hf_config(cfg.model)
+    data = build_data(cfg.data, hf_config.vocab_size, t.seed)
+    model = build_model(hf_config)
+    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.precision.param_dtype),
+                              reduce_dtype=getattr(torch, cfg.precision.reduce_dtype))
+    blocks = find_blocks(model, block_class_name(model, None))
+    for i, block in enumerate(blocks):
+        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mp_policy=mp)
+    materialize(model, torch.device("cpu"))
+    init_weights(model, t.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    for step in range(steps):
+        if step == WARMUP:
+            dist.barrier()
+            start = time.perf_counter()
+        batch = data.train.rank_batch(step, t.global_batch_size, rank, world)
+        logits = model(input_ids=batch[:, :-1]).logits
+        F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.barrier()
+    return (time.perf_counter() - start) / (steps - WARMUP)
+
+
+def trainer_step_time(cfg, run_dir: str) -> float:
+    """Seconds per step after warmup, from the trainer's own metrics (logging and clipping included)."""
+    train(cfg, run_dir)
+    if dist.get_rank() != 0:
+        return 0.0
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return statistics.mean(r["step_time_s"] for r in rows if r["step"] > WARMUP)
+
+
+def _bench(container, steps: int, repeats: int, out: str) -> None:
+    cfg = typed(container)
+    times = {"trainer": [], "bare": []}
+    for r in range(repeats):
+        times["trainer"].append(trainer_step_time(cfg, os.path.join(out, f"run{r}")))
+        times["bare"].append(bare_loop(cfg, steps))
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "times.json"), "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    register_configs()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with initialize_config_dir(config_dir=os.path.join(root, "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=["logger=none", "data=synthetic", "trainer.log_interval=10",
+                                          "trainer.eval_interval=0", "checkpoint.interval=0",
+                                          "checkpoint.export=false",
+                                          f"trainer.max_steps={args.steps}", *args.overrides])
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_bench, args.nproc, OmegaConf.to_container(cfg, resolve=True), args.steps, args.repeats, out)
+        with open(os.path.join(out, "times.json")) as f:
+            times = json.load(f)
+    trainer, bare = statistics.median(times["trainer"]), statistics.median(times["bare"])
+    print(f"config: {' '.join(args.overrides) or 'defaults'} | {args.nproc} ranks | {args.steps} steps x "
+          f"{args.repeats} alternated repeats")
+    print(f"trainer {trainer * 1e3:.1f} ms/step | bare loop {bare * 1e3:.1f} ms/step | "
+          f"overhead {100 * (trainer / bare - 1):+.1f}%")
+
+
+if __name__ == "__main__":
+    main()
