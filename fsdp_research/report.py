@@ -1,0 +1,184 @@
+"""Sweep report: `python -m fsdp_research.report <sweep dir> [--out <png>]`.
+
+Reads every job dir of a Hydra multirun sweep (<sweep dir>/<n>/) and prints one row per job: the overrides
+that differ between jobs, final loss and eval loss, throughput per device, peak memory, steps and status. Then
+writes a PNG with the loss curves and each job's throughput and peak memory (default <sweep dir>/report.png).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+from typing import Any, Dict, List, Optional, Tuple
+
+import yaml
+
+# CUDA runs log allocated and reserved peaks, CPU runs the RSS. Reserved comes first: it is what the caching
+# allocator actually holds on the device, so it is the number that decides whether a config fits.
+MEMORY_KEYS = ("peak_mem_reserved_gib", "peak_mem_allocated_gib", "peak_rss_gib")
+
+# (header, job dict key, format) for each column of the table.
+COLUMNS = (
+    ("job", "num", "{}"),
+    ("overrides", "label", "{}"),
+    ("loss", "final_loss", "{:.4f}"),
+    ("eval_loss", "final_eval_loss", "{:.4f}"),
+    ("tok/s/dev", "tokens_per_s_per_device", "{:,.0f}"),
+    ("samples/s/dev", "samples_per_s_per_device", "{:,.1f}"),
+    ("peak_mem_GiB", "peak_mem_gib", "{:.2f}"),
+    ("steps", "steps", "{}"),
+    ("status", "status", "{}"),
+)
+
+
+def _read_metrics(path: str) -> List[Dict[str, Any]]:
+    if not os.path.exists(path):
+        return []
+    rows = []
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # a job killed mid-write leaves a partial last line
+    return rows
+
+
+def _median_after_warmup(rows: List[Dict[str, Any]], key: str) -> Optional[float]:
+    """The first logged interval includes warmup (allocator, kernel selection), so it is left out when others
+    exist."""
+    values = [row[key] for row in rows if key in row]
+    values = values[1:] or values
+    return statistics.median(values) if values else None
+
+
+def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """The table's numbers from a job's metrics.jsonl rows (None where the job logged nothing)."""
+    eval_losses = [row["eval_loss"] for row in rows if "eval_loss" in row]
+    memory_key = next((key for key in MEMORY_KEYS if any(key in row for row in rows)), None)
+    return {
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "final_eval_loss": eval_losses[-1] if eval_losses else None,
+        "tokens_per_s_per_device": _median_after_warmup(rows, "tokens_per_s_per_device"),
+        "samples_per_s_per_device": _median_after_warmup(rows, "samples_per_s_per_device"),
+        "peak_mem_gib": max(row[memory_key] for row in rows if memory_key in row) if memory_key else None,
+        "steps": rows[-1]["step"] if rows else None,
+    }
+
+
+def _read_status(path: str) -> Dict[str, Any]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}  # absent, or caught while being written
+
+
+def load_job(job_dir: str) -> Dict[str, Any]:
+    """One job dir: its number, overrides, metrics rows, summary and status; missing files give empty values."""
+    status = _read_status(os.path.join(job_dir, "status.json"))
+    overrides_path = os.path.join(job_dir, ".hydra", "overrides.yaml")
+    if os.path.exists(overrides_path):
+        with open(overrides_path) as f:
+            overrides = yaml.safe_load(f) or []
+    else:
+        overrides = status.get("overrides") or []
+    rows = _read_metrics(os.path.join(job_dir, "metrics.jsonl"))
+    # Without status.json the job may still be running or may have died without a word: we cannot tell.
+    return {"num": int(os.path.basename(os.path.normpath(job_dir))), "overrides": list(overrides), "rows": rows,
+            "status": status.get("status", "unknown"), "error": status.get("error"), **summarize(rows)}
+
+
+def _split(override: str) -> Tuple[str, str]:
+    key, _, value = override.partition("=")
+    return key, value
+
+
+def differing_overrides(jobs: List[Dict[str, Any]]) -> List[List[str]]:
+    """Per job, its overrides whose key does not have the same value in every job (a key some jobs lack
+    differs). A single job keeps all of its overrides."""
+    if len(jobs) == 1:
+        return [list(jobs[0]["overrides"])]
+    per_job = [dict(_split(o) for o in job["overrides"]) for job in jobs]
+    keys = {key for overrides in per_job for key in overrides}
+    varying = {key for key in keys if len({overrides.get(key) for overrides in per_job}) > 1}
+    return [[o for o in job["overrides"] if _split(o)[0] in varying] for job in jobs]
+
+
+def format_table(jobs: List[Dict[str, Any]]) -> str:
+    """A plain-text table of COLUMNS, one line per job, left-aligned, '-' where a value is missing."""
+    cells = [[header for header, _, _ in COLUMNS]]
+    cells += [["-" if job.get(key) is None else fmt.format(job[key]) for _, key, fmt in COLUMNS] for job in jobs]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in cells)
+
+
+def plot(jobs: List[Dict[str, Any]], path: str) -> None:
+    """Loss curves (eval loss as markers), then tokens/s per device and peak memory as horizontal bars (long
+    override labels stay readable), one colour per job throughout."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on cluster nodes and CI
+    import matplotlib.pyplot as plt
+
+    colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(jobs))]
+    names = [f"{job['num']}: {job['label']}" for job in jobs]
+    fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(
+        3, 1, figsize=(10, 5 + 1.2 * len(jobs)), gridspec_kw={"height_ratios": [3, 1, 1]})
+    for job, name, color in zip(jobs, names, colors):
+        rows = job["rows"]
+        if rows:
+            ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], color=color, label=name)
+        evals = [r for r in rows if "eval_loss" in r]
+        if evals:
+            ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o", color=color, mfc="none")
+    if any("eval_loss" in r for job in jobs for r in job["rows"]):
+        ax_loss.plot([], [], "o", color="gray", mfc="none", label="eval loss")
+    ax_loss.set(xlabel="step", ylabel="loss", title="loss")
+    ax_loss.grid(alpha=0.3)
+    ax_loss.legend(fontsize="small")
+    for ax, key, title, fmt in ((ax_tps, "tokens_per_s_per_device", "tokens/s per device (median)", "{:,.0f}"),
+                                (ax_mem, "peak_mem_gib", "peak memory (GiB)", "{:.2f}")):
+        values = [job[key] or 0.0 for job in jobs]
+        ax.barh(range(len(jobs)), values, color=colors)
+        ax.set_yticks(range(len(jobs)), names, fontsize="small")
+        ax.invert_yaxis()  # job 0 on top, as in the table
+        for i, job in enumerate(jobs):
+            ax.annotate("no data" if job[key] is None else fmt.format(job[key]), (values[i], i),
+                        xytext=(3, 0), textcoords="offset points", va="center", fontsize="small")
+        ax.set_title(title)
+        ax.margins(x=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fsdp_research.report", description=__doc__.splitlines()[0])
+    parser.add_argument("sweep_dir", help="outputs/multirun/<date>/<time>")
+    parser.add_argument("--out", help="PNG path (default: <sweep dir>/report.png)")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.sweep_dir):
+        print(f"error: no such sweep directory: {args.sweep_dir}", file=sys.stderr)
+        return 2
+    job_dirs = sorted((d for d in os.listdir(args.sweep_dir)
+                       if d.isdigit() and os.path.isdir(os.path.join(args.sweep_dir, d))), key=int)
+    if not job_dirs:
+        print(f"error: no job directories (<n>/) in {args.sweep_dir}", file=sys.stderr)
+        return 2
+    jobs = [load_job(os.path.join(args.sweep_dir, d)) for d in job_dirs]
+    for job, overrides in zip(jobs, differing_overrides(jobs)):
+        job["label"] = " ".join(overrides) or "-"
+    print(format_table(jobs))
+    for job in jobs:
+        if job["error"]:
+            print(f"job {job['num']} {job['status']}: {job['error']}")
+    out = args.out or os.path.join(args.sweep_dir, "report.png")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    plot(jobs, out)
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
