@@ -21,7 +21,7 @@ def main(cfg: DictConfig) -> None:
 if __name__ == "__main__":
     env = launch_env()
     if env is not None and env.rank != 0:
-        # Under torchrun/srun every rank runs this file: only rank 0 makes the run dir and writes .hydra/;
-        # the others are told rank 0's run dir once the process group exists.
-        sys.argv += ["hydra.output_subdir=null", "hydra.run.dir=."]
+        # Under torchrun/srun every rank runs this file: only rank 0 makes the run dir (its timestamp is
+        # its own); the others are told rank 0's run dir once the process group exists.
+        sys.argv += ["hydra.run.dir=."]
     main()

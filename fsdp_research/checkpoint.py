@@ -134,7 +134,7 @@ class Checkpointer:
         self.is_async = bool(cfg["async"])
         # A gloo group of its own: CPU-side collectives on any backend, and async writes, which run
         # collectives from a background thread, stay off the training group.
-        self._group = dist.new_group(backend="gloo")
+        self.group = dist.new_group(backend="gloo")
         self._pending: Optional[Tuple[Any, int, str]] = None
 
     def due(self, step: int, max_steps: int) -> bool:
@@ -156,17 +156,17 @@ class Checkpointer:
                 for name, text in self.extra_files.items():
                     with open(os.path.join(tmp, name), "w") as f:
                         f.write(text)
-        except OSError as err:
+        except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
             error = err
         self._check_all(step, tmp, error)
         state = {"model": model_state, "optim": optim_state}
         try:
             if self.is_async:
-                self._pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=self._group), step, tmp)
+                self._pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=self.group), step, tmp)
                 return
             # DCP gathers every rank's write result, so a failure on any rank raises on all of them.
-            dcp.save(state, checkpoint_id=tmp, process_group=self._group)
-        except Exception as err:
+            dcp.save(state, checkpoint_id=tmp, process_group=self.group)
+        except (Exception, dcp.CheckpointException) as err:  # the latter is a BaseException
             self._fail(step, tmp, err)
         self._publish(step, tmp)
 
@@ -178,7 +178,7 @@ class Checkpointer:
         self._pending = None
         try:
             future.result()
-        except Exception as err:
+        except (Exception, dcp.CheckpointException) as err:
             self._fail(step, tmp, err)
         self._publish(step, tmp)
 
@@ -203,12 +203,12 @@ class Checkpointer:
         self._check_all(step, tmp, error)
 
     def _barrier(self) -> None:
-        dist.barrier(group=self._group)
+        dist.barrier(group=self.group)
 
     def _check_all(self, step: int, tmp: str, error: Optional[Exception]) -> None:
         """Fail on every rank if any rank failed, so no rank is left waiting in a collective."""
         failed = torch.tensor([0 if error is None else 1])
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self._group)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
         if failed.item():
             self._fail(step, tmp, error or OSError("another rank could not write its part"))
 
@@ -217,13 +217,18 @@ class Checkpointer:
             for _, old in checkpoints_in(self.root)[self.cfg.keep_last:]:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _fail(self, step: int, tmp: str, err: Exception) -> None:
+    def _fail(self, step: int, tmp: str, err: BaseException) -> None:
+        # Measured before the partial checkpoint goes: a full disk often says no more than "unexpected pos".
+        free = shutil.disk_usage(os.path.dirname(self.root)).free
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(err, dcp.CheckpointException):  # its text is every failed rank's traceback
+            err = next(iter(err.failures.values()))[0]
         previous = next((d for _, d in checkpoints_in(self.root) if verify(d) is None), None)
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
         raise CheckpointError(f"saving checkpoint step_{step} in {self.root} failed ({type(err).__name__}: "
-                              f"{reason}); the previous checkpoint ({previous or 'none'}) is intact") from err
+                              f"{reason}; {free / 2**20:.1f} MiB free there); the previous checkpoint "
+                              f"({previous or 'none'}) is intact") from err
 
     def load(self, step_dir: str, model: torch.nn.Module, optimizer) -> Dict[str, Any]:
         """Load model, optimizer and this rank's RNG state (DCP reshards to this world size); returns the

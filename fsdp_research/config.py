@@ -136,6 +136,8 @@ class TrainerConfig:
     peak_tflops: Optional[float] = None
     # auto: cuda if available, else cpu.
     device: str = "auto"
+    # SLURM's warning before a time limit or preemption (sbatch --signal=USR2@<s>): save, requeue, exit.
+    preemption_signal: Optional[str] = "SIGUSR2"
 
 
 @dataclass
@@ -199,7 +201,15 @@ def _run_dir(resume: str, default: str) -> str:
     return run_dir_of(resume) or default
 
 
+def _rank0_only(value: Any) -> Any:
+    from .distributed import launch_env
+
+    env = launch_env()
+    return value if env is None or env.rank == 0 else None
+
+
 def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=schema())
     # hydra.run.dir: resuming from a path continues in that run's directory.
     OmegaConf.register_new_resolver("run_dir", _run_dir, replace=True)
+    OmegaConf.register_new_resolver("rank0_only", _rank0_only, replace=True)

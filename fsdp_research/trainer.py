@@ -1,5 +1,6 @@
 """The training recipe: init distributed -> build the model on meta -> activation checkpointing -> shard ->
 materialize -> optimizer -> loop {data -> forward -> backward -> clip -> step -> metrics}."""
+import json
 import logging
 import os
 import sys
@@ -12,6 +13,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.multiprocessing import ProcessExitedException
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from .activation_checkpointing import apply_activation_checkpointing
@@ -25,6 +28,7 @@ from .models import (apply_compile, block_class_name, build_hf_config, build_mod
                      load_pretrained, materialize, pretrained_dir)
 from .optim import build_optimizer, clip_grad_norm
 from .export import export_model, parse_size
+from .preemption import Preemption, requeue
 from .precision import LossScaler, autocast, build_mp_policy, check_device_supports, dtype
 from .sharding import apply_ddp, apply_fsdp, build_mesh, build_plan, grad_sync
 
@@ -55,6 +59,9 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     build_mp_policy(cfg.precision)
     if cfg.data.kind is DataKind.local_text:
         resolve_paths(cfg.data)
+    if t.eval_interval and cfg.data.eval_fraction <= 0:
+        raise ConfigError("trainer.eval_interval", "eval needs held-out data but data.eval_fraction is 0",
+                          "set data.eval_fraction above 0, or trainer.eval_interval=0")
     check_vocab(cfg.data, hf_config.vocab_size)
     model = build_model(hf_config)
     find_blocks(model, block_class_name(model, cfg.model.block_class))
@@ -64,6 +71,8 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
 class TrainResult:
     model: nn.Module
     losses: List[float] = field(default_factory=list)
+    # Stopped early by the preemption signal, after saving a resume checkpoint.
+    preempted: bool = False
     summary: Dict[str, Any] = field(default_factory=dict)
 
 
@@ -140,6 +149,7 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
     scaler = LossScaler(cfg.precision)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
+    preemption = Preemption(t.preemption_signal, checkpointer.group)
     state = {"step": 0, "wandb_run_id": new_run_id()}
     if resume_dir:
         state = checkpointer.load(resume_dir, model, optimizer)
@@ -188,15 +198,19 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
             rates.append(metrics["tokens_per_s"])
             sinks.log(metrics)
             last_logged = done
-        if checkpointer.due(done, t.max_steps):
+        result.preempted = preemption.requested()
+        if checkpointer.due(done, t.max_steps) or result.preempted:
             checkpointer.save(done, model, optimizer, {
                 "step": done, "tokens_seen": done * t.global_batch_size * cfg.data.seq_len,
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                 "wandb_run_id": state["wandb_run_id"], "world_size": world})
+        if result.preempted:
+            log.info(f"preemption signal: stopped after step {done} with a resume checkpoint")
+            break
         if last_logged == done:
             throughput.start()
     checkpointer.wait()
-    if cfg.checkpoint.export:
+    if cfg.checkpoint.export and not result.preempted:
         export_dtype = cfg.checkpoint.export_dtype or cfg.precision.param_dtype
         export_model(model, hf_config, os.path.join(run_dir, "export"), dtype(export_dtype, "checkpoint.export_dtype"),
                      parse_size(cfg.checkpoint.export_shard_size), cfg.data.tokenizer)
@@ -210,31 +224,94 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
     return result
 
 
-def _run_worker(cfg: Any, run_dir: str) -> None:
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def write_status(run_dir: str, status: str, error: Optional[str] = None) -> None:
+    """<run dir>/status.json: completed, preempted or failed (with the one-line reason), for sweeps and
+    the report."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "status.json"), "w") as f:
+        json.dump({"status": status, "error": error}, f)
+
+
+def _run_worker(cfg: Any, run_dir: str) -> str:
+    """Train on this process's rank; rank 0 records the outcome in status.json. Returns the status."""
+    env = launch_env()
+    run_dir = run_dir_of(typed(cfg).checkpoint.resume) or run_dir
+    status, error = "failed", None
     try:
-        train(cfg, run_dir)
-    except (ConfigError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        status = "preempted" if train(cfg, run_dir).preempted else "completed"
+        return status
+    except BaseException as err:
+        error = _one_line(err)
+        raise
     finally:
+        if env is None or env.rank == 0:
+            write_status(run_dir, status, error)
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
+def _spawned_worker(cfg: Any, run_dir: str) -> None:
+    try:
+        _run_worker(cfg, run_dir)
+    except (ConfigError, CheckpointError) as err:
+        # Every rank raises these alike (checks run everywhere, checkpoint failures are made collective):
+        # rank 0 says it once.
+        if launch_env().rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _name_sweep_job(cfg: DictConfig) -> None:
+    """In a sweep, W&B groups the jobs by sweep and names each by its overrides, unless set."""
+    hydra = HydraConfig.get()
+    cfg.logger.group = cfg.logger.group or os.path.relpath(hydra.sweep.dir, "outputs/multirun").replace("/", "_")
+    cfg.logger.name = cfg.logger.name or hydra.job.override_dirname or f"job{hydra.job.num}"
+
+
 def launch(cfg: DictConfig, run_dir: str) -> None:
-    """Entry from train.py: check the config once, then train here or in nproc_per_node workers."""
+    """Entry from train.py: check the config once, then train here or in nproc_per_node workers.
+    In a sweep a failed job is recorded (status.json) and the sweep goes on; train.py's callback fails the
+    sweep at its end."""
     cfg = typed(cfg)
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if multirun:
+        _name_sweep_job(cfg)
     container = OmegaConf.to_container(cfg, resolve=True)
     try:
         if launch_env() is None and cfg.distributed.nproc_per_node > 1:
             # Checked here so that a bad value fails once, before any worker starts.
-            check_config(cfg, planned_world_size(cfg.distributed), build_hf_config(cfg.model),
-                         device_for(cfg.trainer.device, 0))
-            spawn(_run_worker, cfg.distributed.nproc_per_node, container, run_dir)
+            try:
+                check_config(cfg, planned_world_size(cfg.distributed), build_hf_config(cfg.model),
+                             device_for(cfg.trainer.device, 0))
+            except ConfigError as err:
+                write_status(run_dir, "failed", _one_line(err))
+                raise
+            spawn(_spawned_worker, cfg.distributed.nproc_per_node, container, run_dir)
+            status = json.load(open(os.path.join(run_dir_of(cfg.checkpoint.resume) or run_dir, "status.json")))
+            preempted = status["status"] == "preempted"
         else:
-            _run_worker(container, run_dir)
-    except ConfigError as err:
+            preempted = _run_worker(container, run_dir) == "preempted"
+    except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        if not multirun:
+            sys.exit(2)
+        return
     except ProcessExitedException as err:  # the worker has said why
-        sys.exit(err.exit_code or 1)
+        if not multirun:
+            sys.exit(err.exit_code or 1)
+        return
+    except Exception:
+        if not multirun:
+            raise
+        log.exception("job failed")
+        return
+    env = launch_env()
+    if preempted and (requeue() if env is None or env.rank == 0 else "SLURM_JOB_ID" in os.environ):
+        # Requeued: end without returning a result, so a launcher waiting on this job (submitit) keeps
+        # waiting for the requeued run instead of taking this one as its result.
+        sys.exit(0)

@@ -1,0 +1,52 @@
+"""Preemption and time limits: SLURM sends a warning signal (--signal=USR2@<seconds>) before it ends a job.
+Every rank finishes its step, the ranks agree through one collective (a signal may reach only some of them),
+a resume checkpoint is saved, rank 0 requeues the job, and all exit cleanly."""
+import logging
+import os
+import signal
+import subprocess
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .config import ConfigError
+
+log = logging.getLogger("fsdp_research")
+
+
+class Preemption:
+    def __init__(self, signal_name: Optional[str], group):
+        """group: a gloo group, so the per-step agreement is a CPU all-reduce that never syncs a GPU."""
+        self.group = group
+        self._received = False
+        if signal_name:
+            try:
+                signum = getattr(signal, signal_name if signal_name.startswith("SIG") else f"SIG{signal_name}")
+            except AttributeError:
+                raise ConfigError("trainer.preemption_signal", f"unknown signal {signal_name!r}",
+                                  "use e.g. SIGUSR2, SIGUSR1 or SIGTERM, or null to ignore signals") from None
+            signal.signal(signum, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        # Only a flag: the step in flight finishes, then every rank stops at the same step.
+        self._received = True
+
+    def requested(self) -> bool:
+        """True on every rank once any rank has received the signal (a collective: all ranks call it)."""
+        flag = torch.tensor([int(self._received)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(flag.item())
+
+
+def requeue() -> bool:
+    """Rank 0 puts this SLURM job back in the queue (same job id, same run dir); False outside SLURM."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return False
+    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    if result.returncode != 0:
+        log.error(f"scontrol requeue {job} failed: {result.stderr.strip()}")
+        return False
+    log.info(f"requeued SLURM job {job}")
+    return True
