@@ -124,7 +124,8 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int) -> Data:
         sequences = _pack(cfg)
         if rank == 0 and dist.is_initialized():
             dist.barrier()
-    n_eval = int(len(sequences) * cfg.eval_fraction)
+    # At least one held-out sequence when any is asked for: eval averages over them.
+    n_eval = max(1, int(len(sequences) * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
     if len(sequences) - n_eval < 1:
         raise ConfigError("data", f"only {len(sequences)} sequences of {cfg.seq_len + 1} tokens",
                           "add text (data.paths) or lower data.seq_len")

@@ -33,7 +33,8 @@ def _parameters_on_meta() -> Iterator[None]:
 
     def register_on_meta(module, name, param):
         register(module, name, param)
-        if param is not None:
+        # A parameter already on meta is being shared (tied embeddings): keep it the same object.
+        if param is not None and not param.is_meta:
             module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
 
     nn.Module.register_parameter = register_on_meta
@@ -96,6 +97,8 @@ def materialize(model: nn.Module, device: torch.device) -> None:
     """Allocate this rank's shards on `device`, uninitialised; buffers keep their values."""
     buffers = {name: buf.clone() for name, buf in model.named_buffers()}
     model.to_empty(device=device)
+    # to_empty gives each module its own new tensor, which unties shared weights: tie them again.
+    model.tie_weights()
     with torch.no_grad():
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name])

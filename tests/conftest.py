@@ -30,9 +30,12 @@ def compose_cfg():
     return compose_config
 
 
-@pytest.fixture(autouse=True)
-def _offline(monkeypatch, tmp_path_factory):
-    # No hub access at run time; W&B never leaves this machine.
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "hf_datasets"))
+@pytest.fixture(autouse=True, scope="session")
+def _offline(tmp_path_factory):
+    # No hub access at run time; W&B never leaves this machine. Session-wide, so that module-scoped fixtures
+    # (and the processes they start) run under it too.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("WANDB_MODE", "offline")
+        patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "hf_datasets"))
+        yield

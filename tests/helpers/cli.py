@@ -1,0 +1,57 @@
+"""The real command line, as a user runs it: `python train.py ...` or torchrun, in subprocesses. Every helper
+starts its process without waiting, so a test can run several at once on a small machine."""
+import glob
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Dict, List, Sequence
+
+from tests.conftest import ROOT
+
+TRAIN = os.path.join(ROOT, "train.py")
+
+
+@dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def last_error_line(self) -> str:
+        lines = [line for line in self.stderr.splitlines() if line.strip()]
+        return lines[-1] if lines else ""
+
+
+def _env() -> Dict[str, str]:
+    """The tests' environment (offline: see conftest), without any launcher's rank layout."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_DIR")
+           and not k.startswith("SLURM_")}
+    env["WANDB_SILENT"] = "true"
+    return env
+
+
+def start(overrides: Sequence[str], cwd: str, torchrun_nproc: int = 0) -> subprocess.Popen:
+    """`python train.py <overrides>` in cwd (torchrun with torchrun_nproc workers when > 0)."""
+    launcher = [sys.executable]
+    if torchrun_nproc:
+        launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(torchrun_nproc)]
+    return subprocess.Popen(launcher + [TRAIN, *overrides], cwd=cwd, env=_env(), text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> Finished:
+    stdout, stderr = proc.communicate(timeout=timeout)
+    return Finished(proc.returncode, stdout, stderr)
+
+
+def read_metrics(run_dir: str) -> List[dict]:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def default_run_dirs(cwd: str) -> List[str]:
+    """The run dirs Hydra's default, timestamped hydra.run.dir made under cwd."""
+    return sorted(glob.glob(os.path.join(cwd, "outputs", "runs", "*", "*")))

@@ -1,0 +1,60 @@
+"""The sharding plan a config asks for, and what FSDP2 actually did to a trained model: which modules are
+FSDP units, which of them hold their parameters gathered (unsharded) right now, and their precision policy.
+The observers are `inspect` functions for tests.helpers.dist.train_distributed."""
+from typing import Any, Dict, List
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from fsdp_research.activation_checkpointing import apply_activation_checkpointing
+from fsdp_research.models import block_class_name, build_hf_config, build_model, find_blocks
+from fsdp_research.sharding import ShardingPlan, build_plan
+from tests.helpers.dist import final_weights
+
+
+def plan_for(cfg: DictConfig) -> ShardingPlan:
+    """The plan on a meta-device model, built in the trainer's order (activation checkpointing first)."""
+    model = build_model(build_hf_config(cfg.model))
+    blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
+    blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
+    return build_plan(model, blocks, cfg.sharding)
+
+
+def _fsdp_units(model: nn.Module) -> Dict[str, FSDPModule]:
+    model = getattr(model, "module", model)  # the DDP baseline's wrapper
+    return {path: m for path, m in model.named_modules() if isinstance(m, FSDPModule)}
+
+
+def gathered_units(model: nn.Module, units: List[str]) -> List[str]:
+    """The units whose parameters are gathered: FSDP2 registers a unit's parameters as sharded DTensors,
+    and swaps in plain tensors while they are unsharded. A unit owns the parameters under its path that no
+    deeper unit owns."""
+    state: Dict[str, set] = {}
+    for name, param in model.named_parameters():
+        owner = max((u for u in units if u == "" or name.startswith(u + ".")), key=len)
+        state.setdefault(owner, set()).add(not isinstance(param, DTensor))
+    assert all(len(flags) == 1 for flags in state.values()), f"a unit is partly gathered: {state}"
+    return sorted(unit for unit, flags in state.items() if flags == {True})
+
+
+def observe_units(model: nn.Module) -> Dict[str, Any]:
+    """Each FSDP unit's class, and which units are gathered before and after a forward (no backward)."""
+    units = _fsdp_units(model)
+    observed: Dict[str, Any] = {"units": {path: type(m).__name__ for path, m in units.items()}}
+    if units:
+        observed["gathered_before_forward"] = gathered_units(model, list(units))
+        model(input_ids=torch.randint(0, 256, (2, 16)))
+        observed["gathered_after_forward"] = gathered_units(model, list(units))
+    return observed
+
+
+def precision_state(model: nn.Module) -> Dict[str, Any]:
+    """Each FSDP unit's (param_dtype, reduce_dtype), whether the output embedding is still tied to the input
+    embedding, and the final weights."""
+    policies = {path: m._get_fsdp_state()._mp_policy for path, m in _fsdp_units(model).items()}
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return {"mp": {path: (p.param_dtype, p.reduce_dtype) for path, p in policies.items()}, "tied": tied,
+            **final_weights(model)}

@@ -1,0 +1,77 @@
+"""Every bad input fails fast: one line on stderr naming the key and the fix, a non-zero exit, no compute, and
+nothing written into the run dir. Composition errors (unknown key or option, wrong type) are Hydra's own."""
+import json
+import os
+
+import pytest
+
+from tests.helpers.cli import finish, start
+
+SMALL = ["logger=none", "trainer.max_steps=2"]
+APP_ERRORS = {
+    "batch": ("trainer.global_batch_size",
+              ["distributed.nproc_per_node=2", "trainer.global_batch_size=6", "trainer.micro_batch_size=2"]),
+    "seq_len": ("data.seq_len", ["data.seq_len=4096"]),
+    "block_class": ("model.block_class", ["model.block_class=NoSuchBlock"]),
+    "hsdp": ("sharding.replicate", ["distributed.nproc_per_node=2", "sharding=hsdp", "sharding.replicate=3"]),
+    "paths": ("data.paths", ["data.paths=[/no/such/dir/*.txt]"]),
+    "dtype": ("precision.param_dtype", ["precision.param_dtype=float8"]),
+    "no_eval_data": ("trainer.eval_interval", ["data.eval_fraction=0", "trainer.eval_interval=1"]),
+}
+HYDRA_ERRORS = {
+    "unknown_key": ("Key 'max_stepz' not in 'TrainerConfig'", ["trainer.max_stepz=3"]),
+    "unknown_option": ("Could not find 'sharding/nope'", ["sharding=nope"]),
+    "wrong_type": ("Value 'abc' of type 'str' could not be converted to Integer", ["trainer.max_steps=abc"]),
+}
+# A run dir that already holds a run: a bad relaunch into it must leave it as it was. One case of each path:
+# checked in the parent before workers start (batch), and inside train() (seq_len).
+EXISTING = {"train.log": "[00:00:00][INFO] step 1/2 | loss 6\n", "metrics.jsonl": '{"step": 1, "loss": 6.0}\n'}
+INTO_EXISTING = {"batch", "seq_len"}
+
+
+# The records of the latest command, rewritten by every launch: Hydra's config snapshot, and the job's status.
+RECORDS = {".hydra", "status.json"}
+
+
+def _contents(run_dir):
+    return {name: (run_dir / name).read_text() for name in os.listdir(run_dir) if name not in RECORDS}
+
+
+@pytest.fixture(scope="module")
+def failed(tmp_path_factory):
+    """Every case at once: each is mostly interpreter start-up."""
+    cwd = tmp_path_factory.mktemp("bad_input")
+    procs = {}
+    for name, (_, overrides) in {**APP_ERRORS, **HYDRA_ERRORS}.items():
+        if name in INTO_EXISTING:
+            (cwd / name).mkdir()
+            for file, text in EXISTING.items():
+                (cwd / name / file).write_text(text)
+        procs[name] = start(SMALL + overrides + [f"hydra.run.dir={cwd / name}"], str(cwd))
+    return cwd, {name: finish(proc, timeout=120) for name, proc in procs.items()}
+
+
+@pytest.mark.parametrize("name", list(APP_ERRORS))
+def test_app_error_is_one_line_naming_key_and_fix(failed, name):
+    cwd, results = failed
+    result = results[name]
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.last_error_line()
+    assert line.startswith(f"error: {APP_ERRORS[name][0]}: ") and "; fix: " in line, result.stderr[-3000:]
+    assert "step 1/" not in result.stdout  # no step ran
+    # An existing run is left as it was; a fresh dir holds no trace of a run.
+    assert _contents(cwd / name) == (EXISTING if name in INTO_EXISTING else {})
+    status = cwd / name / "status.json"
+    if status.exists():
+        record = json.loads(status.read_text())
+        assert record["status"] == "failed" and f"{APP_ERRORS[name][0]}: " in record["error"]
+
+
+@pytest.mark.parametrize("name", list(HYDRA_ERRORS))
+def test_composition_error_is_hydras(failed, name):
+    cwd, results = failed
+    result = results[name]
+    assert result.returncode != 0
+    assert HYDRA_ERRORS[name][0] in result.stderr, result.stderr[-3000:]
+    assert not (cwd / name).exists()  # fails before Hydra makes the run dir

@@ -1,0 +1,102 @@
+"""The real CLI, three ways: one process, the app's own workers (distributed.nproc_per_node=2) and torchrun.
+Each launch is one run dir written by rank 0 only, with the same metrics (and the same losses: one code path)."""
+import glob
+import os
+
+import pytest
+import yaml
+
+from tests.conftest import FAST
+from tests.helpers.cli import default_run_dirs, finish, read_metrics, start
+from tests.helpers.wandb_history import history
+
+STEPS, EVAL_INTERVAL, SEQ_LEN, BATCH = 4, 2, 64, 8
+OVERRIDES = FAST + [  # later overrides win
+    f"trainer.max_steps={STEPS}", f"trainer.eval_interval={EVAL_INTERVAL}",
+    "trainer.eval_batches=2", f"trainer.global_batch_size={BATCH}", "trainer.micro_batch_size=4"]
+LAUNCHES = ["single", "spawn", "torchrun"]
+REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "samples_per_s_per_device",
+            "tokens_per_s_per_device", "step_time_s", "peak_rss_gib"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Start the three launches at once (they are mostly process start-up), then wait for all of them.
+    Each runs in its own cwd so that every file a launch creates can be accounted for."""
+    cwds = {name: str(tmp_path_factory.mktemp(name)) for name in LAUNCHES}
+    procs = {
+        "single": start(OVERRIDES + [f"hydra.run.dir={cwds['single']}/run"], cwds["single"]),
+        # W&B where it matters: more than one rank, only rank 0 may log.
+        "spawn": start(OVERRIDES + ["logger=wandb", "distributed.nproc_per_node=2"], cwds["spawn"]),
+        "torchrun": start(OVERRIDES + ["logger=wandb"], cwds["torchrun"], torchrun_nproc=2),
+    }
+    results = {name: finish(proc) for name, proc in procs.items()}
+    for name, result in results.items():
+        assert result.returncode == 0, f"{name} failed:\n{result.stderr[-3000:]}"
+    return {name: (cwds[name], results[name]) for name in LAUNCHES}
+
+
+def _run_dir(runs, name) -> str:
+    cwd, _ = runs[name]
+    if name == "single":
+        return os.path.join(cwd, "run")
+    dirs = default_run_dirs(cwd)
+    assert len(dirs) == 1, f"{name}: one run must be one dir, found {dirs}"
+    return dirs[0]
+
+
+@pytest.mark.parametrize("name", LAUNCHES)
+def test_run_dir_and_metrics(runs, name):
+    run_dir = _run_dir(runs, name)
+    with open(os.path.join(run_dir, ".hydra", "config.yaml")) as f:
+        assert yaml.safe_load(f)["trainer"]["max_steps"] == STEPS
+    world = 1 if name == "single" else 2
+    with open(os.path.join(run_dir, "train.log")) as f:
+        log = f.read()
+    assert f"on {world} rank(s)" in log and f"step {STEPS}/{STEPS}" in log and "summary:" in log
+
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # log_interval=1: every step, once
+    for m in metrics:
+        assert REQUIRED <= m.keys(), REQUIRED - m.keys()
+        assert ("eval_loss" in m) == (m["step"] % EVAL_INTERVAL == 0)
+        assert m["samples_per_s"] == pytest.approx(BATCH / m["step_time_s"])
+        assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * SEQ_LEN)
+        assert m["samples_per_s_per_device"] == pytest.approx(m["samples_per_s"] / world)
+        assert m["tokens_per_s_per_device"] == pytest.approx(m["tokens_per_s"] / world)
+        assert m["peak_rss_gib"] > 0 and m["grad_norm"] > 0
+    assert metrics[0]["lr"] == pytest.approx(3e-3 / 10)  # first warmup step
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3
+    assert metrics[-1]["eval_loss"] < metrics[EVAL_INTERVAL - 1]["eval_loss"]
+
+
+@pytest.mark.parametrize("name", ["spawn", "torchrun"])
+def test_ranks_share_one_run_dir(runs, name):
+    """Ranks > 0 never make a dir, a .hydra/ or a file of their own: everything is in rank 0's run dir."""
+    cwd, _ = runs[name]
+    assert os.listdir(cwd) == ["outputs"]
+    run_dir = _run_dir(runs, name)
+    for pattern in (".hydra", "metrics.jsonl", "train.log"):
+        found = glob.glob(os.path.join(cwd, "**", pattern), recursive=True)
+        assert found == [os.path.join(run_dir, pattern)], found
+
+
+def test_one_code_path(runs):
+    """fp32 on 1 process, 2 spawned workers or 2 torchrun workers: the same losses."""
+    losses = {name: [m["loss"] for m in read_metrics(_run_dir(runs, name))] for name in LAUNCHES}
+    for name in ("spawn", "torchrun"):
+        assert losses[name] == pytest.approx(losses["single"], rel=1e-5)
+
+
+@pytest.mark.parametrize("name", ["spawn", "torchrun"])
+def test_wandb_offline_run_on_rank0_only(runs, name):
+    cwd, _ = runs[name]
+    offline_runs = glob.glob(os.path.join(cwd, "**", "offline-run-*"), recursive=True)
+    assert len(offline_runs) == 1, offline_runs
+    assert os.path.dirname(offline_runs[0]) == os.path.join(_run_dir(runs, name), "wandb")
+    [log_file] = glob.glob(os.path.join(offline_runs[0], "run-*.wandb"))
+    rows = history(log_file)
+    metrics = read_metrics(_run_dir(runs, name))
+    assert [row["_step"] for row in rows] == [m["step"] for m in metrics]
+    for row, m in zip(rows, metrics):
+        assert {k: row[k] for k in m if k != "step"} == {k: v for k, v in m.items() if k != "step"}
