@@ -187,6 +187,9 @@ def schema() -> DictConfig:
     node = OmegaConf.structured(TrainConfig)
     with open_dict(node.checkpoint):
         node.checkpoint["async"] = False
+    # Free-form maps: `sharding.reshard_override={0:false}` and new `model.config.<key>=` need no `+`.
+    OmegaConf.set_struct(node.sharding.reshard_override, False)
+    OmegaConf.set_struct(node.model.config, False)
     return node
 
 

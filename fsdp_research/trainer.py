@@ -161,6 +161,8 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
 
     sinks = build_sinks(cfg.logger, run_dir, rank, t.max_steps, OmegaConf.to_container(cfg, resolve=True),
                         state["wandb_run_id"], state["step"])
+    if rank == 0:
+        write_status(run_dir, "running")
     micro_steps = t.global_batch_size // (t.micro_batch_size * world)
     throughput = Throughput(t.global_batch_size * cfg.data.seq_len, t.global_batch_size, world,
                             flops_per_token(hf_config, n_params, cfg.data.seq_len), peak_tflops(device, t.peak_tflops),
@@ -230,10 +232,15 @@ def _one_line(err: BaseException) -> str:
 
 
 def write_status(run_dir: str, status: str, error: Optional[str] = None) -> None:
-    """<run dir>/status.json: completed, preempted or failed (with the one-line reason), for sweeps and
-    the report."""
+    """<run dir>/status.json: running, completed, preempted or failed (with the one-line reason), for sweeps
+    and the report. A command refused before it trained leaves an earlier run's record as it was."""
+    path = os.path.join(run_dir, "status.json")
+    if status == "failed" and os.path.exists(path):
+        with open(path) as f:
+            if json.load(f)["status"] != "running":
+                return
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "status.json"), "w") as f:
+    with open(path, "w") as f:
         json.dump({"status": status, "error": error}, f)
 
 

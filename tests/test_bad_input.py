@@ -25,16 +25,14 @@ HYDRA_ERRORS = {
 }
 # A run dir that already holds a run: a bad relaunch into it must leave it as it was. One case of each path:
 # checked in the parent before workers start (batch), and inside train() (seq_len).
-EXISTING = {"train.log": "[00:00:00][INFO] step 1/2 | loss 6\n", "metrics.jsonl": '{"step": 1, "loss": 6.0}\n'}
+EXISTING = {"train.log": "[00:00:00][INFO] step 1/2 | loss 6\n", "metrics.jsonl": '{"step": 1, "loss": 6.0}\n',
+            "status.json": '{"status": "completed", "error": null}'}
 INTO_EXISTING = {"batch", "seq_len"}
 
 
-# The records of the latest command, rewritten by every launch: Hydra's config snapshot, and the job's status.
-RECORDS = {".hydra", "status.json"}
-
-
 def _contents(run_dir):
-    return {name: (run_dir / name).read_text() for name in os.listdir(run_dir) if name not in RECORDS}
+    # Hydra rewrites its config snapshot before the app starts: the one record a refused command changes.
+    return {name: (run_dir / name).read_text() for name in os.listdir(run_dir) if name != ".hydra"}
 
 
 @pytest.fixture(scope="module")
@@ -60,9 +58,12 @@ def test_app_error_is_one_line_naming_key_and_fix(failed, name):
     line = result.last_error_line()
     assert line.startswith(f"error: {APP_ERRORS[name][0]}: ") and "; fix: " in line, result.stderr[-3000:]
     assert "step 1/" not in result.stdout  # no step ran
-    # An existing run is left as it was; a fresh dir holds no trace of a run.
-    assert _contents(cwd / name) == (EXISTING if name in INTO_EXISTING else {})
+    # An existing run is left as it was, its status too; a fresh dir holds only the failed status.
+    if name in INTO_EXISTING:
+        assert _contents(cwd / name) == EXISTING
+        return
     status = cwd / name / "status.json"
+    assert _contents(cwd / name).keys() <= {"status.json"}
     if status.exists():
         record = json.loads(status.read_text())
         assert record["status"] == "failed" and f"{APP_ERRORS[name][0]}: " in record["error"]
