@@ -1,8 +1,9 @@
 """Config schemas. Each group's YAML in conf/<group>/ is merged onto these dataclasses, so a typo'd key,
 a wrong type or an unknown enum value fails at composition, before any process group or model exists."""
+import os
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -138,6 +139,8 @@ class TrainerConfig:
     device: str = "auto"
     # SLURM's warning before a time limit or preemption (sbatch --signal=USR2@<s>): save, requeue, exit.
     preemption_signal: Optional[str] = "SIGUSR2"
+    # >0: profile that many steps after a warm-up step (trace and time breakdown in <run dir>/profile/).
+    profile_steps: int = 0
 
 
 @dataclass
@@ -167,6 +170,15 @@ class CheckpointConfig:
 
 
 @dataclass
+class DoctorConfig:
+    # Measured shares above which the doctor reports a finding (fsdp_research/doctor.py).
+    # Communication that no compute hides, as a share of the step time.
+    exposed_comm_share: float = 0.3
+    # A blocking checkpoint save, as a share of the training time between two saves.
+    checkpoint_share: float = 0.1
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
@@ -180,6 +192,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
 
 
 def schema() -> DictConfig:
@@ -209,6 +222,18 @@ def _rank0_only(value: Any) -> Any:
 
     env = launch_env()
     return value if env is None or env.rank == 0 else None
+
+
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+
+
+def compose(overrides: Sequence[str] = ()) -> DictConfig:
+    """The config `python train.py <overrides>` runs with, typed (Hydra's compose API over conf/)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        return typed(hydra_compose(config_name="train", overrides=list(overrides)))
 
 
 def register_configs() -> None:
