@@ -18,12 +18,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
 
 from fsdp_research.checkpoint import Checkpointer  # noqa: E402
-from fsdp_research.config import register_configs, typed  # noqa: E402
+from fsdp_research.config import compose, typed  # noqa: E402
 from fsdp_research.distributed import device_for, init_distributed, spawn  # noqa: E402
 from fsdp_research.models import build_hf_config  # noqa: E402
 from fsdp_research.optim import build_optimizer  # noqa: E402
@@ -100,10 +99,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    register_configs()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with initialize_config_dir(config_dir=os.path.join(root, "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=["precision=fp32", "checkpoint.keep_last=1", *MODEL, *args.overrides])
+    cfg = compose(["precision=fp32", "checkpoint.keep_last=1", *MODEL, *args.overrides])
     out = tempfile.mkdtemp(dir=os.environ.get("BENCH_DIR"))
     try:
         spawn(_bench, args.nproc, OmegaConf.to_container(cfg, resolve=True), args.repeats, out)

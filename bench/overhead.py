@@ -16,11 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
-from fsdp_research.config import register_configs, typed  # noqa: E402
+from fsdp_research.config import compose, typed  # noqa: E402
 from fsdp_research.data import build_data  # noqa: E402
 from fsdp_research.distributed import spawn  # noqa: E402
 from fsdp_research.models import (block_class_name, build_hf_config, build_model, find_blocks,  # noqa: E402
@@ -88,13 +87,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    register_configs()
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    with initialize_config_dir(config_dir=os.path.join(root, "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=["logger=none", "data=synthetic", "trainer.log_interval=10",
-                                          "trainer.eval_interval=0", "checkpoint.interval=0",
-                                          "checkpoint.export=false",
-                                          f"trainer.max_steps={args.steps}", *args.overrides])
+    cfg = compose(["logger=none", "data=synthetic", "trainer.log_interval=10", "trainer.eval_interval=0",
+                   "checkpoint.interval=0", "checkpoint.export=false", f"trainer.max_steps={args.steps}",
+                   *args.overrides])
     with tempfile.TemporaryDirectory() as out:
         spawn(_bench, args.nproc, OmegaConf.to_container(cfg, resolve=True), args.steps, args.repeats, out)
         with open(os.path.join(out, "times.json")) as f:
