@@ -65,7 +65,7 @@ def trainer_step_time(cfg, run_dir: str) -> float:
         return 0.0
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]
-    return statistics.mean(r["step_time_s"] for r in rows if r["step"] > WARMUP)
+    return statistics.mean(r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > WARMUP)
 
 
 def _bench(container, steps: int, repeats: int, out: str) -> None:

@@ -58,6 +58,17 @@ def planned_world_size(cfg: DistributedConfig) -> int:
     return env.world_size if env else cfg.nproc_per_node
 
 
+def planned_nodes() -> int:
+    """How many nodes this launch spans, as its launcher says: torchrun (WORLD_SIZE over LOCAL_WORLD_SIZE) or
+    an srun step; 1 for a single process or this app's own workers."""
+    env = os.environ
+    if "WORLD_SIZE" in env and "LOCAL_WORLD_SIZE" in env:
+        return -(-int(env["WORLD_SIZE"]) // int(env["LOCAL_WORLD_SIZE"]))
+    if "SLURM_STEP_ID" in env:
+        return int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES") or env.get("SLURM_JOB_NUM_NODES", 1))
+    return 1
+
+
 def device_for(requested: str, local_rank: int) -> torch.device:
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
@@ -66,10 +77,22 @@ def device_for(requested: str, local_rank: int) -> torch.device:
     return torch.device(requested)
 
 
+def _limit_cpu_threads() -> None:
+    """Ranks sharing a node's cores split them: torch's default (every core per process) oversubscribes the
+    node as soon as two ranks run on it. An explicit OMP_NUM_THREADS wins (torchrun sets 1)."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    env = os.environ
+    local = int(env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_STEP_TASKS_PER_NODE", "1").split("(")[0].split(",")[0])
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
+
+
 def init_distributed(cfg: DistributedConfig, device: torch.device) -> None:
     """Join (or create) the process group; a no-op when the caller already made one."""
     if dist.is_initialized():
         return
+    if device.type == "cpu":
+        _limit_cpu_threads()
     env = launch_env() or LaunchEnv(0, 1, 0, "127.0.0.1", _free_port())
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
@@ -88,7 +111,7 @@ def broadcast_object(obj: Any) -> Any:
 
 def _worker(local_rank: int, fn: Callable, nprocs: int, port: int, args: tuple) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     fn(*args)
 
 

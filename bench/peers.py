@@ -1,0 +1,105 @@
+"""Against peers, side by side in one run (same model, batch, data and ranks, alternated repeats):
+our trainer with sharding=ddp and sharding=blockwise, what Hugging Face Accelerate gives a CPU user (its
+multi-CPU data parallel: Accelerate's FSDP2 does not shard on CPU, each process would run the whole unwrapped
+model), and the bare per-block fully_shard + AdamW loop (the floor). Steady-state tokens/s.
+
+    pip install accelerate   # bench only: the package never imports it
+    .venv/bin/python bench/peers.py [--nproc 2] [--steps 40] [--repeats 3] [overrides ...]
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from overhead import WARMUP, bare_loop, trainer_step_time  # noqa: E402 (bench/ is on sys.path)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from fsdp_research.config import compose, typed  # noqa: E402
+from fsdp_research.data import build_data  # noqa: E402
+from fsdp_research.distributed import device_for, init_distributed, spawn  # noqa: E402
+from fsdp_research.models import build_hf_config, build_model, init_weights, materialize  # noqa: E402
+
+
+def accelerate_loop(cfg, steps: int) -> float:
+    """Seconds per step after warmup of the loop Accelerate's docs teach, on its multi-CPU data parallel."""
+    from accelerate import Accelerator
+
+    t = cfg.trainer
+    bf16 = cfg.precision.param_dtype == "bfloat16"
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16" if bf16 else "no")
+    assert accelerator.distributed_type.value == "MULTI_CPU" or dist.get_world_size() == 1
+    hf_config = build_hf_config(cfg.model)
+    data = build_data(cfg.data, hf_config.vocab_size, t.seed)
+    model = build_model(hf_config)
+    materialize(model, torch.device("cpu"))
+    init_weights(model, t.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in range(steps):
+        if step == WARMUP:
+            dist.barrier()
+            start = time.perf_counter()
+        batch = data.train.rank_batch(step, t.global_batch_size, rank, world)
+        logits = model(input_ids=batch[:, :-1]).logits
+        accelerator.backward(F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()))
+        accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.barrier()
+    return (time.perf_counter() - start) / (steps - WARMUP)
+
+
+def _bench(container, steps: int, repeats: int, out: str) -> None:
+    base = typed(container)
+    init_distributed(base.distributed, device_for("auto", 0))
+    runs = {
+        "trainer ddp": lambda r: trainer_step_time(typed({**container, "sharding": {"strategy": "ddp"}}),
+                                                   os.path.join(out, f"ddp{r}")),
+        "trainer blockwise": lambda r: trainer_step_time(base, os.path.join(out, f"blockwise{r}")),
+        "accelerate multi-CPU DDP": lambda r: accelerate_loop(base, steps),
+        "bare fully_shard loop": lambda r: bare_loop(base, steps),
+    }
+    times = {name: [] for name in runs}
+    for r in range(repeats):
+        for name, run in runs.items():
+            times[name].append(run(r))
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "times.json"), "w") as f:
+            json.dump(times, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args()
+    cfg = compose(["logger=none", "data=synthetic", "trainer.log_interval=10", "trainer.eval_interval=0",
+                   "checkpoint.interval=0", "checkpoint.export=false", f"trainer.max_steps={args.steps}",
+                   *args.overrides])
+    with tempfile.TemporaryDirectory() as out:
+        spawn(_bench, args.nproc, OmegaConf.to_container(cfg, resolve=True), args.steps, args.repeats, out)
+        with open(os.path.join(out, "times.json")) as f:
+            times = {name: statistics.median(v) for name, v in json.load(f).items()}
+    tokens = cfg.trainer.global_batch_size * cfg.data.seq_len
+    ours = times["trainer ddp"]
+    print(f"{args.nproc} ranks, {cfg.model.name}, {cfg.precision.name}, global batch {cfg.trainer.global_batch_size} "
+          f"x {cfg.data.seq_len} tokens, median of {args.repeats} alternated repeats")
+    for name, seconds in times.items():
+        print(f"{name:>26}: {tokens / seconds:9,.0f} tokens/s ({seconds * 1e3:.1f} ms/step); "
+              f"trainer ddp / this = {seconds / ours:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
