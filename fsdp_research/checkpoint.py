@@ -108,8 +108,9 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _mismatches(step_dir: str, state: Dict[str, Dict[str, Any]]) -> List[str]:
-    """Tensor keys that are missing, unexpected or of another shape between the checkpoint and this run."""
+def _mismatches(step_dir: str, state: Dict[str, Dict[str, Any]]) -> List[List[str]]:
+    """Tensor keys that are missing, unexpected or of another shape between the checkpoint and this run: one
+    list per kind, empty ones left out."""
     saved = {k: tuple(v.size) for k, v in dcp.FileSystemReader(step_dir).read_metadata()
              .state_dict_metadata.items() if hasattr(v, "size")}
     ours = {f"model.{k}": tuple(v.shape) for k, v in state["model"].items() if hasattr(v, "shape")}
@@ -117,11 +118,11 @@ def _mismatches(step_dir: str, state: Dict[str, Dict[str, Any]]) -> List[str]:
                  for name, v in s.items() if hasattr(v, "shape") and v.dim() > 0})
     saved = {k: v for k, v in saved.items() if k.startswith("model.") or (k.startswith("optim.state.")
                                                                           and len(v) > 0)}
-    problems = [f"missing {k}" for k in sorted(ours.keys() - saved.keys())]
-    problems += [f"unexpected {k}" for k in sorted(saved.keys() - ours.keys())]
-    problems += [f"{k} is {list(saved[k])} in the checkpoint, {list(ours[k])} here"
-                 for k in sorted(ours.keys() & saved.keys()) if ours[k] != saved[k]]
-    return problems
+    missing = [f"missing {k}" for k in sorted(ours.keys() - saved.keys())]
+    unexpected = [f"unexpected {k}" for k in sorted(saved.keys() - ours.keys())]
+    reshaped = [f"{k} is {list(saved[k])} in the checkpoint, {list(ours[k])} here"
+                for k in sorted(ours.keys() & saved.keys()) if ours[k] != saved[k]]
+    return [kind for kind in (missing, unexpected, reshaped) if kind]
 
 
 class Checkpointer:
@@ -132,9 +133,11 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.extra_files = extra_files
         self.is_async = bool(cfg["async"])
-        # A gloo group of its own: CPU-side collectives on any backend, and async writes, which run
-        # collectives from a background thread, stay off the training group.
+        # A gloo group of its own: CPU-side collectives on any backend stay off the training group. Async writes
+        # run collectives from a background thread, so they get one more: two threads interleaving collectives
+        # on one group (the preemption check uses `group` every step) deadlock.
         self.group = dist.new_group(backend="gloo")
+        self._async_group = dist.new_group(backend="gloo") if self.is_async else None
         self._pending: Optional[Tuple[Any, int, str]] = None
 
     def due(self, step: int, max_steps: int) -> bool:
@@ -162,7 +165,7 @@ class Checkpointer:
         state = {"model": model_state, "optim": optim_state}
         try:
             if self.is_async:
-                self._pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=self.group), step, tmp)
+                self._pending = (dcp.async_save(state, checkpoint_id=tmp, process_group=self._async_group), step, tmp)
                 return
             # DCP gathers every rank's write result, so a failure on any rank raises on all of them.
             dcp.save(state, checkpoint_id=tmp, process_group=self.group)
@@ -196,7 +199,7 @@ class Checkpointer:
                 if os.path.exists(final):  # resumed from an older step: this save replaces that future
                     shutil.rmtree(final)
                 os.rename(tmp, final)
-                self._prune()
+                self._prune(step)
                 log.info(f"saved checkpoint {final}")
             except OSError as err:
                 error = err
@@ -212,10 +215,14 @@ class Checkpointer:
         if failed.item():
             self._fail(step, tmp, error or OSError("another rank could not write its part"))
 
-    def _prune(self) -> None:
-        if self.cfg.keep_last > 0:
-            for _, old in checkpoints_in(self.root)[self.cfg.keep_last:]:
-                shutil.rmtree(old, ignore_errors=True)
+    def _prune(self, step: int) -> None:
+        """Once step_<step> is complete: drop the checkpoints after it (a run resumed from an older one abandoned
+        them, as its metrics.jsonl did; left, they would win the next resume) and all but the keep_last newest."""
+        found = checkpoints_in(self.root)
+        abandoned = [path for s, path in found if s > step]
+        kept = [path for s, path in found if s <= step]
+        for old in abandoned + (kept[self.cfg.keep_last:] if self.cfg.keep_last > 0 else []):
+            shutil.rmtree(old, ignore_errors=True)
 
     def _fail(self, step: int, tmp: str, err: BaseException) -> None:
         # Measured before the partial checkpoint goes: a full disk often says no more than "unexpected pos".
@@ -235,10 +242,13 @@ class Checkpointer:
         trainer state. Checks every tensor key and shape first, so a mismatch changes nothing."""
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
-        problems = _mismatches(step_dir, state)
-        if problems:
-            shown = "; ".join(problems[:6]) + (f"; ... {len(problems) - 6} more" if len(problems) > 6 else "")
-            raise CheckpointError(f"checkpoint {step_dir} does not fit this model/optimizer: {shown}")
+        kinds = _mismatches(step_dir, state)
+        if kinds:
+            # A few of each kind: another optimizer shows as keys both missing and unexpected.
+            shown = [problem for kind in kinds for problem in kind[:3]]
+            more = sum(map(len, kinds)) - len(shown)
+            raise CheckpointError(f"checkpoint {step_dir} does not fit this model/optimizer: {'; '.join(shown)}"
+                                  + (f"; ... {more} more" if more else ""))
         dcp.load(state, checkpoint_id=step_dir)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng = os.path.join(step_dir, f"rng_rank{self.rank}.pt")

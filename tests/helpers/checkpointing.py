@@ -1,0 +1,152 @@
+"""Tools for the checkpoint tests: the real CLI in a process group of its own (so a test can SIGKILL the whole
+job, workers included), what a run leaves behind (metrics, checkpoint tensors, file listings), and models
+built in spawned worker processes."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from fsdp_research.checkpoint import checkpoints_in, verify
+from fsdp_research.config import typed
+from fsdp_research.distributed import device_for, init_distributed, spawn
+from fsdp_research.models import build_hf_config
+from fsdp_research.trainer import build_sharded_model
+from tests.conftest import ROOT
+from tests.helpers.dist import full_state
+
+
+def with_overrides(base: Sequence[str], *changes: str) -> List[str]:
+    """base with each `key=value` of changes replacing the same key (Hydra refuses a key given twice)."""
+    keys = {c.split("=", 1)[0] for c in changes}
+    return [o for o in base if o.split("=", 1)[0] not in keys] + list(changes)
+
+
+@dataclass
+class Run:
+    run_dir: str
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def metrics(self) -> List[dict]:
+        with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
+            return [json.loads(line) for line in f]
+
+    def error_lines(self) -> List[str]:
+        return [line for line in self.stderr.splitlines() if line.startswith("error:")]
+
+
+class Job:
+    """`python train.py <overrides> hydra.run.dir=<run_dir>`, started in a new session; its output goes to
+    <logs>.stdout and .stderr (default: beside the run dir), so a run dir holds only what the run wrote."""
+
+    def __init__(self, run_dir: str, overrides: Sequence[str], hf_cache: str, logs: Optional[str] = None):
+        self.run_dir = run_dir
+        logs = logs or run_dir.rstrip("/")
+        self._logs = (logs + ".stdout", logs + ".stderr")
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", WANDB_SILENT="true", HF_DATASETS_CACHE=hf_cache)
+        with open(self._logs[0], "w") as out, open(self._logs[1], "w") as err:
+            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *overrides,
+                                          f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=out,
+                                         stderr=err, start_new_session=True)
+
+    def finish(self, timeout: float = 300) -> Run:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        with open(self._logs[0]) as out, open(self._logs[1]) as err:
+            return Run(self.run_dir, self.proc.returncode, out.read(), err.read())
+
+    def kill(self) -> None:
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+
+    def kill_when(self, path: str, timeout: float = 240) -> Run:
+        """SIGKILL the whole job as soon as `path` exists; fails if the job ends first."""
+        deadline = time.monotonic() + timeout
+        while not os.path.exists(path):
+            assert self.proc.poll() is None, f"the run ended (exit {self.proc.returncode}) before {path} existed"
+            assert time.monotonic() < deadline, f"no {path} after {timeout}s"
+            time.sleep(0.005)
+        assert self.proc.poll() is None, "the run ended before it could be killed"
+        self.kill()
+        return self.finish()
+
+
+def train(run_dir: str, overrides: Sequence[str], hf_cache: str, logs: Optional[str] = None) -> Run:
+    return Job(run_dir, overrides, hf_cache, logs).finish()
+
+
+def complete_steps(run_dir: str) -> List[int]:
+    """Steps of the published checkpoints that verify, oldest first."""
+    return sorted(step for step, path in checkpoints_in(os.path.join(run_dir, "checkpoints"))
+                  if verify(path) is None)
+
+
+def checkpoint_tensors(step_dir: str) -> Dict[str, torch.Tensor]:
+    """Every tensor a resume checkpoint holds (model and optimizer state), read in this process alone."""
+    metadata = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in metadata.items()
+             if hasattr(v, "size")}
+    dcp.load(state, checkpoint_id=step_dir, no_dist=True)
+    return state
+
+
+def assert_bitwise_equal(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
+
+
+def snapshot(root: str) -> Dict[str, tuple]:
+    """Every file under root: (size, mtime, content hash)."""
+    found = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+            found[os.path.relpath(path, root)] = (os.path.getsize(path), os.stat(path).st_mtime_ns, digest)
+    return found
+
+
+def _build_each(configs: Dict[str, dict], batch: torch.Tensor, out_dir: str) -> None:
+    first = typed(next(iter(configs.values())))
+    device = device_for(first.trainer.device, 0)
+    init_distributed(first.distributed, device)
+    for name, cfg in configs.items():
+        cfg = typed(cfg)
+        model, _, _ = build_sharded_model(cfg, build_hf_config(cfg.model), device, dist.get_world_size())
+        weights = full_state(model)
+        with torch.no_grad():
+            logits = model(input_ids=batch.to(device)).logits.cpu()
+        if dist.get_rank() == 0:
+            torch.save({"weights": weights, "logits": logits}, os.path.join(out_dir, f"{name}.pt"))
+    dist.destroy_process_group()
+
+
+def build_distributed(configs: Dict[str, dict], world_size: int, batch: torch.Tensor,
+                      out_dir: str) -> Dict[str, Dict[str, torch.Tensor]]:
+    """Build each config's sharded model (build_sharded_model) on `world_size` spawned processes; returns its
+    full initial weights and its logits on `batch`."""
+    os.makedirs(out_dir, exist_ok=True)
+    spawn(_build_each, world_size, configs, batch, out_dir)
+    return {name: torch.load(os.path.join(out_dir, f"{name}.pt")) for name in configs}
+
+
+def newest_complete(run_dir: str) -> Optional[int]:
+    steps = complete_steps(run_dir)
+    return steps[-1] if steps else None
