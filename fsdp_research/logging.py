@@ -78,6 +78,9 @@ class JsonlSink:
     def log(self, metrics: Dict[str, Any]) -> None:
         self.file.write(json.dumps(metrics) + "\n")
 
+    def note(self, step: int, key: str, value: Any) -> None:
+        self.log({"step": step, key: value})
+
     def finish(self) -> None:
         self.file.close()
 
@@ -92,6 +95,10 @@ class WandbSink:
     def log(self, metrics: Dict[str, Any]) -> None:
         self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 
+    def note(self, step: int, key: str, value: Any) -> None:
+        # The summary, not the history: one record per run, and the history stays one row per logged step.
+        self.run.summary[key] = value
+
     def finish(self) -> None:
         self.run.finish()
 
@@ -105,6 +112,13 @@ class Sinks:
     def log(self, metrics: Dict[str, Any]) -> None:
         for sink in self.sinks:
             sink.log(metrics)
+
+    def note(self, step: int, key: str, value: Any) -> None:
+        """A one-off record (the doctor's findings, a profile): a metrics.jsonl line {"step": step, key: value}
+        and the W&B summary. Not the console: the caller says it in words."""
+        for sink in self.sinks:
+            if hasattr(sink, "note"):
+                sink.note(step, key, value)
 
     def finish(self) -> None:
         for sink in self.sinks:

@@ -41,7 +41,8 @@ def _read_metrics(path: str) -> List[Dict[str, Any]]:
                 rows.append(json.loads(line))
             except json.JSONDecodeError:
                 continue  # a job killed mid-write leaves a partial last line
-    return rows
+    # Only the per-step metrics: one-off records ({"step", "doctor"}, {"step", "profile"}) have no loss.
+    return [row for row in rows if "loss" in row]
 
 
 def _median_after_warmup(rows: List[Dict[str, Any]], key: str) -> Optional[float]:

@@ -2,15 +2,18 @@
 application with FSDP2's fully_shard, or plain DDP for the baseline."""
 import contextlib
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
+from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from .activation_checkpointing import apply_activation_checkpointing
 from .config import ConfigError, ShardingConfig, Strategy
+from .models import apply_compile, block_class_name, build_model, find_blocks
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,8 @@ class ShardingPlan:
     strategy: Strategy
     # Innermost first, the root last; empty for ddp.
     units: List[Unit]
+    # The repeating blocks' paths, in forward order: what a reader of the plan (the doctor) holds units against.
+    blocks: Tuple[str, ...] = ()
 
 
 def _block_reshard_flags(strategy: Strategy, n_blocks: int) -> List[bool]:
@@ -39,9 +44,10 @@ def _block_reshard_flags(strategy: Strategy, n_blocks: int) -> List[bool]:
 
 def build_plan(model: nn.Module, blocks: List[nn.Module], cfg: ShardingConfig) -> ShardingPlan:
     strategy = Strategy(cfg.strategy)
-    if strategy is Strategy.ddp:
-        return ShardingPlan(strategy, [])
     paths = {module: path for path, module in model.named_modules()}
+    block_paths = tuple(paths[block] for block in blocks)
+    if strategy is Strategy.ddp:
+        return ShardingPlan(strategy, [], block_paths)
     flags = _block_reshard_flags(strategy, len(blocks))
     for index, flag in cfg.reshard_override.items():
         if not 0 <= index < len(blocks):
@@ -54,7 +60,17 @@ def build_plan(model: nn.Module, blocks: List[nn.Module], cfg: ShardingConfig) -
     elif strategy is not Strategy.root_only:
         units = [Unit(paths[block], flag) for block, flag in zip(blocks, flags)]
     # The root's own flag is moot: FSDP keeps the root gathered for backward.
-    return ShardingPlan(strategy, units + [Unit("", False)])
+    return ShardingPlan(strategy, units + [Unit("", False)], block_paths)
+
+
+def planned_model(cfg: DictConfig, hf_config) -> Tuple[nn.Module, ShardingPlan]:
+    """The model on the meta device, prepared in the trainer's order (activation checkpointing, compile), and
+    its sharding plan: nothing allocated, no process group needed."""
+    model = build_model(hf_config)
+    blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
+    blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
+    apply_compile(blocks, cfg.trainer.compile)
+    return model, build_plan(model, blocks, cfg.sharding)
 
 
 def build_mesh(cfg: ShardingConfig, device_type: str, world_size: int) -> DeviceMesh:

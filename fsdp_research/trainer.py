@@ -17,20 +17,22 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from .activation_checkpointing import apply_activation_checkpointing
 from .checkpoint import CheckpointError, Checkpointer, check_fresh_start, config_files, find_resume, run_dir_of
 from .config import ConfigError, DataKind, Strategy, typed
 from .data import Data, build_data, check_vocab, resolve_paths
-from .distributed import broadcast_object, device_for, init_distributed, launch_env, planned_world_size, spawn
+from .distributed import (broadcast_object, device_for, init_distributed, launch_env, planned_nodes,
+                          planned_world_size, spawn)
+from .doctor import diagnose, report
 from .logging import build_sinks, new_run_id, setup_logging
 from .metrics import Throughput, flops_per_token, peak_memory, peak_tflops
-from .models import (apply_compile, block_class_name, build_hf_config, build_model, find_blocks, init_weights,
-                     load_pretrained, materialize, pretrained_dir)
+from .models import (block_class_name, build_hf_config, build_model, find_blocks, init_weights, load_pretrained,
+                     materialize, pretrained_dir)
 from .optim import build_optimizer, clip_grad_norm
 from .export import export_model, parse_size
 from .preemption import Preemption, requeue
 from .precision import LossScaler, autocast, build_mp_policy, check_device_supports, dtype
-from .sharding import apply_ddp, apply_fsdp, build_mesh, build_plan, grad_sync
+from .profiling import StepProfiler, region
+from .sharding import apply_ddp, apply_fsdp, build_mesh, grad_sync, planned_model
 
 log = logging.getLogger("fsdp_research")
 
@@ -41,6 +43,8 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_interval"):
         if t[key] < 1:
             raise ConfigError(f"trainer.{key}", f"{t[key]} is below 1", f"set trainer.{key} to 1 or more")
+    if t.profile_steps < 0:
+        raise ConfigError("trainer.profile_steps", f"{t.profile_steps} is negative", "use 0 (off) or a few steps")
     if t.global_batch_size % (t.micro_batch_size * world_size):
         unit = t.micro_batch_size * world_size
         raise ConfigError("trainer.global_batch_size",
@@ -106,11 +110,7 @@ def build_sharded_model(cfg: DictConfig, hf_config, device: torch.device, world:
     """Model on meta -> activation checkpointing -> compile -> FSDP plan applied -> this rank's shards
     materialized (initialised, or read from model.name_or_path) -> DDP for the baseline.
     Returns (model, plan, number of blocks)."""
-    model = build_model(hf_config)
-    blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
-    blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
-    apply_compile(blocks, cfg.trainer.compile)
-    plan = build_plan(model, blocks, cfg.sharding)
+    model, plan = planned_model(cfg, hf_config)
     apply_fsdp(model, plan, build_mesh(cfg.sharding, device.type, world), build_mp_policy(cfg.precision),
                cfg.sharding)
     materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device)
@@ -120,7 +120,7 @@ def build_sharded_model(cfg: DictConfig, hf_config, device: torch.device, world:
         init_weights(model, cfg.trainer.seed)
     if plan.strategy is Strategy.ddp:
         model = apply_ddp(model, device)
-    return model, plan, len(blocks)
+    return model, plan, len(plan.blocks)
 
 
 def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
@@ -163,6 +163,9 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
                         state["wandb_run_id"], state["step"])
     if rank == 0:
         write_status(run_dir, "running")
+        report(diagnose(cfg, plan, world, planned_nodes()), sinks, state["step"])
+    profiler = StepProfiler(t.profile_steps, run_dir, rank, device, sinks)
+    save_times: List[float] = []
     micro_steps = t.global_batch_size // (t.micro_batch_size * world)
     throughput = Throughput(t.global_batch_size * cfg.data.seq_len, t.global_batch_size, world,
                             flops_per_token(hf_config, n_params, cfg.data.seq_len), peak_tflops(device, t.peak_tflops),
@@ -173,19 +176,23 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
     throughput.start()
     last_logged = state["step"]
     for step in range(state["step"], t.max_steps):
-        batch = data.train.rank_batch(step, t.global_batch_size, rank, world).to(device)
+        with region("data"):
+            batch = data.train.rank_batch(step, t.global_batch_size, rank, world).to(device)
         loss_sum = torch.zeros((), device=device)
         for i, micro in enumerate(batch.split(t.micro_batch_size)):
             with grad_sync(model, i == micro_steps - 1 or not t.defer_grad_sync):
-                loss = _loss(model, micro, amp) / micro_steps
-                scaler.scale_loss(loss).backward()
+                with region("forward"):
+                    loss = _loss(model, micro, amp) / micro_steps
+                with region("backward"):
+                    scaler.scale_loss(loss).backward()
             loss_sum += loss.detach()
-        finite = scaler.unscale_and_check(model.parameters())
-        grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
-        if finite:
-            optimizer.step()
-        scaler.update(finite)
-        optimizer.zero_grad(set_to_none=True)
+        with region("optimizer"):
+            finite = scaler.unscale_and_check(model.parameters())
+            grad_norm = clip_grad_norm(model, cfg.optim.grad_clip)
+            if finite:
+                optimizer.step()
+            scaler.update(finite)
+            optimizer.zero_grad(set_to_none=True)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()
         done = step + 1
@@ -200,17 +207,23 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
             rates.append(metrics["tokens_per_s"])
             sinks.log(metrics)
             last_logged = done
+        # Before the checkpoint, so that the run's final save stays out of the profiled window (the summary
+        # times saves on their own).
+        profiler.step(done)
         result.preempted = preemption.requested()
         if checkpointer.due(done, t.max_steps) or result.preempted:
+            save_start = time.perf_counter()
             checkpointer.save(done, model, optimizer, {
                 "step": done, "tokens_seen": done * t.global_batch_size * cfg.data.seq_len,
                 "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(),
                 "wandb_run_id": state["wandb_run_id"], "world_size": world})
+            save_times.append(time.perf_counter() - save_start)
         if result.preempted:
             log.info(f"preemption signal: stopped after step {done} with a resume checkpoint")
             break
         if last_logged == done:
             throughput.start()
+    profiler.close()
     checkpointer.wait()
     if cfg.checkpoint.export and not result.preempted:
         export_dtype = cfg.checkpoint.export_dtype or cfg.precision.param_dtype
@@ -220,6 +233,8 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
                       "wall_time_s": round(time.perf_counter() - start_time, 2),
                       "median_tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None,
                       **peak_memory(device)}
+    if save_times:  # what a save blocks training for (with checkpoint.async, only the staging)
+        result.summary["checkpoint_save_s"] = sum(save_times) / len(save_times)
     log.info("summary: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                      for k, v in result.summary.items()))
     sinks.finish()

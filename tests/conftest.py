@@ -4,10 +4,9 @@ import os
 import sysconfig
 
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from fsdp_research.config import register_configs
+from fsdp_research.config import compose, register_configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A few standard-library modules: real text, on every machine, small enough to tokenize in a second.
@@ -21,8 +20,7 @@ register_configs()
 
 
 def compose_config(overrides=()) -> DictConfig:
-    with initialize_config_dir(config_dir=os.path.join(ROOT, "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
+    return compose(overrides)
 
 
 @pytest.fixture

@@ -48,8 +48,9 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> Finished:
 
 
 def read_metrics(run_dir: str) -> List[dict]:
+    """The per-step metric rows of metrics.jsonl (one-off records, the doctor's and the profiler's, have no loss)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        return [row for row in map(json.loads, f) if "loss" in row]
 
 
 def default_run_dirs(cwd: str) -> List[str]:

@@ -9,18 +9,14 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fsdp_research.activation_checkpointing import apply_activation_checkpointing
-from fsdp_research.models import block_class_name, build_hf_config, build_model, find_blocks
-from fsdp_research.sharding import ShardingPlan, build_plan
+from fsdp_research.models import build_hf_config
+from fsdp_research.sharding import ShardingPlan, planned_model
 from tests.helpers.dist import final_weights
 
 
 def plan_for(cfg: DictConfig) -> ShardingPlan:
-    """The plan on a meta-device model, built in the trainer's order (activation checkpointing first)."""
-    model = build_model(build_hf_config(cfg.model))
-    blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
-    blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
-    return build_plan(model, blocks, cfg.sharding)
+    """The plan on a meta-device model, built as the trainer builds it (activation checkpointing first)."""
+    return planned_model(cfg, build_hf_config(cfg.model))[1]
 
 
 def _fsdp_units(model: nn.Module) -> Dict[str, FSDPModule]:

@@ -40,3 +40,13 @@ def history(path: str) -> List[Dict[str, object]]:
     """One dict per logged step, W&B's own keys (_step, _runtime, ...) included."""
     return [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
             for record in _records(path) if record.WhichOneof("record_type") == "history"]
+
+
+def summary(path: str) -> Dict[str, object]:
+    """The run's summary as its records updated it (later updates win)."""
+    out: Dict[str, object] = {}
+    for record in _records(path):
+        if record.WhichOneof("record_type") == "summary":
+            for item in record.summary.update:
+                out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
+    return out

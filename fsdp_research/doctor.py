@@ -1,0 +1,238 @@
+"""The "when it is slow" table as a tool: checks of the composed config and the applied sharding plan (and,
+when given, measured numbers) against the usual causes of FSDP running correctly but slowly, in the order
+worth checking. Each finding reads "symptom → cause → what to do".
+
+    python -m fsdp_research.doctor <overrides...> [world_size=N] [nodes=N] [--measure]
+
+The trainer runs the same checks at start-up (rank 0 logs them, metrics.jsonl gets {"step": 0, "doctor": [...]},
+W&B its summary). --measure adds the measured checks from a short profiled run (trainer.profile_steps) on
+world_size spawned processes: the exposed-communication share and the checkpoint save share.
+"""
+import argparse
+import datetime
+import json
+import logging
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch.distributed as dist
+from omegaconf import DictConfig, OmegaConf
+
+from .config import ConfigError, Strategy, compose
+from .distributed import device_for, planned_nodes, planned_world_size, spawn
+from .models import build_hf_config
+from .profiling import format_breakdown
+from .sharding import ShardingPlan, planned_model
+
+log = logging.getLogger("fsdp_research")
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    symptom: str
+    cause: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"{self.symptom} → {self.cause} → {self.fix}"
+
+
+@dataclass(frozen=True)
+class _Case:
+    """What the checks look at."""
+
+    cfg: DictConfig
+    plan: ShardingPlan
+    world_size: int
+    nodes: int
+    measured: Dict[str, float]
+
+    def block_units(self):
+        return [u for u in self.plan.units if u.path in self.plan.blocks]
+
+    def units_inside_blocks(self):
+        return [u for u in self.plan.units if any(u.path.startswith(b + ".") for b in self.plan.blocks)]
+
+    def micro_batches(self) -> int:
+        t = self.cfg.trainer
+        return t.global_batch_size // (t.micro_batch_size * self.world_size)
+
+
+# Each check returns the cause it found in this case, or None.
+
+def _root_only(c: _Case) -> Optional[str]:
+    if [u.path for u in c.plan.units] == [""]:
+        return (f"the root is the only FSDP unit: all {len(c.plan.blocks)} blocks' parameters are gathered at once, "
+                "so peak memory holds the whole model and no gather overlaps compute")
+
+
+def _too_fine(c: _Case) -> Optional[str]:
+    inside = c.units_inside_blocks()
+    if inside:
+        return (f"{len(inside)} FSDP units inside the {len(c.plan.blocks)} blocks: each gather and reduce-scatter "
+                "moves a few small tensors, so the collectives' fixed latency dominates and too little compute "
+                "sits between them to hide it")
+
+
+def _slow_interconnect(c: _Case) -> Optional[str]:
+    replicas = c.cfg.sharding.replicate if c.plan.strategy is Strategy.hsdp else 1
+    shard_group = c.world_size // replicas
+    if (c.nodes > 1 and shard_group > c.world_size // c.nodes
+            and any(u.reshard_after_forward for u in c.plan.units)):
+        return (f"parameters are fully sharded over {shard_group} ranks on {c.nodes} nodes: every all-gather "
+                "(twice per step) and reduce-scatter crosses the inter-node link")
+    share = c.measured.get("exposed_comm_share")
+    if share is not None and share > c.cfg.doctor.exposed_comm_share:
+        return (f"communication that no compute hides takes {share:.0%} of a step "
+                f"(doctor.exposed_comm_share {c.cfg.doctor.exposed_comm_share:.0%})")
+
+
+def _reshard_all(c: _Case) -> Optional[str]:
+    blocks = c.block_units()
+    if blocks and all(u.reshard_after_forward for u in blocks):
+        return (f"all {len(blocks)} blocks, the last one too, free their parameters after forward: the last is "
+                "gathered again right away, as backward starts with it")
+
+
+def _checkpoint_save(c: _Case) -> Optional[str]:
+    save, step = c.measured.get("checkpoint_save_s"), c.measured.get("step_time_s")
+    if save is None or not step:
+        return None
+    interval = c.cfg.checkpoint.interval or c.cfg.trainer.max_steps
+    share = save / (step * interval)
+    if share > c.cfg.doctor.checkpoint_share:
+        return (f"each resume checkpoint stops training for {save:.2f} s, {share:.0%} of the {interval} steps "
+                f"between saves (doctor.checkpoint_share {c.cfg.doctor.checkpoint_share:.0%}); these are sharded "
+                "DCP saves already: the full state dict is gathered only once, for the export")
+
+
+def _cpu_offload(c: _Case) -> Optional[str]:
+    if c.cfg.sharding.cpu_offload and c.plan.units:
+        return ("parameters, gradients and optimizer state live in CPU memory: each step copies every parameter "
+                "to the device and every gradient back, and the optimizer steps on the CPU")
+
+
+def _sync_every_micro_batch(c: _Case) -> Optional[str]:
+    if c.world_size > 1 and c.micro_batches() > 1 and not c.cfg.trainer.defer_grad_sync:
+        return (f"gradient accumulation over {c.micro_batches()} micro-batches with trainer.defer_grad_sync=false: "
+                f"gradients are reduced after every micro-batch, {c.micro_batches()}x the communication")
+
+
+# (check, symptom, detect, what to do), in the order worth checking.
+CHECKS: Tuple[Tuple[str, str, Callable[[_Case], Optional[str]], str], ...] = (
+    ("root_only", "wrapped only the root", _root_only, "wrap each repeating block: sharding=blockwise"),
+    ("per_linear", "wrapped too finely", _too_fine, "wrap blocks, not layers: sharding=blockwise"),
+    ("slow_interconnect", "full sharding on a slow interconnect", _slow_interconnect,
+     "shard within a node and replicate across nodes (sharding=hsdp sharding.replicate=<nodes>), or keep "
+     "parameters gathered after forward (sharding=no_reshard), or accumulate gradients (a larger "
+     "trainer.global_batch_size over the same micro-batch: fewer reductions per sample)"),
+    ("reshard_all", "reshard_after_forward on everywhere", _reshard_all,
+     "leave the last block resident: sharding=blockwise"),
+    ("checkpoint_save", "checkpoint saves take a large share of training", _checkpoint_save,
+     "checkpoint.async=true (write in the background), or a larger checkpoint.interval"),
+    ("cpu_offload", "CPU offload left on", _cpu_offload,
+     "sharding.cpu_offload=false, unless the model does not fit on the devices without it"),
+    ("grad_sync", "gradients reduced every micro-batch", _sync_every_micro_batch,
+     "trainer.defer_grad_sync=true: one reduction per step (unsharded gradients are held between micro-batches)"),
+)
+
+
+def diagnose(cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int,
+             measured: Optional[Dict[str, float]] = None) -> List[Finding]:
+    """The findings for this config and plan on world_size ranks over `nodes` nodes. measured (optional):
+    exposed_comm_share, step_time_s, checkpoint_save_s."""
+    case = _Case(cfg, plan, world_size, nodes, measured or {})
+    return [Finding(name, symptom, cause, fix) for name, symptom, detect, fix in CHECKS
+            if (cause := detect(case)) is not None]
+
+
+def explain(cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int) -> str:
+    """Why a config with no findings is fine, in one phrase: what the plan does."""
+    if not plan.units:
+        shape = "no FSDP units (plain DDP)"
+    else:
+        resident = sum(not u.reshard_after_forward for u in plan.units if u.path in plan.blocks)
+        shape = f"{len(plan.units)} FSDP units: each of the {len(plan.blocks)} blocks ({resident} resident) and the root"
+    return (f"{plan.strategy.value} on {world_size} rank(s), {nodes} node(s): {shape}; "
+            f"CPU offload {'on' if cfg.sharding.cpu_offload else 'off'}; "
+            f"{_Case(cfg, plan, world_size, nodes, {}).micro_batches()} micro-batch(es) per step")
+
+
+def report(findings: List[Finding], sinks, step: int) -> None:
+    """Rank 0 at start-up: each finding as a warning, and all of them to metrics.jsonl and W&B."""
+    for finding in findings:
+        log.warning(f"doctor: {finding}")
+    if findings:
+        sinks.note(step, "doctor", [asdict(f) for f in findings])
+    else:
+        log.info("doctor: no findings")
+
+
+MEASURE_STEPS = 3
+
+
+def _measure_worker(container: Dict[str, Any], run_dir: str) -> None:
+    from .trainer import train  # here: the trainer imports this module
+
+    summary = train(container, run_dir).summary
+    if dist.get_rank() == 0:
+        with open(os.path.join(run_dir, "summary.json"), "w") as f:
+            json.dump(summary, f)
+    dist.destroy_process_group()
+
+
+def measure(overrides: Sequence[str], world_size: int, steps: int, run_dir: str) -> Dict[str, Any]:
+    """A short profiled run on world_size spawned processes: one warm-up step, `steps` profiled steps, then
+    the final resume checkpoint. Returns the profile breakdown plus checkpoint_save_s."""
+    cfg = compose([*overrides, "logger=none", "trainer.eval_interval=0", "checkpoint.export=false",
+                   "checkpoint.resume=never", f"trainer.profile_steps={steps}", f"trainer.max_steps={steps + 1}"])
+    spawn(_measure_worker, world_size, OmegaConf.to_container(cfg, resolve=True), run_dir)
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        profile = next(row["profile"] for row in map(json.loads, f) if "profile" in row)
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return {**profile, "checkpoint_save_s": json.load(f).get("checkpoint_save_s")}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .trainer import check_config
+
+    parser = argparse.ArgumentParser(prog="python -m fsdp_research.doctor", description=__doc__.splitlines()[0])
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides as for train.py, plus world_size=N "
+                        "(default: as the launch would have) and nodes=N (default: from the launcher's environment)")
+    parser.add_argument("--measure", action="store_true", help="add findings from a short profiled run")
+    args = parser.parse_args(argv)
+    layout = {k: v for k, _, v in (o.partition("=") for o in args.overrides) if k in ("world_size", "nodes")}
+    if not all(v.isdigit() and int(v) > 0 for v in layout.values()):
+        parser.error(f"world_size and nodes take a positive integer, got {layout}")
+    layout = {k: int(v) for k, v in layout.items()}
+    overrides = [o for o in args.overrides if o.partition("=")[0] not in layout]
+    try:
+        cfg = compose(overrides)
+        world_size = layout.get("world_size") or planned_world_size(cfg.distributed)
+        nodes = layout.get("nodes") or planned_nodes()
+        hf_config = build_hf_config(cfg.model)
+        check_config(cfg, world_size, hf_config, device_for(cfg.trainer.device, 0))
+        _, plan = planned_model(cfg, hf_config)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    measured = None
+    if args.measure:
+        run_dir = os.path.join("outputs", "doctor", datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f"))
+        measured = measure(overrides, world_size, cfg.trainer.profile_steps or MEASURE_STEPS, run_dir)
+        saved = measured["checkpoint_save_s"]
+        print(f"measured on {world_size} rank(s): {format_breakdown(measured)}"
+              + (f"; checkpoint save {saved:.2f} s" if saved is not None else "") + f"\nrun dir: {run_dir}")
+    findings = diagnose(cfg, plan, world_size, nodes, measured)
+    for finding in findings:
+        print(finding)
+    if not findings:
+        print(f"no findings: {explain(cfg, plan, world_size, nodes)}; all {len(CHECKS)} checks pass")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
