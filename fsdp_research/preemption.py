@@ -16,9 +16,9 @@ log = logging.getLogger("fsdp_research")
 
 
 class Preemption:
-    def __init__(self, signal_name: Optional[str], group):
-        """group: a gloo group, so the per-step agreement is a CPU all-reduce that never syncs a GPU."""
-        self.group = group
+    def __init__(self, signal_name: Optional[str]):
+        """Made first thing in a run: the signal's default action ends the process, and setting up a large model
+        can take minutes."""
         self._received = False
         if signal_name:
             try:
@@ -32,10 +32,11 @@ class Preemption:
         # Only a flag: the step in flight finishes, then every rank stops at the same step.
         self._received = True
 
-    def requested(self) -> bool:
-        """True on every rank once any rank has received the signal (a collective: all ranks call it)."""
+    def requested(self, group) -> bool:
+        """True on every rank once any rank has received the signal (a collective: all ranks call it).
+        group: a gloo group, so the per-step agreement is a CPU all-reduce that never syncs a GPU."""
         flag = torch.tensor([int(self._received)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
         return bool(flag.item())
 
 

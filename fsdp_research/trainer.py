@@ -126,6 +126,7 @@ def build_sharded_model(cfg: DictConfig, hf_config, device: torch.device, world:
 def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
     """Train on this process's rank; every rank of the job calls it. Joins an existing process group."""
     cfg = typed(cfg)
+    preemption = Preemption(cfg.trainer.preemption_signal)
     env = launch_env()
     device = device_for(cfg.trainer.device, env.local_rank if env else 0)
     init_distributed(cfg.distributed, device)
@@ -149,7 +150,6 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
     scaler = LossScaler(cfg.precision)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
-    preemption = Preemption(t.preemption_signal, checkpointer.group)
     state = {"step": 0, "wandb_run_id": new_run_id()}
     if resume_dir:
         state = checkpointer.load(resume_dir, model, optimizer)
@@ -210,7 +210,7 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
         # Before the checkpoint, so that the run's final save stays out of the profiled window (the summary
         # times saves on their own).
         profiler.step(done)
-        result.preempted = preemption.requested()
+        result.preempted = preemption.requested(checkpointer.group)
         if checkpointer.due(done, t.max_steps) or result.preempted:
             save_start = time.perf_counter()
             checkpointer.save(done, model, optimizer, {
@@ -229,7 +229,8 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
         export_dtype = cfg.checkpoint.export_dtype or cfg.precision.param_dtype
         export_model(model, hf_config, os.path.join(run_dir, "export"), dtype(export_dtype, "checkpoint.export_dtype"),
                      parse_size(cfg.checkpoint.export_shard_size), cfg.data.tokenizer)
-    result.summary = {"final_loss": result.losses[-1] if result.losses else None, "steps": t.max_steps,
+    result.summary = {"final_loss": result.losses[-1] if result.losses else None,
+                      "steps": done if result.preempted else t.max_steps,
                       "wall_time_s": round(time.perf_counter() - start_time, 2),
                       "median_tokens_per_s": sorted(rates)[len(rates) // 2] if rates else None,
                       **peak_memory(device)}

@@ -1,0 +1,70 @@
+"""Sweeps on SLURM: a Hydra multirun through the slurm launcher (one job array) and slurm/array.sbatch through
+the submit script. Every job runs a few real training steps."""
+import filecmp
+import glob
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+
+import yaml
+
+from tests.conftest import FAST, ROOT
+from tests.helpers.cli import finish, read_metrics, start
+from tests.slurm.cluster import wait_done
+
+STEPS = 3
+
+
+def _check_job(run_dir: str, ranks: int) -> None:
+    with open(os.path.join(run_dir, "status.json")) as f:
+        assert json.load(f)["status"] == "completed", run_dir
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1)), run_dir
+    assert all(math.isfinite(m["loss"]) for m in metrics), run_dir
+    with open(os.path.join(run_dir, "train.log")) as f:
+        assert f"on {ranks} rank(s)" in f.read(), run_dir
+
+
+def test_hydra_launcher_array(jobs, tmp_path):
+    """3 jobs x 2 tasks: one array, each job's ranks from SLURM, each job in its own dir of the sweep."""
+    sweep = tmp_path / "sweep"
+    jobs.logs += [f"{sweep}/.submitit/*/*_log.*", f"{sweep}/*/train.log"]
+    proc = start(["-m", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2", f"hydra.launcher.name={jobs.name}",
+                  *FAST, f"trainer.max_steps={STEPS}", "trainer.seed=0,1,2", f"hydra.sweep.dir={sweep}"],
+                 str(tmp_path))
+    result = finish(proc, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    # submitit names an array task's log dir <array job id>_<task id>.
+    array_jobs = {os.path.basename(d).split("_")[0] for d in glob.glob(f"{sweep}/.submitit/*_*")}
+    assert len(array_jobs) == 1, f"expected one job array, found {array_jobs}"
+    for job in range(3):
+        _check_job(str(sweep / str(job)), ranks=2)
+
+
+def test_array_script(jobs, tmp_path):
+    """slurm/array.sbatch through the submit script: line i (comments and blank lines skipped) runs as task i in
+    outputs/slurm/<array job id>/<i>/, with the script copied beside it."""
+    lines = [[*FAST, f"trainer.max_steps={STEPS}", "trainer.seed=0"],
+             [*FAST, f"trainer.max_steps={STEPS}", "sharding=ddp"],
+             # A quoted value with a space must reach the job as one override.
+             [*FAST, f"trainer.max_steps={STEPS}", "logger.name=run three"]]
+    override_file = tmp_path / "sweep.txt"
+    override_file.write_text("# three jobs\n\n" + "\n\n# next\n".join(shlex.join(line) for line in lines) + "\n")
+    result = subprocess.run([sys.executable, "-m", "fsdp_research.slurm_submit", str(override_file), "--parallel", "2",
+                             "--", f"--job-name={jobs.name}"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    array_job = result.stdout.split()[3].rstrip(":")
+    sweep = tmp_path / "outputs" / "slurm" / array_job
+    jobs.logs += [f"{sweep}/*/slurm.out"]
+
+    ended = wait_done(array_job, tasks=3, timeout=300)
+    assert set(ended.values()) == {"COMPLETED"}, ended
+    for task, line in enumerate(lines):
+        run_dir = sweep / str(task)
+        _check_job(str(run_dir), ranks=1)
+        assert yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) == line
+        assert filecmp.cmp(run_dir / "array.sbatch", os.path.join(ROOT, "slurm", "array.sbatch"), shallow=False)
+        assert (run_dir / "resubmit.sh").exists()
