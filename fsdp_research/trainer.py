@@ -287,6 +287,12 @@ def _spawned_worker(cfg: Any, run_dir: str) -> None:
         if launch_env().rank == 0:
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    # Everything is written and closed: leave without the interpreter's teardown, where gloo's threads can
+    # abort the process ("terminate called without an active exception") and fail a finished run.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _name_sweep_job(cfg: DictConfig) -> None:
