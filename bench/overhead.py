@@ -10,13 +10,14 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Callable, Dict, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from omegaconf import OmegaConf  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
 from fsdp_research.config import compose, typed  # noqa: E402
@@ -68,22 +69,25 @@ def trainer_step_time(cfg, run_dir: str) -> float:
     return statistics.mean(r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > WARMUP)
 
 
-def _bench(container, steps: int, repeats: int, out: str) -> None:
-    cfg = typed(container)
-    times = {"trainer": [], "bare": []}
+def alternate(runs: Dict[str, Callable[[int], float]], repeats: int, out: str) -> None:
+    """In every worker: each run once per repeat, in turn, so slow phases of the machine hit all alike;
+    rank 0 writes the times."""
+    times = {name: [] for name in runs}
     for r in range(repeats):
-        times["trainer"].append(trainer_step_time(cfg, os.path.join(out, f"run{r}")))
-        times["bare"].append(bare_loop(cfg, steps))
+        for name, run in runs.items():
+            times[name].append(run(r))
     if dist.get_rank() == 0:
         with open(os.path.join(out, "times.json"), "w") as f:
             json.dump(times, f)
     dist.destroy_process_group()
 
 
-def main() -> None:
+def bench_main(worker: Callable, default_steps: int) -> Tuple[argparse.Namespace, DictConfig, Dict[str, float]]:
+    """Parse the command line, compose the config, run worker(container, steps, repeats, out) on --nproc
+    processes; returns the median seconds per step of each run."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=default_steps)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -91,10 +95,20 @@ def main() -> None:
                    "checkpoint.interval=0", "checkpoint.export=false", f"trainer.max_steps={args.steps}",
                    *args.overrides])
     with tempfile.TemporaryDirectory() as out:
-        spawn(_bench, args.nproc, OmegaConf.to_container(cfg, resolve=True), args.steps, args.repeats, out)
+        spawn(worker, args.nproc, OmegaConf.to_container(cfg, resolve=True), args.steps, args.repeats, out)
         with open(os.path.join(out, "times.json")) as f:
-            times = json.load(f)
-    trainer, bare = statistics.median(times["trainer"]), statistics.median(times["bare"])
+            return args, cfg, {name: statistics.median(v) for name, v in json.load(f).items()}
+
+
+def _bench(container, steps: int, repeats: int, out: str) -> None:
+    cfg = typed(container)
+    alternate({"trainer": lambda r: trainer_step_time(cfg, os.path.join(out, f"run{r}")),
+               "bare": lambda r: bare_loop(cfg, steps)}, repeats, out)
+
+
+def main() -> None:
+    args, _, times = bench_main(_bench, default_steps=60)
+    trainer, bare = times["trainer"], times["bare"]
     print(f"config: {' '.join(args.overrides) or 'defaults'} | {args.nproc} ranks | {args.steps} steps x "
           f"{args.repeats} alternated repeats")
     print(f"trainer {trainer * 1e3:.1f} ms/step | bare loop {bare * 1e3:.1f} ms/step | "

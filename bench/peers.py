@@ -6,25 +6,20 @@ model), and the bare per-block fully_shard + AdamW loop (the floor). Steady-stat
     pip install accelerate   # bench only: the package never imports it
     .venv/bin/python bench/peers.py [--nproc 2] [--steps 40] [--repeats 3] [overrides ...]
 """
-import argparse
-import json
 import os
-import statistics
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from omegaconf import OmegaConf
 
-from overhead import WARMUP, bare_loop, trainer_step_time  # noqa: E402 (bench/ is on sys.path)
+from overhead import WARMUP, alternate, bare_loop, bench_main, trainer_step_time  # noqa: E402 (bench/ is on sys.path)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fsdp_research.config import compose, typed  # noqa: E402
+from fsdp_research.config import typed  # noqa: E402
 from fsdp_research.data import build_data  # noqa: E402
-from fsdp_research.distributed import device_for, init_distributed, spawn  # noqa: E402
+from fsdp_research.distributed import device_for, init_distributed  # noqa: E402
 from fsdp_research.models import build_hf_config, build_model, init_weights, materialize  # noqa: E402
 
 
@@ -61,37 +56,17 @@ def accelerate_loop(cfg, steps: int) -> float:
 def _bench(container, steps: int, repeats: int, out: str) -> None:
     base = typed(container)
     init_distributed(base.distributed, device_for("auto", 0))
-    runs = {
-        "trainer ddp": lambda r: trainer_step_time(typed({**container, "sharding": {"strategy": "ddp"}}),
-                                                   os.path.join(out, f"ddp{r}")),
+    ddp = typed({**container, "sharding": {"strategy": "ddp"}})
+    alternate({
+        "trainer ddp": lambda r: trainer_step_time(ddp, os.path.join(out, f"ddp{r}")),
         "trainer blockwise": lambda r: trainer_step_time(base, os.path.join(out, f"blockwise{r}")),
         "accelerate multi-CPU DDP": lambda r: accelerate_loop(base, steps),
         "bare fully_shard loop": lambda r: bare_loop(base, steps),
-    }
-    times = {name: [] for name in runs}
-    for r in range(repeats):
-        for name, run in runs.items():
-            times[name].append(run(r))
-    if dist.get_rank() == 0:
-        with open(os.path.join(out, "times.json"), "w") as f:
-            json.dump(times, f)
-    dist.destroy_process_group()
+    }, repeats, out)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("overrides", nargs="*")
-    args = parser.parse_args()
-    cfg = compose(["logger=none", "data=synthetic", "trainer.log_interval=10", "trainer.eval_interval=0",
-                   "checkpoint.interval=0", "checkpoint.export=false", f"trainer.max_steps={args.steps}",
-                   *args.overrides])
-    with tempfile.TemporaryDirectory() as out:
-        spawn(_bench, args.nproc, OmegaConf.to_container(cfg, resolve=True), args.steps, args.repeats, out)
-        with open(os.path.join(out, "times.json")) as f:
-            times = {name: statistics.median(v) for name, v in json.load(f).items()}
+    args, cfg, times = bench_main(_bench, default_steps=40)
     tokens = cfg.trainer.global_batch_size * cfg.data.seq_len
     ours = times["trainer ddp"]
     print(f"{args.nproc} ranks, {cfg.model.name}, {cfg.precision.name}, global batch {cfg.trainer.global_batch_size} "
