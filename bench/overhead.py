@@ -46,15 +46,24 @@ def bare_loop(cfg, steps: int) -> float:
     materialize(model, torch.device("cpu"))
     init_weights(model, t.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
-    for step in range(steps):
-        if step == WARMUP:
-            dist.barrier()
-            start = time.perf_counter()
-        batch = data.train.rank_batch(step, t.global_batch_size, rank, world)
+
+    def step(s: int) -> None:
+        batch = data.train.rank_batch(s, t.global_batch_size, rank, world)
         logits = model(input_ids=batch[:, :-1]).logits
         F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
         optimizer.step()
         optimizer.zero_grad()
+
+    return seconds_per_step(step, steps)
+
+
+def seconds_per_step(step: Callable[[int], None], steps: int) -> float:
+    """Mean wall time of step(s) over the steps after warm-up, all ranks in lockstep."""
+    for s in range(steps):
+        if s == WARMUP:
+            dist.barrier()
+            start = time.perf_counter()
+        step(s)
     dist.barrier()
     return (time.perf_counter() - start) / (steps - WARMUP)
 

@@ -8,13 +8,12 @@ model), and the bare per-block fully_shard + AdamW loop (the floor). Steady-stat
 """
 import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from overhead import WARMUP, alternate, bare_loop, bench_main, trainer_step_time  # noqa: E402 (bench/ is on sys.path)
+from overhead import alternate, bare_loop, bench_main, seconds_per_step, trainer_step_time  # noqa: E402 (bench/ is on sys.path)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_research.config import typed  # noqa: E402
@@ -39,18 +38,16 @@ def accelerate_loop(cfg, steps: int) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
     rank, world = dist.get_rank(), dist.get_world_size()
-    for step in range(steps):
-        if step == WARMUP:
-            dist.barrier()
-            start = time.perf_counter()
-        batch = data.train.rank_batch(step, t.global_batch_size, rank, world)
+
+    def step(s: int) -> None:
+        batch = data.train.rank_batch(s, t.global_batch_size, rank, world)
         logits = model(input_ids=batch[:, :-1]).logits
         accelerator.backward(F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()))
         accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
-    dist.barrier()
-    return (time.perf_counter() - start) / (steps - WARMUP)
+
+    return seconds_per_step(step, steps)
 
 
 def _bench(container, steps: int, repeats: int, out: str) -> None:
