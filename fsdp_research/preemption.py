@@ -20,6 +20,9 @@ class Preemption:
         """Made first thing in a run: the signal's default action ends the process, and setting up a large model
         can take minutes."""
         self._received = False
+        self._group = None
+        self._pending = None
+        self.enabled = bool(signal_name)
         if signal_name:
             try:
                 signum = getattr(signal, signal_name if signal_name.startswith("SIG") else f"SIG{signal_name}")
@@ -32,11 +35,31 @@ class Preemption:
         # Only a flag: the step in flight finishes, then every rank stops at the same step.
         self._received = True
 
-    def requested(self, group) -> bool:
-        """True on every rank once any rank has received the signal (a collective: all ranks call it).
-        group: a gloo group, so the per-step agreement is a CPU all-reduce that never syncs a GPU."""
+    def requested(self) -> bool:
+        """True on every rank, at the same step, once any rank has received the signal (a collective: all
+        ranks call it after every step). The all-reduce started after step k is read after step k+1, so it
+        overlaps a step instead of waiting for the slowest rank: ranks stop one step after the signal. It runs
+        on a gloo group of its own: a CPU all-reduce that never syncs a GPU or waits behind other traffic."""
+        if not self.enabled:  # the same config on every rank: nothing to agree on
+            return False
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
         flag = torch.tensor([int(self._received)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        previous, self._pending = self._pending, (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group,
+                                                                  async_op=True), flag)
+        return self._read(previous)
+
+    def close(self) -> None:
+        """Finish the agreement in flight, before the process group goes."""
+        self._read(self._pending)
+        self._pending = None
+
+    @staticmethod
+    def _read(pending) -> bool:
+        if pending is None:
+            return False
+        work, flag = pending
+        work.wait()
         return bool(flag.item())
 
 

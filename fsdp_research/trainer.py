@@ -210,7 +210,7 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
         # Before the checkpoint, so that the run's final save stays out of the profiled window (the summary
         # times saves on their own).
         profiler.step(done)
-        result.preempted = preemption.requested(checkpointer.group)
+        result.preempted = preemption.requested()
         if checkpointer.due(done, t.max_steps) or result.preempted:
             save_start = time.perf_counter()
             checkpointer.save(done, model, optimizer, {
@@ -224,6 +224,7 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
         if last_logged == done:
             throughput.start()
     profiler.close()
+    preemption.close()
     checkpointer.wait()
     if cfg.checkpoint.export and not result.preempted:
         export_dtype = cfg.checkpoint.export_dtype or cfg.precision.param_dtype
