@@ -93,7 +93,7 @@ def alternate(runs: Dict[str, Callable[[int], float]], repeats: int, out: str) -
 
 def bench_main(worker: Callable, default_steps: int) -> Tuple[argparse.Namespace, DictConfig, Dict[str, float]]:
     """Parse the command line, compose the config, run worker(container, steps, repeats, out) on --nproc
-    processes; returns the median seconds per step of each run."""
+    processes; returns each run's seconds per step, one per repeat."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--steps", type=int, default=default_steps)
@@ -106,7 +106,7 @@ def bench_main(worker: Callable, default_steps: int) -> Tuple[argparse.Namespace
     with tempfile.TemporaryDirectory() as out:
         spawn(worker, args.nproc, OmegaConf.to_container(cfg, resolve=True), args.steps, args.repeats, out)
         with open(os.path.join(out, "times.json")) as f:
-            return args, cfg, {name: statistics.median(v) for name, v in json.load(f).items()}
+            return args, cfg, json.load(f)
 
 
 def _bench(container, steps: int, repeats: int, out: str) -> None:
@@ -117,11 +117,13 @@ def _bench(container, steps: int, repeats: int, out: str) -> None:
 
 def main() -> None:
     args, _, times = bench_main(_bench, default_steps=60)
-    trainer, bare = times["trainer"], times["bare"]
+    trainer, bare = statistics.median(times["trainer"]), statistics.median(times["bare"])
+    # Each repeat's pair ran back to back: their ratios show the machine's noise.
+    ratios = sorted(100 * (t / b - 1) for t, b in zip(times["trainer"], times["bare"]))
     print(f"config: {' '.join(args.overrides) or 'defaults'} | {args.nproc} ranks | {args.steps} steps x "
           f"{args.repeats} alternated repeats")
     print(f"trainer {trainer * 1e3:.1f} ms/step | bare loop {bare * 1e3:.1f} ms/step | "
-          f"overhead {100 * (trainer / bare - 1):+.1f}%")
+          f"overhead {100 * (trainer / bare - 1):+.1f}% (per repeat: {', '.join(f'{r:+.1f}%' for r in ratios)})")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ model), and the bare per-block fully_shard + AdamW loop (the floor). Steady-stat
     .venv/bin/python bench/peers.py [--nproc 2] [--steps 40] [--repeats 3] [overrides ...]
 """
 import os
+import statistics
 import sys
 
 import torch
@@ -64,6 +65,7 @@ def _bench(container, steps: int, repeats: int, out: str) -> None:
 
 def main() -> None:
     args, cfg, times = bench_main(_bench, default_steps=40)
+    times = {name: statistics.median(v) for name, v in times.items()}
     tokens = cfg.trainer.global_batch_size * cfg.data.seq_len
     ours = times["trainer ddp"]
     print(f"{args.nproc} ranks, {cfg.model.name}, {cfg.precision.name}, global batch {cfg.trainer.global_batch_size} "

@@ -2,6 +2,7 @@
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
@@ -24,7 +25,21 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig, max_steps: int):
 
 
 def clip_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip to max_norm (0: measure only). The norm is over every shard of every rank: FSDP's gradients are
-    DTensors, whose norm reduces across the mesh."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    """Clip to max_norm (0: measure only) by the true global norm, over every shard of every rank.
+    FSDP's gradients are DTensors: the norm is taken over the local shards with one foreach kernel and one
+    all-reduce over the shard group (replicas hold the same shards), not op by op through DTensor dispatch,
+    which costs a few percent of a small model's step."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if grads and isinstance(grads[0], DTensor):
+        mesh = grads[0].device_mesh
+        local = [g.to_local() for g in grads]
+        squares = torch.stack(torch._foreach_norm(local)).float().pow(2).sum()
+        dist.all_reduce(squares, group=mesh.get_group("shard"))
+        norm = squares.sqrt()
+    else:
+        local = grads
+        norm = torch.nn.utils.get_total_norm(grads)
+    if max_norm > 0:
+        # Scale by min(1, max_norm / norm) without a host sync, as torch's clip_grad_norm_ does.
+        torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+    return norm
