@@ -21,6 +21,7 @@ from fsdp_research.distributed import device_for, init_distributed, spawn
 from fsdp_research.models import build_hf_config
 from fsdp_research.trainer import build_sharded_model
 from tests.conftest import ROOT
+from tests.helpers.cli import subprocess_env
 from tests.helpers.dist import full_state
 
 
@@ -53,9 +54,7 @@ class Job:
         self.run_dir = run_dir
         logs = logs or run_dir.rstrip("/")
         self._logs = (logs + ".stdout", logs + ".stderr")
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-        env.update(HF_HUB_OFFLINE="1", WANDB_MODE="offline", WANDB_SILENT="true", HF_DATASETS_CACHE=hf_cache)
+        env = {**subprocess_env(), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "HF_DATASETS_CACHE": hf_cache}
         with open(self._logs[0], "w") as out, open(self._logs[1], "w") as err:
             self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *overrides,
                                           f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=out,

@@ -24,7 +24,7 @@ class Finished:
         return lines[-1] if lines else ""
 
 
-def _env() -> Dict[str, str]:
+def subprocess_env() -> Dict[str, str]:
     """The tests' environment (offline: see conftest), without any launcher's rank layout."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_DIR")
@@ -38,7 +38,7 @@ def start(overrides: Sequence[str], cwd: str, torchrun_nproc: int = 0) -> subpro
     launcher = [sys.executable]
     if torchrun_nproc:
         launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(torchrun_nproc)]
-    return subprocess.Popen(launcher + [TRAIN, *overrides], cwd=cwd, env=_env(), text=True,
+    return subprocess.Popen(launcher + [TRAIN, *overrides], cwd=cwd, env=subprocess_env(), text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
 
