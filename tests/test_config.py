@@ -1,0 +1,15 @@
+"""Experiment presets compose as `@package _global_` overrides of the groups."""
+from fsdp_research.config import Strategy, compose
+
+
+def test_experiment_preset_overrides_groups():
+    cfg = compose(["experiment=llama_7b_8gpu"])
+    assert cfg.model.name == "llama_7b" and cfg.model.config.hidden_size == 4096
+    assert cfg.sharding.strategy is Strategy.blockwise and cfg.precision.name == "bf16"
+    assert cfg.activation_checkpointing.stride == 1
+    assert (cfg.trainer.global_batch_size, cfg.trainer.micro_batch_size, cfg.data.seq_len) == (64, 8, 2048)
+    assert cfg.distributed.nproc_per_node == 8 and cfg.checkpoint["async"] is True
+
+
+def test_command_line_overrides_the_preset():
+    assert compose(["experiment=llama_7b_8gpu", "distributed.nproc_per_node=4"]).distributed.nproc_per_node == 4
