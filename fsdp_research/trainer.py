@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.multiprocessing import ProcessExitedException
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
+from torch.multiprocessing import ProcessExitedException
 
 from .checkpoint import CheckpointError, Checkpointer, check_fresh_start, config_files, find_resume, run_dir_of
 from .config import ConfigError, DataKind, Strategy, typed
@@ -108,8 +108,7 @@ def evaluate(model: nn.Module, data: Data, cfg: DictConfig, amp, device: torch.d
 
 def build_sharded_model(cfg: DictConfig, hf_config, device: torch.device, world: int):
     """Model on meta -> activation checkpointing -> compile -> FSDP plan applied -> this rank's shards
-    materialized (initialised, or read from model.name_or_path) -> DDP for the baseline.
-    Returns (model, plan, number of blocks)."""
+    materialized (initialised, or read from model.name_or_path) -> DDP for the baseline."""
     model, plan = planned_model(cfg, hf_config)
     apply_fsdp(model, plan, build_mesh(cfg.sharding, device.type, world), build_mp_policy(cfg.precision),
                cfg.sharding)
@@ -120,7 +119,7 @@ def build_sharded_model(cfg: DictConfig, hf_config, device: torch.device, world:
         init_weights(model, cfg.trainer.seed)
     if plan.strategy is Strategy.ddp:
         model = apply_ddp(model, device)
-    return model, plan, len(plan.blocks)
+    return model, plan
 
 
 def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
@@ -144,7 +143,7 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
     t = cfg.trainer
     data = build_data(cfg.data, hf_config.vocab_size, t.seed)
 
-    model, plan, n_blocks = build_sharded_model(cfg, hf_config, device, world)
+    model, plan = build_sharded_model(cfg, hf_config, device, world)
     n_params = sum(p.numel() for p in model.parameters())
     amp = autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
@@ -155,7 +154,7 @@ def train(cfg: Any, run_dir: Optional[str] = None) -> TrainResult:
         state = checkpointer.load(resume_dir, model, optimizer)
         scheduler.load_state_dict(state["scheduler"])
         scaler.load_state_dict(state["scaler"])
-    log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {n_blocks} blocks, "
+    log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {len(plan.blocks)} blocks, "
              f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
              f"starting at step {state['step']}")
 

@@ -128,7 +128,7 @@ def _build_each(configs: Dict[str, dict], batch: torch.Tensor, out_dir: str) -> 
     init_distributed(first.distributed, device)
     for name, cfg in configs.items():
         cfg = typed(cfg)
-        model, _, _ = build_sharded_model(cfg, build_hf_config(cfg.model), device, dist.get_world_size())
+        model, _ = build_sharded_model(cfg, build_hf_config(cfg.model), device, dist.get_world_size())
         weights = full_state(model)
         with torch.no_grad():
             logits = model(input_ids=batch.to(device)).logits.cpu()
