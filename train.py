@@ -5,7 +5,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from fsdp_research.config import register_configs
+from fsdp_research.composition import register_configs
 from fsdp_research.distributed import launch_env
 
 register_configs()
@@ -13,7 +13,8 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> None:
-    from fsdp_research.trainer import launch
+    # Here, not at the top: Hydra refuses a bad command line before torch and transformers are imported.
+    from fsdp_research.launch import launch
 
     launch(cfg, HydraConfig.get().runtime.output_dir)
 

@@ -21,12 +21,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from omegaconf import OmegaConf  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
 
+from fsdp_research.build import build_sharded_model  # noqa: E402
 from fsdp_research.checkpoint import Checkpointer  # noqa: E402
-from fsdp_research.config import compose, typed  # noqa: E402
+from fsdp_research.composition import compose  # noqa: E402
+from fsdp_research.config import typed  # noqa: E402
 from fsdp_research.distributed import device_for, init_distributed, spawn  # noqa: E402
 from fsdp_research.models import build_hf_config  # noqa: E402
 from fsdp_research.optim import build_optimizer  # noqa: E402
-from fsdp_research.trainer import build_sharded_model  # noqa: E402
 
 # A mid-size llama (~33M parameters; ~0.4 GB of model + AdamW state): large enough for I/O to dominate.
 MODEL = ["model.config.hidden_size=512", "model.config.intermediate_size=1376", "model.config.num_hidden_layers=8",

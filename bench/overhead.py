@@ -20,11 +20,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
-from fsdp_research.config import compose, typed  # noqa: E402
+from fsdp_research.composition import compose  # noqa: E402
+from fsdp_research.config import typed  # noqa: E402
 from fsdp_research.data import build_data  # noqa: E402
 from fsdp_research.distributed import spawn  # noqa: E402
-from fsdp_research.models import (block_class_name, build_hf_config, build_model, find_blocks,  # noqa: E402
-                                  init_weights, materialize)
+from fsdp_research.initialization import init_weights, materialize  # noqa: E402
+from fsdp_research.precision import dtypes  # noqa: E402
+from fsdp_research.models import block_class_name, build_hf_config, build_model, find_blocks  # noqa: E402
+from fsdp_research.sinks import step_metrics  # noqa: E402
 from fsdp_research.trainer import train  # noqa: E402
 
 WARMUP = 10
@@ -37,8 +40,8 @@ def bare_loop(cfg, steps: int) -> float:
     hf_config = build_hf_config(cfg.model)
     data = build_data(cfg.data, hf_config.vocab_size, t.seed)
     model = build_model(hf_config)
-    mp = MixedPrecisionPolicy(param_dtype=getattr(torch, cfg.precision.param_dtype),
-                              reduce_dtype=getattr(torch, cfg.precision.reduce_dtype))
+    param_dtype, reduce_dtype = dtypes(cfg.precision)
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = find_blocks(model, block_class_name(model, None))
     for i, block in enumerate(blocks):
         fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
@@ -73,9 +76,7 @@ def trainer_step_time(cfg, run_dir: str) -> float:
     train(cfg, run_dir)
     if dist.get_rank() != 0:
         return 0.0
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return statistics.mean(r["step_time_s"] for r in rows if "step_time_s" in r and r["step"] > WARMUP)
+    return statistics.mean(r["step_time_s"] for r in step_metrics(run_dir) if r["step"] > WARMUP)
 
 
 def alternate(runs: Dict[str, Callable[[int], float]], repeats: int, out: str) -> None:

@@ -20,7 +20,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_research.config import typed  # noqa: E402
 from fsdp_research.data import build_data  # noqa: E402
 from fsdp_research.distributed import device_for, init_distributed  # noqa: E402
-from fsdp_research.models import build_hf_config, build_model, init_weights, materialize  # noqa: E402
+from fsdp_research.initialization import init_weights, materialize  # noqa: E402
+from fsdp_research.models import build_hf_config, build_model  # noqa: E402
 
 
 def accelerate_loop(cfg, steps: int) -> float:

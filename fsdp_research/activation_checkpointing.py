@@ -5,15 +5,12 @@ from typing import List
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 
-from .config import ActivationCheckpointingConfig, ConfigError
+from .config import ActivationCheckpointingConfig
 
 
 def apply_activation_checkpointing(model: nn.Module, blocks: List[nn.Module],
                                    cfg: ActivationCheckpointingConfig) -> List[nn.Module]:
     """Wrap blocks 0, stride, 2*stride, ... in place; returns the blocks as they now sit in the model."""
-    if cfg.stride < 0:
-        raise ConfigError("activation_checkpointing.stride", f"{cfg.stride} is negative",
-                          "use 0 (off), 1 (every block) or k (every k-th block)")
     if cfg.stride == 0:
         return blocks
     paths = {module: path for path, module in model.named_modules()}

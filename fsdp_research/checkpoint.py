@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .config import ConfigError
+from .errors import CheckpointError
 
 log = logging.getLogger("fsdp_research")
 
@@ -26,19 +26,9 @@ MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written or does not fit the run: one line, what and where."""
-
-
-def run_dir_of(resume: str) -> Optional[str]:
-    """The run dir that checkpoint.resume points into (a run dir, or one of its step dirs); None for
-    auto/never."""
-    if resume in ("auto", "never"):
-        return None
-    path = os.path.abspath(os.path.expanduser(resume))
-    if _STEP_DIR.match(os.path.basename(path)):
-        return os.path.dirname(os.path.dirname(path))
-    return path
+def is_step_dir(path: str) -> bool:
+    """Whether path names a checkpoint (checkpoints/step_<N>) rather than a run dir."""
+    return bool(_STEP_DIR.match(os.path.basename(os.path.normpath(path))))
 
 
 def checkpoints_in(root: str) -> List[Tuple[int, str]]:
@@ -67,29 +57,6 @@ def verify(step_dir: str) -> Optional[str]:
         dcp.FileSystemReader(step_dir).read_metadata()
     except Exception as err:  # a garbled pickle can raise almost anything
         return f"unreadable DCP metadata ({type(err).__name__})"
-    return None
-
-
-def find_resume(resume: str, run_dir: str) -> Optional[str]:
-    """The step dir to resume from: the newest complete one (skipping broken ones, with a warning), or None."""
-    if resume == "never":
-        return None
-    path = run_dir if resume == "auto" else os.path.abspath(os.path.expanduser(resume))
-    if resume != "auto" and not os.path.isdir(path):
-        raise ConfigError("checkpoint.resume", f"{path} does not exist",
-                          "give a run dir or a checkpoints/step_<N> dir, or use auto/never")
-    if _STEP_DIR.match(os.path.basename(path)):
-        candidates = [(0, path)]
-    else:
-        candidates = checkpoints_in(os.path.join(path, "checkpoints"))
-    for _, step_dir in candidates:
-        problem = verify(step_dir)
-        if problem is None:
-            return step_dir
-        log.warning(f"skipping checkpoint {step_dir}: {problem}")
-    if resume != "auto":
-        raise ConfigError("checkpoint.resume", f"no complete checkpoint in {path}",
-                          "point it at a complete step dir, or use auto/never")
     return None
 
 
@@ -172,6 +139,14 @@ class Checkpointer:
         except (Exception, dcp.CheckpointException) as err:  # the latter is a BaseException
             self._fail(step, tmp, err)
         self._publish(step, tmp)
+
+    def close(self, failed: bool) -> None:
+        """At the end of a run: finish the save in flight; after a failure, abandon it (its collectives could
+        wait on ranks that are gone; it was never published, so nothing is lost)."""
+        if failed:
+            self._pending = None
+        else:
+            self.wait()
 
     def wait(self) -> None:
         """Finish and publish the async save in flight, if any."""
@@ -256,13 +231,6 @@ class Checkpointer:
             _set_rng_state(torch.load(rng, weights_only=False))
         log.info(f"resumed from checkpoint {step_dir}")
         return torch.load(os.path.join(step_dir, TRAINER_STATE), weights_only=False)
-
-
-def check_fresh_start(run_dir: str) -> None:
-    """resume=never must not overwrite another run's checkpoints."""
-    if checkpoints_in(os.path.join(run_dir, "checkpoints")):
-        raise ConfigError("checkpoint.resume", f"is never, but {run_dir} already holds checkpoints",
-                          "use a new hydra.run.dir, or checkpoint.resume=auto to continue that run")
 
 
 def config_files(cfg: DictConfig, hf_config) -> Dict[str, str]:

@@ -1,19 +1,11 @@
 """Config schemas. Each group's YAML in conf/<group>/ is merged onto these dataclasses, so a typo'd key,
-a wrong type or an unknown enum value fails at composition, before any process group or model exists."""
-import os
+a wrong type or an unknown enum value fails at composition, before any process group or model exists.
+A leaf: imports nothing of ours (the Hydra wiring that registers these is fsdp_research.composition)."""
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional
 
-from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf, open_dict
-
-
-class ConfigError(ValueError):
-    """A bad config value: the message names the key and the fix, on one line."""
-
-    def __init__(self, key: str, problem: str, fix: str):
-        super().__init__(f"{key}: {problem}; fix: {fix}")
 
 
 @dataclass
@@ -209,35 +201,3 @@ def schema() -> DictConfig:
 def typed(cfg: Any) -> DictConfig:
     """A config (DictConfig or plain dict) merged onto the schema, so values have their declared types."""
     return OmegaConf.merge(schema(), cfg)
-
-
-def _run_dir(resume: str, default: str) -> str:
-    from .checkpoint import run_dir_of
-
-    return run_dir_of(resume) or default
-
-
-def _rank0_only(value: Any) -> Any:
-    from .distributed import launch_env
-
-    env = launch_env()
-    return value if env is None or env.rank == 0 else None
-
-
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
-
-
-def compose(overrides: Sequence[str] = ()) -> DictConfig:
-    """The config `python train.py <overrides>` runs with, typed (Hydra's compose API over conf/)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    register_configs()
-    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return typed(hydra_compose(config_name="train", overrides=list(overrides)))
-
-
-def register_configs() -> None:
-    ConfigStore.instance().store(name="train_schema", node=schema())
-    # hydra.run.dir: resuming from a path continues in that run's directory.
-    OmegaConf.register_new_resolver("run_dir", _run_dir, replace=True)
-    OmegaConf.register_new_resolver("rank0_only", _rank0_only, replace=True)

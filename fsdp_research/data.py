@@ -10,7 +10,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError, DataConfig, DataKind
+from .config import DataConfig, DataKind
+from .errors import ConfigError
 
 BYTE_VOCAB = 257  # 256 byte values and an end-of-document token
 _BYTE_EOS = 256

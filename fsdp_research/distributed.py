@@ -109,6 +109,21 @@ def broadcast_object(obj: Any) -> Any:
     return box[0]
 
 
+def on_rank0(fn: Callable[[], Any]) -> Any:
+    """fn() run by rank 0 alone, its result on every rank; an exception it raises is raised on every rank, so
+    no rank is left waiting for one that failed."""
+    outcome = None
+    if dist.get_rank() == 0:
+        try:
+            outcome = (fn(), None)
+        except Exception as err:
+            outcome = (None, err)
+    result, error = broadcast_object(outcome)
+    if error is not None:
+        raise error
+    return result
+
+
 def _worker(local_rank: int, fn: Callable, nprocs: int, port: int, args: tuple) -> None:
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -2,29 +2,18 @@
 when given, measured numbers) against the usual causes of FSDP running correctly but slowly, in the order
 worth checking. Each finding reads "symptom → cause → what to do".
 
-    python -m fsdp_research.doctor <overrides...> [world_size=N] [nodes=N] [--measure]
-
 The trainer runs the same checks at start-up (rank 0 logs them, metrics.jsonl gets {"step": 0, "doctor": [...]},
-W&B its summary). --measure adds the measured checks from a short profiled run (trainer.profile_steps) on
-world_size spawned processes: the exposed-communication share and the checkpoint save share.
+W&B its summary); `fsdp-research doctor` runs them from the command line, with measured numbers from a short
+profiled run when asked (the exposed-communication share and the checkpoint save share).
 """
-import argparse
-import datetime
-import json
 import logging
-import os
-import sys
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
-import torch.distributed as dist
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from .config import ConfigError, Strategy, compose
-from .distributed import device_for, planned_nodes, planned_world_size, spawn
-from .models import build_hf_config
-from .profiling import format_breakdown
-from .sharding import ShardingPlan, planned_model
+from .layout import Layout, layout
+from .sharding import ShardingPlan
 
 log = logging.getLogger("fsdp_research")
 
@@ -46,8 +35,7 @@ class _Case:
 
     cfg: DictConfig
     plan: ShardingPlan
-    world_size: int
-    nodes: int
+    layout: Layout
     measured: Dict[str, float]
 
     def block_units(self):
@@ -55,10 +43,6 @@ class _Case:
 
     def units_inside_blocks(self):
         return [u for u in self.plan.units if any(u.path.startswith(b + ".") for b in self.plan.blocks)]
-
-    def micro_batches(self) -> int:
-        t = self.cfg.trainer
-        return t.global_batch_size // (t.micro_batch_size * self.world_size)
 
 
 # Each check returns the cause it found in this case, or None.
@@ -78,11 +62,9 @@ def _too_fine(c: _Case) -> Optional[str]:
 
 
 def _slow_interconnect(c: _Case) -> Optional[str]:
-    replicas = c.cfg.sharding.replicate if c.plan.strategy is Strategy.hsdp else 1
-    shard_group = c.world_size // replicas
-    if (c.nodes > 1 and shard_group > c.world_size // c.nodes
-            and any(u.reshard_after_forward for u in c.plan.units)):
-        return (f"parameters are fully sharded over {shard_group} ranks on {c.nodes} nodes: every all-gather "
+    n, nodes = c.layout.shard_group, c.layout.nodes
+    if nodes > 1 and n > c.layout.world_size // nodes and any(u.reshard_after_forward for u in c.plan.units):
+        return (f"parameters are fully sharded over {n} ranks on {nodes} nodes: every all-gather "
                 "(twice per step) and reduce-scatter crosses the inter-node link")
     share = c.measured.get("exposed_comm_share")
     if share is not None and share > c.cfg.doctor.exposed_comm_share:
@@ -116,9 +98,10 @@ def _cpu_offload(c: _Case) -> Optional[str]:
 
 
 def _sync_every_micro_batch(c: _Case) -> Optional[str]:
-    if c.world_size > 1 and c.micro_batches() > 1 and not c.cfg.trainer.defer_grad_sync:
-        return (f"gradient accumulation over {c.micro_batches()} micro-batches with trainer.defer_grad_sync=false: "
-                f"gradients are reduced after every micro-batch, {c.micro_batches()}x the communication")
+    micro = c.layout.micro_steps
+    if c.layout.world_size > 1 and micro > 1 and not c.cfg.trainer.defer_grad_sync:
+        return (f"gradient accumulation over {micro} micro-batches with trainer.defer_grad_sync=false: "
+                f"gradients are reduced after every micro-batch, {micro}x the communication")
 
 
 # (check, symptom, detect, what to do), in the order worth checking.
@@ -144,7 +127,7 @@ def diagnose(cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int,
              measured: Optional[Dict[str, float]] = None) -> List[Finding]:
     """The findings for this config and plan on world_size ranks over `nodes` nodes. measured (optional):
     exposed_comm_share, step_time_s, checkpoint_save_s."""
-    case = _Case(cfg, plan, world_size, nodes, measured or {})
+    case = _Case(cfg, plan, layout(cfg, world_size, nodes), measured or {})
     return [Finding(name, symptom, cause, fix) for name, symptom, detect, fix in CHECKS
             if (cause := detect(case)) is not None]
 
@@ -158,7 +141,7 @@ def explain(cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int) ->
         shape = f"{len(plan.units)} FSDP units: each of the {len(plan.blocks)} blocks ({resident} resident) and the root"
     return (f"{plan.strategy.value} on {world_size} rank(s), {nodes} node(s): {shape}; "
             f"CPU offload {'on' if cfg.sharding.cpu_offload else 'off'}; "
-            f"{_Case(cfg, plan, world_size, nodes, {}).micro_batches()} micro-batch(es) per step")
+            f"{layout(cfg, world_size, nodes).micro_steps} micro-batch(es) per step")
 
 
 def report(findings: List[Finding], sinks, step: int) -> None:
@@ -169,70 +152,3 @@ def report(findings: List[Finding], sinks, step: int) -> None:
         sinks.note(step, "doctor", [asdict(f) for f in findings])
     else:
         log.info("doctor: no findings")
-
-
-MEASURE_STEPS = 3
-
-
-def _measure_worker(container: Dict[str, Any], run_dir: str) -> None:
-    from .trainer import train  # here: the trainer imports this module
-
-    summary = train(container, run_dir).summary
-    if dist.get_rank() == 0:
-        with open(os.path.join(run_dir, "summary.json"), "w") as f:
-            json.dump(summary, f)
-    dist.destroy_process_group()
-
-
-def measure(overrides: Sequence[str], world_size: int, steps: int, run_dir: str) -> Dict[str, Any]:
-    """A short profiled run on world_size spawned processes: one warm-up step, `steps` profiled steps, then
-    the final resume checkpoint. Returns the profile breakdown plus checkpoint_save_s."""
-    cfg = compose([*overrides, "logger=none", "trainer.eval_interval=0", "checkpoint.export=false",
-                   "checkpoint.resume=never", f"trainer.profile_steps={steps}", f"trainer.max_steps={steps + 1}"])
-    spawn(_measure_worker, world_size, OmegaConf.to_container(cfg, resolve=True), run_dir)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        profile = next(row["profile"] for row in map(json.loads, f) if "profile" in row)
-    with open(os.path.join(run_dir, "summary.json")) as f:
-        return {**profile, "checkpoint_save_s": json.load(f).get("checkpoint_save_s")}
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .trainer import check_config
-
-    parser = argparse.ArgumentParser(prog="python -m fsdp_research.doctor", description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides as for train.py, plus world_size=N "
-                        "(default: as the launch would have) and nodes=N (default: from the launcher's environment)")
-    parser.add_argument("--measure", action="store_true", help="add findings from a short profiled run")
-    args = parser.parse_args(argv)
-    layout = {k: v for k, _, v in (o.partition("=") for o in args.overrides) if k in ("world_size", "nodes")}
-    if not all(v.isdigit() and int(v) > 0 for v in layout.values()):
-        parser.error(f"world_size and nodes take a positive integer, got {layout}")
-    layout = {k: int(v) for k, v in layout.items()}
-    overrides = [o for o in args.overrides if o.partition("=")[0] not in layout]
-    try:
-        cfg = compose(overrides)
-        world_size = layout.get("world_size") or planned_world_size(cfg.distributed)
-        nodes = layout.get("nodes") or planned_nodes()
-        hf_config = build_hf_config(cfg.model)
-        check_config(cfg, world_size, hf_config, device_for(cfg.trainer.device, 0))
-        _, plan = planned_model(cfg, hf_config)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    measured = None
-    if args.measure:
-        run_dir = os.path.join("outputs", "doctor", datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f"))
-        measured = measure(overrides, world_size, cfg.trainer.profile_steps or MEASURE_STEPS, run_dir)
-        saved = measured["checkpoint_save_s"]
-        print(f"measured on {world_size} rank(s): {format_breakdown(measured)}"
-              + (f"; checkpoint save {saved:.2f} s" if saved is not None else "") + f"\nrun dir: {run_dir}")
-    findings = diagnose(cfg, plan, world_size, nodes, measured)
-    for finding in findings:
-        print(finding)
-    if not findings:
-        print(f"no findings: {explain(cfg, plan, world_size, nodes)}; all {len(CHECKS)} checks pass")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

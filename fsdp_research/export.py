@@ -1,9 +1,8 @@
 """Weights out: one Hugging Face directory (config.json, model.safetensors, sharded with an index above a
 size, the tokenizer when one is used) that AutoModelForCausalLM.from_pretrained loads.
 
-At the end of training the full weights are gathered once; `python -m fsdp_research.export <step dir>
-<out dir>` converts any resume checkpoint offline, with no process group and no GPU."""
-import argparse
+At the end of training the full weights are gathered once; `fsdp-research export <step dir> <out dir>`
+converts any resume checkpoint offline, with no process group and no GPU."""
 import json
 import os
 import re
@@ -12,12 +11,13 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from .config import ConfigError
+from .errors import ConfigError
 from .models import clean_name
-from .precision import dtype as parse_dtype
+from .precision import parse_dtype
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -27,6 +27,11 @@ def parse_size(text: str) -> int:
     if not match:
         raise ConfigError("checkpoint.export_shard_size", f"cannot read {text!r}", "use bytes, or e.g. 500MB, 5GB")
     return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+
+
+def export_dtype(cfg: DictConfig) -> torch.dtype:
+    """checkpoint.export_dtype, by default the training's compute dtype."""
+    return parse_dtype(cfg.checkpoint.export_dtype or cfg.precision.param_dtype, "checkpoint.export_dtype")
 
 
 def _tied_keys(hf_config) -> set:
@@ -88,31 +93,3 @@ def load_checkpoint_weights(step_dir: str) -> Dict[str, torch.Tensor]:
              if k.startswith("model.") and hasattr(v, "size")}
     dcp.load(state, checkpoint_id=step_dir, no_dist=True)
     return {k[len("model."):]: v for k, v in state.items()}
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="Convert a resume checkpoint to a Hugging Face directory.")
-    parser.add_argument("step_dir")
-    parser.add_argument("out_dir")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: training dtype)")
-    parser.add_argument("--shard-size", default="5GB")
-    args = parser.parse_args(argv)
-
-    from omegaconf import OmegaConf
-    from transformers import AutoConfig
-
-    from .checkpoint import verify
-
-    problem = verify(args.step_dir)
-    if problem:
-        raise SystemExit(f"error: {args.step_dir}: {problem}")
-    train_cfg = OmegaConf.load(os.path.join(args.step_dir, "train_config.yaml"))
-    hf_config = AutoConfig.from_pretrained(args.step_dir)
-    dtype = parse_dtype(args.dtype or train_cfg.checkpoint.export_dtype or train_cfg.precision.param_dtype, "--dtype")
-    write_hf_dir(load_checkpoint_weights(args.step_dir), hf_config, args.out_dir, dtype, parse_size(args.shard_size),
-                 train_cfg.data.tokenizer)
-    print(f"wrote {args.out_dir}")
-
-
-if __name__ == "__main__":
-    main()

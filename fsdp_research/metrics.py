@@ -6,6 +6,8 @@ from typing import Dict, Optional
 import torch
 import torch.distributed as dist
 
+from .models import ModelDims
+
 # Peak dense bf16 TFLOP/s per device, by a substring of torch.cuda.get_device_name().
 PEAK_TFLOPS = {
     "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "A800": 312.0,
@@ -23,11 +25,9 @@ def peak_tflops(device: torch.device, override: Optional[float]) -> Optional[flo
     return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
 
 
-def flops_per_token(hf_config, n_params: int, seq_len: int) -> float:
+def flops_per_token(model: ModelDims, n_params: int, seq_len: int) -> float:
     """Training FLOPs per token: 6N for the matmuls with parameters, plus attention's 12 * L * d * T."""
-    layers = getattr(hf_config, "num_hidden_layers", 0)
-    width = getattr(hf_config, "hidden_size", 0)
-    return 6.0 * n_params + 12.0 * layers * width * seq_len
+    return 6.0 * n_params + 12.0 * model.layers * model.hidden * seq_len
 
 
 def peak_memory(device: torch.device) -> Dict[str, float]:

@@ -1,17 +1,15 @@
-"""Build a Hugging Face causal LM without allocating it, find its repeating blocks, and materialize it
-shard by shard with initial weights that do not depend on the world size."""
+"""Hugging Face causal LMs without allocating them: the config, the model on the meta device, its repeating
+blocks, and its dimensions read once from the config (each family names them its own way)."""
 import contextlib
-import json
 import os
-import zlib
-from typing import Any, Dict, Iterator, List
+from dataclasses import dataclass
+from typing import Iterator, List, Optional
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .config import ConfigError, ModelConfig
+from .config import ModelConfig
+from .errors import ConfigError
 
 
 def build_hf_config(cfg: ModelConfig):
@@ -23,6 +21,32 @@ def build_hf_config(cfg: ModelConfig):
         raise ConfigError("model.model_type", "neither model.name_or_path nor model.model_type is set",
                           "pick a model option (model=llama_tiny) or set model.name_or_path")
     return AutoConfig.for_model(cfg.model_type, **cfg.config)
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    # None where the family has no fixed limit.
+    max_positions: Optional[int]
+
+
+def dims(hf_config) -> ModelDims:
+    """The dimensions every consumer needs (validation, MFU, the planner), with each family's defaults."""
+    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+    return ModelDims(
+        hidden=hidden, layers=hf_config.num_hidden_layers, heads=heads,
+        kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(hf_config, "head_dim", None) or hidden // heads,
+        intermediate=getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None)
+        or 4 * hidden,
+        vocab=hf_config.vocab_size,
+        max_positions=getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None))
 
 
 @contextlib.contextmanager
@@ -82,40 +106,6 @@ def clean_name(name: str) -> str:
     return name
 
 
-def _initial_value(name: str, shape: torch.Size, std: float, seed: int) -> torch.Tensor:
-    """The full initial tensor of one parameter: a function of (its name, the seed) only, so every world
-    size starts from identical weights. Matrices ~ N(0, std) as HF initialises them; biases 0; norm scales 1."""
-    if name.endswith("bias"):
-        return torch.zeros(shape)
-    if len(shape) == 1:
-        return torch.ones(shape)
-    gen = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
-
-
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate this rank's shards on `device`, uninitialised; buffers keep their values."""
-    buffers = {name: buf.clone() for name, buf in model.named_buffers()}
-    model.to_empty(device=device)
-    # to_empty gives each module its own new tensor, which unties shared weights: tie them again.
-    model.tie_weights()
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            buf.copy_(buffers[name])
-
-
-@torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
-    """Fill this rank's shards. One full parameter exists at a time, never the full model."""
-    std = getattr(model.config, "initializer_range", 0.02)
-    for name, param in model.named_parameters():
-        full = _initial_value(clean_name(name), param.shape, std, seed).to(param.device, param.dtype)
-        if isinstance(param, DTensor):
-            param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
-        else:
-            param.copy_(full)
-
-
 def pretrained_dir(name_or_path: str) -> str:
     """A local directory as is; a hub id through the local HF cache (downloaded only when asked for)."""
     if os.path.isdir(name_or_path):
@@ -123,48 +113,3 @@ def pretrained_dir(name_or_path: str) -> str:
     from huggingface_hub import snapshot_download
 
     return snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"])
-
-def apply_compile(blocks: List[nn.Module], enabled: bool) -> None:
-    """torch.compile each block before sharding (as torchtitan does), so FSDP's hooks stay outside."""
-    if enabled:
-        for block in blocks:
-            block.compile()
-
-
-def _safetensors_files(path: str) -> Dict[str, str]:
-    """Tensor name -> file, for a single model.safetensors or a sharded one with an index."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.exists(single):
-        raise ConfigError("model.name_or_path", f"{path} holds no model.safetensors(.index.json)",
-                          "point it at a directory written by save_pretrained (safetensors)")
-    with safe_open(single, "pt") as f:
-        return {k: single for k in f.keys()}
-
-
-@torch.no_grad()
-def load_pretrained(model: nn.Module, path: str, device: torch.device) -> None:
-    """Fill the (materialized, possibly sharded) model from a safetensors checkpoint: each rank reads only
-    the slices it owns, so its peak memory stays near its shard."""
-    files = _safetensors_files(path)
-    handles: Dict[str, Any] = {}
-    for name, param in model.named_parameters():
-        key = clean_name(name)
-        if key not in files:
-            raise ConfigError("model.name_or_path", f"{path} has no weight {key}",
-                              "use a checkpoint of the same architecture as the model config")
-        if files[key] not in handles:
-            handles[files[key]] = safe_open(files[key], "pt")
-        tensor = handles[files[key]].get_slice(key)
-        if isinstance(param, DTensor):
-            # Private helper, but the exact region this rank's shard covers for any mesh and placements.
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-            region = tensor[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-            param.to_local().copy_(region.to(device, param.dtype))
-        else:
-            param.copy_(tensor[:].to(device, param.dtype))

@@ -6,12 +6,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from .config import ConfigError, OptimConfig
+from .config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, max_steps: int):
-    if cfg.name != "adamw":
-        raise ConfigError("optim.name", f"unknown optimizer {cfg.name!r}", "use optim=adamw")
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                                   weight_decay=cfg.weight_decay)
 

@@ -1,33 +1,32 @@
 """Mixed precision: FSDP2's MixedPrecisionPolicy (autocast for the DDP baseline), and a dynamic loss
 scaler that works on sharded gradients."""
 import contextlib
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .config import ConfigError, PrecisionConfig
+from .config import PrecisionConfig
+from .errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def dtype(name: str, key: str) -> torch.dtype:
+def parse_dtype(name: str, key: str) -> torch.dtype:
+    """The dtype a config names; `key` is the config key the error names."""
     if name not in _DTYPES:
         raise ConfigError(key, f"unknown dtype {name!r}", f"use one of {', '.join(_DTYPES)}")
     return _DTYPES[name]
 
 
-def check_device_supports(cfg: PrecisionConfig, device: torch.device) -> None:
-    param = dtype(cfg.param_dtype, "precision.param_dtype")
-    if device.type == "cuda" and param is torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ConfigError("precision", f"{torch.cuda.get_device_name(device)} cannot compute in bfloat16",
-                          "use precision=fp16 (or fp32)")
+def dtypes(cfg: PrecisionConfig) -> Tuple[torch.dtype, torch.dtype]:
+    """(compute dtype, gradient reduction dtype)."""
+    return parse_dtype(cfg.param_dtype, "precision.param_dtype"), parse_dtype(cfg.reduce_dtype, "precision.reduce_dtype")
 
 
 def build_mp_policy(cfg: PrecisionConfig) -> Optional[MixedPrecisionPolicy]:
-    param = dtype(cfg.param_dtype, "precision.param_dtype")
-    reduce = dtype(cfg.reduce_dtype, "precision.reduce_dtype")
+    param, reduce = dtypes(cfg)
     if param is torch.float32 and reduce is torch.float32:
         return None
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
@@ -35,7 +34,7 @@ def build_mp_policy(cfg: PrecisionConfig) -> Optional[MixedPrecisionPolicy]:
 
 def autocast(cfg: PrecisionConfig, device: torch.device, enabled: bool):
     """Autocast for models FSDP does not cast (the DDP baseline); a no-op otherwise."""
-    param = dtype(cfg.param_dtype, "precision.param_dtype")
+    param, _ = dtypes(cfg)
     if not enabled or param is torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=param)

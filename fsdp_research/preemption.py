@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .config import ConfigError
+from .errors import ConfigError
 
 log = logging.getLogger("fsdp_research")
 
@@ -49,10 +49,12 @@ class Preemption:
                                                                   async_op=True), flag)
         return self._read(previous)
 
-    def close(self) -> None:
-        """Finish the agreement in flight, before the process group goes."""
-        self._read(self._pending)
-        self._pending = None
+    def close(self, failed: bool = False) -> None:
+        """Finish the agreement in flight, before the process group goes (not after a failure: the other ranks
+        may be gone)."""
+        pending, self._pending = self._pending, None
+        if not failed:
+            self._read(pending)
 
     @staticmethod
     def _read(pending) -> bool:

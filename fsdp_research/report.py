@@ -1,17 +1,13 @@
-"""Sweep report: `python -m fsdp_research.report <sweep dir> [--out <png>]`.
-
-Reads every job dir of a Hydra multirun sweep (<sweep dir>/<n>/) and prints one row per job: the overrides
-that differ between jobs, final loss and eval loss, throughput per device, peak memory, steps and status. Then
-writes a PNG with the loss curves and each job's throughput and peak memory (default <sweep dir>/report.png).
-"""
-import argparse
-import json
+"""Sweep report: every job dir of a sweep (<sweep dir>/<n>/) as one row: the overrides that differ between
+jobs, final loss and eval loss, throughput per device, peak memory, steps and status; and a PNG with the loss
+curves and each job's throughput and peak memory. `fsdp-research report` is the command."""
 import os
 import statistics
-import sys
 from typing import Any, Dict, List, Optional, Tuple
 
-import yaml
+from .rundir import read_status
+from .sinks import step_metrics
+from .sweep import job_overrides
 
 # CUDA runs log allocated and reserved peaks, CPU runs the RSS. Reserved comes first: it is what the caching
 # allocator actually holds on the device, so it is the number that decides whether a config fits.
@@ -29,20 +25,6 @@ COLUMNS = (
     ("steps", "steps", "{}"),
     ("status", "status", "{}"),
 )
-
-
-def _read_metrics(path: str) -> List[Dict[str, Any]]:
-    if not os.path.exists(path):
-        return []
-    rows = []
-    with open(path) as f:
-        for line in f:
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue  # a job killed mid-write leaves a partial last line
-    # Only the per-step metrics: one-off records ({"step", "doctor"}, {"step", "profile"}) have no loss.
-    return [row for row in rows if "loss" in row]
 
 
 def _median_after_warmup(rows: List[Dict[str, Any]], key: str) -> Optional[float]:
@@ -67,27 +49,14 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     }
 
 
-def _read_status(path: str) -> Dict[str, Any]:
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError):
-        return {}  # absent, or caught while being written
-
-
 def load_job(job_dir: str) -> Dict[str, Any]:
     """One job dir: its number, overrides, metrics rows, summary and status; missing files give empty values."""
-    status = _read_status(os.path.join(job_dir, "status.json"))
-    overrides_path = os.path.join(job_dir, ".hydra", "overrides.yaml")
-    if os.path.exists(overrides_path):
-        with open(overrides_path) as f:
-            overrides = yaml.safe_load(f) or []
-    else:
-        overrides = status.get("overrides") or []
-    rows = _read_metrics(os.path.join(job_dir, "metrics.jsonl"))
+    status = read_status(job_dir)
+    rows = step_metrics(job_dir)
     # Without status.json the job may still be running or may have died without a word: we cannot tell.
-    return {"num": int(os.path.basename(os.path.normpath(job_dir))), "overrides": list(overrides), "rows": rows,
-            "status": status.get("status", "unknown"), "error": status.get("error"), **summarize(rows)}
+    return {"num": int(os.path.basename(os.path.normpath(job_dir))), "overrides": job_overrides(job_dir),
+            "rows": rows, "status": status.get("status", "unknown"), "error": status.get("error"),
+            **summarize(rows)}
 
 
 def _split(override: str) -> Tuple[str, str]:
@@ -152,34 +121,3 @@ def plot(jobs: List[Dict[str, Any]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_research.report", description=__doc__.splitlines()[0])
-    parser.add_argument("sweep_dir", help="outputs/multirun/<date>/<time>")
-    parser.add_argument("--out", help="PNG path (default: <sweep dir>/report.png)")
-    args = parser.parse_args(argv)
-    if not os.path.isdir(args.sweep_dir):
-        print(f"error: no such sweep directory: {args.sweep_dir}", file=sys.stderr)
-        return 2
-    job_dirs = sorted((d for d in os.listdir(args.sweep_dir)
-                       if d.isdigit() and os.path.isdir(os.path.join(args.sweep_dir, d))), key=int)
-    if not job_dirs:
-        print(f"error: no job directories (<n>/) in {args.sweep_dir}", file=sys.stderr)
-        return 2
-    jobs = [load_job(os.path.join(args.sweep_dir, d)) for d in job_dirs]
-    for job, overrides in zip(jobs, differing_overrides(jobs)):
-        job["label"] = " ".join(overrides) or "-"
-    print(format_table(jobs))
-    for job in jobs:
-        if job["error"]:
-            print(f"job {job['num']} {job['status']}: {job['error']}")
-    out = args.out or os.path.join(args.sweep_dir, "report.png")
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    plot(jobs, out)
-    print(f"wrote {out}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,40 +1,26 @@
 """Scaling benchmark: samples/s on one device against N, for the chosen sharding and for plain DDP with the
 same per-device micro batch, and the verdict the seed text asks for: a sharding whose throughput falls below
-what DDP gives with the micro batch that fits is a configuration to abandon.
-
-    python -m fsdp_research.scaling <overrides...> --world-sizes 1,2 [--steps 30] [--ddp-micro-batch M]
-"""
-import argparse
-import json
-import os
+what DDP gives with the micro batch that fits is a configuration to abandon. `fsdp-research scaling` is the
+command."""
 import statistics
-import tempfile
 from typing import Dict, List
 
-from omegaconf import OmegaConf
+from omegaconf import DictConfig
 
-from .config import compose
-from .distributed import spawn
-from .trainer import _run_worker
+from .launch import run_spawned
+from .sinks import step_metrics
 
 WARMUP_STEPS = 5
+# What a measured run leaves out: everything but the steps (give the config trainer.max_steps).
+MEASURE = ["logger=none", "checkpoint.interval=0", "checkpoint.export=false", "trainer.eval_interval=0",
+           "trainer.log_interval=1"]
 
 
-def _samples_per_s(run_dir: str) -> float:
-    """Median global samples/s over the logged steps after warm-up."""
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f]
-    return statistics.median(r["samples_per_s"] for r in rows if "samples_per_s" in r and r["step"] > WARMUP_STEPS)
-
-
-def measure(overrides: List[str], world_size: int, micro_batch: int, steps: int, out: str) -> float:
-    """Train `steps` steps on `world_size` processes (global batch = micro batch x world size)."""
-    cfg = compose(["logger=none", "checkpoint.interval=0", "checkpoint.export=false", "trainer.eval_interval=0",
-                   "trainer.log_interval=1", f"trainer.max_steps={steps}", *overrides,
-                   f"trainer.micro_batch_size={micro_batch}", f"trainer.global_batch_size={micro_batch * world_size}"])
-    run_dir = os.path.join(out, f"{cfg.sharding.strategy.value}_w{world_size}")
-    spawn(_run_worker, world_size, OmegaConf.to_container(cfg, resolve=True), run_dir)
-    return _samples_per_s(run_dir)
+def measure(cfg: DictConfig, world_size: int, run_dir: str) -> float:
+    """Median global samples/s over the logged steps after warm-up of cfg on `world_size` processes (a config
+    composed with MEASURE)."""
+    run_spawned(cfg, world_size, run_dir)
+    return statistics.median(r["samples_per_s"] for r in step_metrics(run_dir) if r["step"] > WARMUP_STEPS)
 
 
 def verdict(results: Dict[str, Dict[int, float]], sharding: str) -> List[str]:
@@ -55,7 +41,7 @@ def verdict(results: Dict[str, Dict[int, float]], sharding: str) -> List[str]:
     return lines
 
 
-def _plot(results: Dict[str, Dict[int, float]], path: str) -> None:
+def plot(results: Dict[str, Dict[int, float]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -72,37 +58,3 @@ def _plot(results: Dict[str, Dict[int, float]], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("overrides", nargs="*")
-    parser.add_argument("--world-sizes", default="1,2")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--micro-batch", type=int, default=None, help="per-device micro batch (default: config's)")
-    parser.add_argument("--ddp-micro-batch", type=int, default=None,
-                        help="the micro batch that fits under ddp (default: the same)")
-    parser.add_argument("--out", default="outputs/scaling")
-    args = parser.parse_args(argv)
-    worlds = [int(w) for w in args.world_sizes.split(",")]
-    cfg = compose(args.overrides)
-    sharding = cfg.sharding.strategy.value
-    micro = args.micro_batch or cfg.trainer.micro_batch_size
-    os.makedirs(args.out, exist_ok=True)
-    results: Dict[str, Dict[int, float]] = {}
-    with tempfile.TemporaryDirectory(dir=args.out) as tmp:
-        for name, batch in ((sharding, micro), ("ddp", args.ddp_micro_batch or micro)):
-            if name in results:
-                continue
-            results[name] = {w: measure([*args.overrides, f"sharding={name}"], w, batch, args.steps, tmp)
-                             for w in worlds}
-    lines = verdict(results, sharding)
-    print("\n".join(lines))
-    with open(os.path.join(args.out, "scaling.json"), "w") as f:
-        json.dump({"overrides": args.overrides, "samples_per_s": results, "report": lines}, f, indent=2)
-    _plot(results, os.path.join(args.out, "scaling.png"))
-    print(f"wrote {args.out}/scaling.json and scaling.png")
-
-
-if __name__ == "__main__":
-    main()

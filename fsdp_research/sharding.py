@@ -6,14 +6,12 @@ from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from .activation_checkpointing import apply_activation_checkpointing
-from .config import ConfigError, ShardingConfig, Strategy
-from .models import apply_compile, block_class_name, build_model, find_blocks
+from .config import ShardingConfig, Strategy
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -31,6 +29,11 @@ class ShardingPlan:
     units: List[Unit]
     # The repeating blocks' paths, in forward order: what a reader of the plan (the doctor) holds units against.
     blocks: Tuple[str, ...] = ()
+
+
+def owner(name: str, unit_paths: List[str]) -> str:
+    """The unit that owns a parameter: the deepest unit whose path contains it ("" is the root)."""
+    return max((p for p in unit_paths if p == "" or name.startswith(p + ".")), key=len)
 
 
 def _block_reshard_flags(strategy: Strategy, n_blocks: int) -> List[bool]:
@@ -61,16 +64,6 @@ def build_plan(model: nn.Module, blocks: List[nn.Module], cfg: ShardingConfig) -
         units = [Unit(paths[block], flag) for block, flag in zip(blocks, flags)]
     # The root's own flag is moot: FSDP keeps the root gathered for backward.
     return ShardingPlan(strategy, units + [Unit("", False)], block_paths)
-
-
-def planned_model(cfg: DictConfig, hf_config) -> Tuple[nn.Module, ShardingPlan]:
-    """The model on the meta device, prepared in the trainer's order (activation checkpointing, compile), and
-    its sharding plan: nothing allocated, no process group needed."""
-    model = build_model(hf_config)
-    blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
-    blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
-    apply_compile(blocks, cfg.trainer.compile)
-    return model, build_plan(model, blocks, cfg.sharding)
 
 
 def build_mesh(cfg: ShardingConfig, device_type: str, world_size: int) -> DeviceMesh:

@@ -1,7 +1,7 @@
-"""Hydra callback for sweeps: a sweep that cannot run (zero jobs; on SLURM no sbatch or an unknown partition)
-fails before any job starts; a failed job does not stop the others (the trainer records it in its status.json
-and returns); at the end the sweep names the failed jobs and exits non-zero."""
-import json
+"""Sweeps: the job dirs of a sweep (a Hydra multirun's <n>/, or a SLURM array's), and the Hydra callback that
+guards one. A sweep that cannot run (zero jobs; on SLURM no sbatch or an unknown partition) fails before any
+job starts; a failed job does not stop the others (it records itself in its status.json); at the end the sweep
+names the failed jobs and exits non-zero."""
 import os
 import sys
 from typing import Any, List, Tuple
@@ -10,26 +10,30 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from .slurm_submit import SubmitError, check_partition, check_sbatch
+from .errors import SubmitError
+from .rundir import read_status
+from .slurm import check_partition, check_sbatch
 
 
-def job_statuses(sweep_dir: str) -> List[Tuple[str, str, str]]:
-    """(job dir name, status, error) for every job dir of the sweep, in job order."""
-    jobs = sorted((d for d in os.listdir(sweep_dir) if d.isdigit()), key=int) if os.path.isdir(sweep_dir) else []
-    out = []
-    for job in jobs:
-        try:
-            with open(os.path.join(sweep_dir, job, "status.json")) as f:
-                status = json.load(f)
-            out.append((job, status["status"], status.get("error") or ""))
-        except (OSError, ValueError):
-            out.append((job, "unknown", "no status.json: the job never ran or was killed"))
-    return out
+def job_dirs(sweep_dir: str) -> List[str]:
+    """The sweep's job dirs (<sweep dir>/<n>/), in job order."""
+    if not os.path.isdir(sweep_dir):
+        return []
+    names = (d for d in os.listdir(sweep_dir) if d.isdigit() and os.path.isdir(os.path.join(sweep_dir, d)))
+    return [os.path.join(sweep_dir, d) for d in sorted(names, key=int)]
 
 
-def _overrides(sweep_dir: str, job: str) -> str:
-    path = os.path.join(sweep_dir, job, ".hydra", "overrides.yaml")
-    return " ".join(OmegaConf.load(path)) if os.path.exists(path) else ""
+def job_overrides(job_dir: str) -> List[str]:
+    """The command-line overrides the job ran with (Hydra's record of them), or none."""
+    path = os.path.join(job_dir, ".hydra", "overrides.yaml")
+    return list(OmegaConf.load(path)) if os.path.exists(path) else []
+
+
+def _outcome(job_dir: str) -> Tuple[str, str]:
+    status = read_status(job_dir)
+    if not status:
+        return "unknown", "no status.json: the job never ran or was killed"
+    return status["status"], status.get("error") or ""
 
 
 def _empty_sweeps(task_overrides: List[str]) -> List[str]:
@@ -63,9 +67,9 @@ class SweepStatus(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = config.hydra.sweep.dir
-        failed = [(job, status, error) for job, status, error in job_statuses(sweep_dir) if status != "completed"]
+        failed = [(job, *outcome) for job in job_dirs(sweep_dir) if (outcome := _outcome(job))[0] != "completed"]
         if failed:
-            lines = [f"  #{job} [{_overrides(sweep_dir, job)}]: {status} {error}".rstrip()
+            lines = [f"  #{os.path.basename(job)} [{' '.join(job_overrides(job))}]: {status} {error}".rstrip()
                      for job, status, error in failed]
             print(f"error: {len(failed)} job(s) of the sweep in {sweep_dir} did not complete:\n" + "\n".join(lines),
                   file=sys.stderr)

@@ -1,12 +1,10 @@
-"""Configs are composed with Hydra's compose API, exactly as train.py composes them; outputs go to tmp dirs."""
+"""Configs are composed with Hydra's compose API (fsdp_research.composition.compose), exactly as train.py composes
+them; outputs go to tmp dirs."""
 import glob
 import os
 import sysconfig
 
 import pytest
-from omegaconf import DictConfig
-
-from fsdp_research.config import compose, register_configs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A few standard-library modules: real text, on every machine, small enough to tokenize in a second.
@@ -15,17 +13,6 @@ TEXT = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "[a-c]*.py
 # Small, fast and exact: fp32, no W&B, every step logged.
 FAST = ["precision=fp32", "logger=none", "trainer.log_interval=1", "trainer.eval_interval=0",
         "data.seq_len=64", f"data.paths=[{','.join(TEXT)}]", "checkpoint.export=false"]
-
-register_configs()
-
-
-def compose_config(overrides=()) -> DictConfig:
-    return compose(overrides)
-
-
-@pytest.fixture
-def compose_cfg():
-    return compose_config
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -21,7 +21,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_s
 
 from fsdp_research.checkpoint import MANIFEST, TRAINER_STATE, checkpoints_in, verify
 from fsdp_research.export import load_checkpoint_weights
-from tests.conftest import FAST, ROOT, compose_config
+from fsdp_research.composition import compose
+from tests.conftest import FAST, ROOT
 from tests.helpers.checkpointing import (Job, assert_bitwise_equal, build_distributed, checkpoint_tensors,
                                          complete_steps, newest_complete, snapshot, train, with_overrides)
 
@@ -358,7 +359,7 @@ def _save_random_llama(out_dir: str, **kwargs) -> str:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **compose_config().model.config))
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **compose().model.config))
     model.save_pretrained(out_dir, **kwargs)
     return out_dir
 
@@ -368,13 +369,12 @@ def _build(work):
     a save_pretrained llama (one file, and sharded with an index) loaded at 2 ranks."""
     single = _save_random_llama(os.path.join(work, "hf_single"))
     sharded = _save_random_llama(os.path.join(work, "hf_sharded"), max_shard_size="200KB")
-    container = lambda *o: OmegaConf.to_container(compose_config(FAST + list(o)), resolve=True)
+    container = lambda *o: OmegaConf.to_container(compose(FAST + list(o)), resolve=True)
     batch = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
     configs = {"init": container(), "single": container("model=pretrained", f"model.name_or_path={single}"),
                "sharded": container("model=pretrained", f"model.name_or_path={sharded}")}
     return (batch, {"single": single, "sharded": sharded},
-            build_distributed({"init": configs["init"]}, 1, batch, os.path.join(work, "built_1")),
-            build_distributed(configs, 2, batch, os.path.join(work, "built_2")))
+            build_distributed({"init": configs["init"]}, 1, batch), build_distributed(configs, 2, batch))
 
 
 def test_initial_weights_do_not_depend_on_world_size(scenario):
@@ -428,7 +428,7 @@ def test_export_loads_with_the_trained_weights(baseline):
 def test_offline_export_equals_the_end_of_training_export(work, baseline):
     out = os.path.join(work, "offline_export")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run([sys.executable, "-m", "fsdp_research.export", os.path.join(baseline.run_dir, LAST), out],
+    result = subprocess.run([sys.executable, "-m", "fsdp_research", "export", os.path.join(baseline.run_dir, LAST), out],
                             cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert_bitwise_equal(load_file(os.path.join(out, "model.safetensors")),

@@ -1,5 +1,6 @@
 """Experiment presets compose as `@package _global_` overrides of the groups."""
-from fsdp_research.config import Strategy, compose
+from fsdp_research.composition import compose
+from fsdp_research.config import Strategy
 
 
 def test_experiment_preset_overrides_groups():

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from fsdp_research.data import BYTE_VOCAB, TokenStream, build_data, resolve_paths
-from tests.conftest import FAST, TEXT, compose_config
+from fsdp_research.composition import compose
+from tests.conftest import FAST, TEXT
 
 N, BATCH = 37, 12  # a prime number of sequences: batches straddle epoch boundaries
 
@@ -19,7 +20,7 @@ def _numbered(n: int = N) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def data():
-    cfg = compose_config(FAST)
+    cfg = compose(FAST)
     return cfg, build_data(cfg.data, 512, seed=0)
 
 
@@ -66,13 +67,13 @@ def test_packed_sequences_and_held_out_eval(data):
 
 def test_small_data_still_holds_out_one_sequence():
     """5% of a few sequences rounds down to none; eval would then divide by zero at the end of training."""
-    cfg = compose_config(["data.seq_len=500", f"data.paths=[{TEXT[0]}]"])
+    cfg = compose(["data.seq_len=500", f"data.paths=[{TEXT[0]}]"])
     built = build_data(cfg.data, 512, seed=0)
     assert len(built.eval) == 1 and int((len(built.train.sequences) + 1) * cfg.data.eval_fraction) == 0
 
 
 def test_default_data_is_the_standard_library():
-    cfg = compose_config([])
+    cfg = compose([])
     assert cfg.data.kind.value == "local_text" and list(cfg.data.paths) == []
     files = resolve_paths(cfg.data)
     stdlib = sysconfig.get_paths()["stdlib"]

@@ -8,7 +8,8 @@ import pytest
 
 from fsdp_research.distributed import planned_nodes
 from fsdp_research.doctor import CHECKS, diagnose
-from tests.conftest import ROOT, compose_config
+from fsdp_research.composition import compose
+from tests.conftest import ROOT
 from tests.helpers.fsdp_units import plan_for
 
 MULTI_NODE = ["trainer.global_batch_size=128"]  # divisible by micro batch 8 x 16 ranks
@@ -37,7 +38,7 @@ CASES = [
 
 
 def _checks(overrides, world_size, nodes, measured):
-    cfg = compose_config(overrides)
+    cfg = compose(overrides)
     return [f.check for f in diagnose(cfg, plan_for(cfg), world_size, nodes, measured)]
 
 
@@ -59,7 +60,7 @@ def test_healthy_configs_have_no_findings(overrides, world_size, nodes):
 
 
 def test_findings_in_table_order_one_line_each():
-    cfg = compose_config(["sharding=root_only", "sharding.cpu_offload=true", "trainer.micro_batch_size=2",
+    cfg = compose(["sharding=root_only", "sharding.cpu_offload=true", "trainer.micro_batch_size=2",
                           "trainer.defer_grad_sync=false"])
     findings = diagnose(cfg, plan_for(cfg), 2, 1)
     assert [f.check for f in findings] == ["root_only", "cpu_offload", "grad_sync"]
@@ -88,7 +89,7 @@ def test_planned_nodes_from_the_launcher(monkeypatch, env, nodes):
 def test_cli_prints_findings_or_why_none():
     """Both commands at once: they are mostly start-up."""
     args = {"root_only": ["sharding=root_only"], "default": []}
-    procs = {name: subprocess.Popen([sys.executable, "-m", "fsdp_research.doctor", *a], cwd=ROOT, text=True,
+    procs = {name: subprocess.Popen([sys.executable, "-m", "fsdp_research", "doctor", *a], cwd=ROOT, text=True,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, a in args.items()}
     out = {name: proc.communicate(timeout=120) + (proc.returncode,) for name, proc in procs.items()}
     stdout, stderr, code = out["root_only"]

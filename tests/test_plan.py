@@ -1,4 +1,4 @@
-"""The memory planner (fsdp_research.plan). (a) Its prediction against what torch's FSDP memory tracker
+"""The memory planner (fsdp_research.planner). (a) Its prediction against what torch's FSDP memory tracker
 (torch.distributed._tools.fsdp2_mem_tracker) measures in one real step on 2 processes (gloo, CPU), for llama_tiny and
 a mid-size llama (hidden 512, 8 blocks, grouped-query attention), with and without activation checkpointing: every
 category the tracker keeps apart, and the total peak, within 10%. (b) The llama_7b plan for 8 ranks, without
@@ -14,8 +14,11 @@ both sides mean by it.
 """
 import pytest
 
-from fsdp_research.plan import GIB, main, memory, recompute_share, run_settings, step_moments, summary_for
-from tests.conftest import compose_config
+from fsdp_research.cli.plan import main
+from fsdp_research.planner.format import GIB
+from fsdp_research.planner.memory import memory, recompute_share, step_moments
+from fsdp_research.planner.summary import run_settings, summary_for
+from fsdp_research.composition import compose
 from tests.helpers.memory import measure_step_memory
 
 MID = ["model.config.hidden_size=512", "model.config.num_hidden_layers=8", "model.config.intermediate_size=1376",
@@ -31,12 +34,12 @@ WORLD = 2
 
 
 def _config(name: str):
-    return compose_config(CASES[name] + ["logger=none"])
+    return compose(CASES[name] + ["logger=none"])
 
 
 @pytest.fixture(scope="module")
-def measured(tmp_path_factory):
-    return measure_step_memory({name: _config(name) for name in CASES}, WORLD, str(tmp_path_factory.mktemp("mem")))
+def measured():
+    return measure_step_memory({name: _config(name) for name in CASES}, WORLD)
 
 
 def _predicted(cfg):
@@ -63,7 +66,7 @@ def test_llama_7b_on_8_ranks(capsys):
     """Sharded parameters, gradients and AdamW state: 16 bytes per parameter over 8 ranks; the command prints the
     plan and the side-by-side table without allocating anything."""
     overrides = ["model=llama_7b", "trainer.global_batch_size=64"]
-    cfg = compose_config(overrides)
+    cfg = compose(overrides)
     summary = summary_for(cfg)
     mem = memory(summary, run_settings(cfg, 8, "cuda"))
     state = mem.sharded_params + mem.sharded_grads + mem.optimizer
@@ -78,7 +81,7 @@ def test_llama_7b_on_8_ranks(capsys):
 
 
 def test_checkpointing_trades_activations_for_recompute():
-    cfg = compose_config(["activation_checkpointing=every_2nd"])
+    cfg = compose(["activation_checkpointing=every_2nd"])
     summary, run = summary_for(cfg), run_settings(cfg, 1, "cpu")
     assert summary.checkpointed == (True, False, True, False)
     assert recompute_share(summary.checkpointed) == pytest.approx(1 / 6)

@@ -6,9 +6,10 @@ import os
 import pytest
 import torch
 
-from tests.conftest import FAST, compose_config
+from fsdp_research.composition import compose
+from tests.conftest import FAST
 from tests.helpers.cli import read_metrics
-from tests.helpers.dist import train_distributed
+from tests.helpers.dist import ok, train_distributed
 from tests.helpers.fsdp_units import precision_state
 from tests.helpers.reference import reference_run
 
@@ -28,11 +29,9 @@ RUNS = {
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("precision"))
-    configs = {name: compose_config(BASE + extra) for name, extra in RUNS.items()}
+    configs = {name: compose(BASE + extra) for name, extra in RUNS.items()}
     results = train_distributed(configs, 2, out, inspect=precision_state)
-    for name in RUNS:
-        results[name]["metrics"] = read_metrics(os.path.join(out, name))
-    return results
+    return {name: {**ok(results, name), "metrics": read_metrics(os.path.join(out, name))} for name in RUNS}
 
 
 @pytest.mark.parametrize("name, param, reduce", [
@@ -78,7 +77,7 @@ def test_fp16_skips_and_counts_overflowing_steps(runs):
 
 def test_gpt2_keeps_tied_embeddings_and_matches_plain_pytorch(runs):
     assert runs["gpt2_fp32"]["tied"] and runs["gpt2_bf16"]["tied"]
-    ref_losses, ref_weights = reference_run(compose_config(BASE + RUNS["gpt2_fp32"]))
+    ref_losses, ref_weights = reference_run(compose(BASE + RUNS["gpt2_fp32"]))
     losses, weights = runs["gpt2_fp32"]["losses"], runs["gpt2_fp32"]["weights"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert weights.keys() == ref_weights.keys()

@@ -9,9 +9,10 @@ import pytest
 
 from fsdp_research.profiling import breakdown
 from fsdp_research.report import load_job
-from tests.conftest import FAST, compose_config
+from fsdp_research.composition import compose
+from tests.conftest import FAST
 from tests.helpers.cli import read_metrics
-from tests.helpers.dist import train_distributed
+from tests.helpers.dist import ok, train_distributed
 from tests.helpers.wandb_history import history, summary
 
 
@@ -69,11 +70,11 @@ PROFILED = 2
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     # Named "0" like a sweep's job dir, so that the sweep report can read it too.
-    cfg = compose_config(FAST + ["sharding=reshard_all", "logger=wandb", f"trainer.max_steps={STEPS}",
+    cfg = compose(FAST + ["sharding=reshard_all", "logger=wandb", f"trainer.max_steps={STEPS}",
                                  f"trainer.profile_steps={PROFILED}", "trainer.global_batch_size=4",
                                  "trainer.micro_batch_size=2"])
     out = str(tmp_path_factory.mktemp("profiled"))
-    train_distributed({"0": cfg}, 2, out)
+    ok(train_distributed({"0": cfg}, 2, out), "0")
     run_dir = os.path.join(out, "0")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return run_dir, [json.loads(line) for line in f]

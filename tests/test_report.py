@@ -11,7 +11,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_research.report", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "fsdp_research", "report", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -21,7 +21,7 @@ def test_verdict_keeps_a_sharding_that_keeps_up():
 
 def test_cli_writes_json_and_png(tmp_path):
     overrides = [o for o in FAST if not o.startswith("trainer.log_interval")]
-    result = subprocess.run([sys.executable, "-m", "fsdp_research.scaling", *overrides, "--world-sizes", "1",
+    result = subprocess.run([sys.executable, "-m", "fsdp_research", "scaling", *overrides, "--world-sizes", "1",
                              "--steps", "7", "--micro-batch", "2", "--out", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

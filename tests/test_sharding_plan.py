@@ -3,9 +3,11 @@ config asks for; (b) on 2 real processes, the trained model's FSDP units and wha
 forward are exactly that plan."""
 import pytest
 
-from fsdp_research.config import ConfigError, Strategy
-from tests.conftest import FAST, compose_config
-from tests.helpers.dist import train_distributed
+from fsdp_research.config import Strategy
+from fsdp_research.errors import ConfigError
+from fsdp_research.composition import compose
+from tests.conftest import FAST
+from tests.helpers.dist import ok, train_distributed
 from tests.helpers.fsdp_units import observe_units, plan_for
 
 BLOCKS = [f"model.layers.{i}" for i in range(4)]  # llama_tiny
@@ -34,25 +36,25 @@ def _units(plan):
 
 @pytest.mark.parametrize("strategy", list(EXPECTED))
 def test_plan_of_each_strategy(strategy):
-    plan = plan_for(compose_config([f"sharding={strategy}"]))
+    plan = plan_for(compose([f"sharding={strategy}"]))
     assert plan.strategy is Strategy[strategy]
     assert _units(plan) == EXPECTED[strategy]
 
 
 def test_reshard_override_wins_over_the_strategy():
-    plan = plan_for(compose_config([OVERRIDE]))
+    plan = plan_for(compose([OVERRIDE]))
     assert _units(plan) == [(BLOCKS[0], False), (BLOCKS[1], True), (BLOCKS[2], True), (BLOCKS[3], True)] + ROOT
 
 
 @pytest.mark.parametrize("index", [4, -1])
 def test_reshard_override_out_of_range(index):
     with pytest.raises(ConfigError, match=r"^sharding\.reshard_override: block .* fix: use indices 0\.\.3"):
-        plan_for(compose_config([f"+sharding.reshard_override={{{index}:true}}"]))
+        plan_for(compose([f"+sharding.reshard_override={{{index}:true}}"]))
 
 
 def test_activation_checkpointing_keeps_the_plan():
     """The wrapped blocks take the blocks' places: same paths, same flags."""
-    assert _units(plan_for(compose_config(["activation_checkpointing=every_block"]))) == BLOCKWISE
+    assert _units(plan_for(compose(["activation_checkpointing=every_block"]))) == BLOCKWISE
 
 
 ONE_STEP = FAST + ["trainer.max_steps=1", "trainer.global_batch_size=4", "trainer.micro_batch_size=2"]
@@ -72,14 +74,15 @@ APPLIED = {
 
 @pytest.fixture(scope="module")
 def applied(tmp_path_factory):
-    configs = {name: compose_config(ONE_STEP + extra) for name, extra in APPLIED.items()}
+    configs = {name: compose(ONE_STEP + extra) for name, extra in APPLIED.items()}
     observed = train_distributed(configs, 2, str(tmp_path_factory.mktemp("plans")), inspect=observe_units)
-    return {name: (plan_for(configs[name]), observed[name]) for name in APPLIED}
+    return {name: (plan_for(configs[name]), observed) for name in APPLIED}
 
 
 @pytest.mark.parametrize("name", list(APPLIED))
 def test_applied_plan_matches(applied, name):
     plan, observed = applied[name]
+    observed = ok(observed, name)
     assert sorted(observed["units"]) == sorted(unit.path for unit in plan.units)
     if not plan.units:  # ddp
         return

@@ -2,7 +2,6 @@
 job, workers included), what a run leaves behind (metrics, checkpoint tensors, file listings), and models
 built in spawned worker processes."""
 import hashlib
-import json
 import os
 import signal
 import subprocess
@@ -15,14 +14,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from fsdp_research.build import build_sharded_model
 from fsdp_research.checkpoint import checkpoints_in, verify
 from fsdp_research.config import typed
-from fsdp_research.distributed import device_for, init_distributed, spawn
+from fsdp_research.distributed import device_for, init_distributed
 from fsdp_research.models import build_hf_config
-from fsdp_research.trainer import build_sharded_model
 from tests.conftest import ROOT
-from tests.helpers.cli import subprocess_env
-from tests.helpers.dist import full_state
+from tests.helpers.cli import read_metrics, subprocess_env
+from tests.helpers.dist import full_state, run_distributed
 
 
 def with_overrides(base: Sequence[str], *changes: str) -> List[str]:
@@ -39,8 +38,7 @@ class Run:
     stderr: str
 
     def metrics(self) -> List[dict]:
-        with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
-            return [json.loads(line) for line in f]
+        return read_metrics(self.run_dir)
 
     def error_lines(self) -> List[str]:
         return [line for line in self.stderr.splitlines() if line.startswith("error:")]
@@ -122,28 +120,24 @@ def snapshot(root: str) -> Dict[str, tuple]:
     return found
 
 
-def _build_each(configs: Dict[str, dict], batch: torch.Tensor, out_dir: str) -> None:
+def _build_each(configs: Dict[str, dict], batch: torch.Tensor) -> Dict[str, Dict[str, torch.Tensor]]:
     first = typed(next(iter(configs.values())))
     device = device_for(first.trainer.device, 0)
     init_distributed(first.distributed, device)
+    built = {}
     for name, cfg in configs.items():
         cfg = typed(cfg)
         model, _ = build_sharded_model(cfg, build_hf_config(cfg.model), device, dist.get_world_size())
-        weights = full_state(model)
         with torch.no_grad():
-            logits = model(input_ids=batch.to(device)).logits.cpu()
-        if dist.get_rank() == 0:
-            torch.save({"weights": weights, "logits": logits}, os.path.join(out_dir, f"{name}.pt"))
-    dist.destroy_process_group()
+            built[name] = {"weights": full_state(model), "logits": model(input_ids=batch.to(device)).logits.cpu()}
+    return built
 
 
-def build_distributed(configs: Dict[str, dict], world_size: int, batch: torch.Tensor,
-                      out_dir: str) -> Dict[str, Dict[str, torch.Tensor]]:
+def build_distributed(configs: Dict[str, dict], world_size: int,
+                      batch: torch.Tensor) -> Dict[str, Dict[str, torch.Tensor]]:
     """Build each config's sharded model (build_sharded_model) on `world_size` spawned processes; returns its
     full initial weights and its logits on `batch`."""
-    os.makedirs(out_dir, exist_ok=True)
-    spawn(_build_each, world_size, configs, batch, out_dir)
-    return {name: torch.load(os.path.join(out_dir, f"{name}.pt")) for name in configs}
+    return run_distributed(_build_each, world_size, configs, batch)
 
 
 def newest_complete(run_dir: str) -> Optional[int]:

@@ -1,14 +1,40 @@
-"""Real multi-process runs for tests: N processes on gloo, started the way train.py starts its workers."""
+"""Real multi-process runs for tests (as OLMo-core's run_distributed_test): a function on N fresh processes on
+gloo, started the way train.py starts its workers, every log line tagged with its rank; rank 0's return value
+comes back to the test."""
+import logging
 import os
+import tempfile
+import traceback
 from typing import Any, Callable, Dict
 
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from fsdp_research.distributed import spawn
 from fsdp_research.models import clean_name
 from fsdp_research.trainer import train
+
+
+def _run_and_keep(fn: Callable, args: tuple, path: str) -> None:
+    rank = int(os.environ["RANK"])
+    logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s",
+                        force=True)
+    result = fn(*args)
+    if rank == 0:
+        torch.save(result, path)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable, world_size: int, *args: Any) -> Any:
+    """fn(*args) on world_size new processes (a module-level function; it joins the process group through the
+    library's init_distributed, as the trainer does); returns what rank 0's call returned."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "result.pt")
+        spawn(_run_and_keep, world_size, fn, args, path)
+        return torch.load(path, weights_only=False)
 
 
 def full_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
@@ -22,20 +48,27 @@ def final_weights(model: torch.nn.Module) -> Dict[str, Any]:
     return {"weights": full_state(model)}
 
 
-def _train_each(configs: Dict[str, Any], out_dir: str, inspect: Callable) -> None:
+def _train_each(configs: Dict[str, Any], out_dir: str, inspect: Callable) -> Dict[str, Any]:
+    records = {}
     for name, cfg in configs.items():
-        result = train(cfg, os.path.join(out_dir, name))
-        record = {"losses": result.losses, **inspect(result.model)}
-        if torch.distributed.get_rank() == 0:
-            torch.save(record, os.path.join(out_dir, f"{name}.pt"))
-    torch.distributed.destroy_process_group()
+        try:
+            result = train(cfg, os.path.join(out_dir, name))
+            records[name] = {"losses": result.losses, **inspect(result.model)}
+        except Exception:  # the other configs still run; the test of this one names it
+            records[name] = {"error": traceback.format_exc()}
+    return records
 
 
 def train_distributed(configs: Dict[str, Any], world_size: int, out_dir: str,
                       inspect: Callable[[torch.nn.Module], Dict[str, Any]] = final_weights) -> Dict[str, Any]:
     """Train each config in turn on the same `world_size` processes (run dirs <out_dir>/<name>); returns their
     losses and what `inspect(trained model)` found (a module-level function; every rank calls it, so it may
-    use collectives), by default the final weights."""
+    use collectives), by default the final weights; or {"error": rank 0's traceback} for a config that raised."""
     containers = {name: OmegaConf.to_container(cfg, resolve=True) for name, cfg in configs.items()}
-    spawn(_train_each, world_size, containers, out_dir, inspect)
-    return {name: torch.load(os.path.join(out_dir, f"{name}.pt")) for name in configs}
+    return run_distributed(_train_each, world_size, containers, out_dir, inspect)
+
+
+def ok(records: Dict[str, Any], name: str) -> Dict[str, Any]:
+    """The record of one config, failing the test with its traceback if it raised."""
+    assert "error" not in records[name], f"{name} raised:\n{records[name]['error']}"
+    return records[name]

@@ -9,8 +9,9 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from fsdp_research.build import planned_model
 from fsdp_research.models import build_hf_config
-from fsdp_research.sharding import ShardingPlan, planned_model
+from fsdp_research.sharding import ShardingPlan, owner
 from tests.helpers.dist import final_weights
 
 
@@ -30,8 +31,7 @@ def gathered_units(model: nn.Module, units: List[str]) -> List[str]:
     deeper unit owns."""
     state: Dict[str, set] = {}
     for name, param in model.named_parameters():
-        owner = max((u for u in units if u == "" or name.startswith(u + ".")), key=len)
-        state.setdefault(owner, set()).add(not isinstance(param, DTensor))
+        state.setdefault(owner(name, units), set()).add(not isinstance(param, DTensor))
     assert all(len(flags) == 1 for flags in state.values()), f"a unit is partly gathered: {state}"
     return sorted(unit for unit, flags in state.items() if flags == {True})
 

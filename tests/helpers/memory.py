@@ -2,7 +2,6 @@
 (torch.distributed._tools.fsdp2_mem_tracker) measures it: what the planner's prediction is held against."""
 import contextlib
 import gc
-import os
 from typing import Any, Dict
 
 import torch
@@ -10,11 +9,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
+from fsdp_research.build import build_sharded_model
 from fsdp_research.config import typed
-from fsdp_research.distributed import init_distributed, spawn
+from fsdp_research.distributed import init_distributed
 from fsdp_research.models import build_hf_config
 from fsdp_research.optim import build_optimizer, clip_grad_norm
-from fsdp_research.trainer import _loss, build_sharded_model
+from fsdp_research.trainer import loss_of
+from tests.helpers.dist import run_distributed
 
 # The planner's categories as sums of the tracker's.
 GROUPS = {
@@ -48,14 +49,15 @@ class _GroupPeaks(FSDPMemTracker):
 
 def _step(model, optimizer, batch: torch.Tensor, grad_clip: float) -> None:
     """One step as the trainer takes it (one micro-batch)."""
-    _loss(model, batch, contextlib.nullcontext()).backward()
+    loss_of(model, batch, contextlib.nullcontext()).backward()
     clip_grad_norm(model, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
 
-def _measure_each(configs: Dict[str, Any], out_dir: str) -> None:
+def _measure_each(configs: Dict[str, Any]) -> Dict[str, Dict[str, int]]:
     device = torch.device("cpu")
+    peaks = {}
     for name, container in configs.items():
         cfg = typed(container)
         init_distributed(cfg.distributed, device)
@@ -71,16 +73,14 @@ def _measure_each(configs: Dict[str, Any], out_dir: str) -> None:
         tracker.track_inputs((batch,))
         with tracker:
             _step(model, optimizer, batch, cfg.optim.grad_clip)
-        if dist.get_rank() == 0:
-            torch.save(tracker.peaks, os.path.join(out_dir, f"{name}.pt"))
+        peaks[name] = tracker.peaks
         del model, optimizer, tracker
         gc.collect()
-    dist.destroy_process_group()
+    return peaks
 
 
-def measure_step_memory(configs: Dict[str, Any], world_size: int, out_dir: str) -> Dict[str, Dict[str, int]]:
+def measure_step_memory(configs: Dict[str, Any], world_size: int) -> Dict[str, Dict[str, int]]:
     """Rank 0's peak bytes per group (and the optimizer state) in one tracked step of each config, all on the same
     `world_size` processes (gloo, CPU); the ranks hold equal shares."""
     containers = {name: OmegaConf.to_container(cfg, resolve=True) for name, cfg in configs.items()}
-    spawn(_measure_each, world_size, containers, out_dir)
-    return {name: torch.load(os.path.join(out_dir, f"{name}.pt")) for name in configs}
+    return run_distributed(_measure_each, world_size, containers)

@@ -5,10 +5,11 @@ from typing import Any, Dict, List, Tuple
 import torch
 import torch.nn.functional as F
 
-from fsdp_research.data import build_data
-from fsdp_research.models import build_hf_config, build_model, init_weights, materialize
-from fsdp_research.optim import build_optimizer
 from fsdp_research.config import typed
+from fsdp_research.data import build_data
+from fsdp_research.initialization import init_weights, materialize
+from fsdp_research.models import build_hf_config, build_model
+from fsdp_research.optim import build_optimizer
 
 
 def reference_run(cfg: Any) -> Tuple[List[float], Dict[str, torch.Tensor]]:

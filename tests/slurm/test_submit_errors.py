@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import FAST, ROOT
 
 GOOD = "trainer.max_steps=2 trainer.seed=0"
-SUBMIT = [sys.executable, "-m", "fsdp_research.slurm_submit", "sweep.txt"]
+SUBMIT = [sys.executable, "-m", "fsdp_research", "submit", "sweep.txt"]
 SWEEP = [sys.executable, os.path.join(ROOT, "train.py"), "-m", "hydra/launcher=slurm", *FAST, "hydra.sweep.dir=sweep"]
 
 

@@ -53,7 +53,7 @@ def test_array_script(jobs, tmp_path):
              [*FAST, f"trainer.max_steps={STEPS}", "logger.name=run three"]]
     override_file = tmp_path / "sweep.txt"
     override_file.write_text("# three jobs\n\n" + "\n\n# next\n".join(shlex.join(line) for line in lines) + "\n")
-    result = subprocess.run([sys.executable, "-m", "fsdp_research.slurm_submit", str(override_file), "--parallel", "2",
+    result = subprocess.run([sys.executable, "-m", "fsdp_research", "submit", str(override_file), "--parallel", "2",
                              "--", f"--job-name={jobs.name}"], cwd=tmp_path, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     array_job = result.stdout.split()[3].rstrip(":")

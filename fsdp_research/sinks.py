@@ -1,5 +1,6 @@
-"""Where metrics go: a line on stdout (a progress bar on a terminal), metrics.jsonl in the run dir, and
-W&B. Only rank 0 logs; the other ranks get sinks that drop everything."""
+"""Where log lines and metrics go: a line on stdout (a progress bar on a terminal), metrics.jsonl in the run
+dir, and W&B. Only rank 0 logs metrics; the other ranks get sinks that drop everything. Also the reader of
+metrics.jsonl, for everything that reads a run back."""
 import json
 import logging
 import os
@@ -11,13 +12,16 @@ from .config import LoggerConfig
 
 log = logging.getLogger("fsdp_research")
 
+METRICS = "metrics.jsonl"
+
 
 def setup_logging(run_dir: str, rank: int) -> None:
-    """Rank 0 logs INFO to stdout and <run dir>/train.log; other ranks only warnings, to stderr."""
+    """Rank 0 logs INFO to stdout and <run dir>/train.log; other ranks only warnings, to stderr. Every line
+    carries its rank."""
     root = logging.getLogger()
     for handler in list(root.handlers):
         root.removeHandler(handler)
-    fmt = logging.Formatter("[%(asctime)s][%(levelname)s] %(message)s", "%H:%M:%S")
+    fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s", "%H:%M:%S")
     handlers: List[logging.Handler] = [logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)]
     if rank == 0:
         handlers.append(logging.FileHandler(os.path.join(run_dir, "train.log")))
@@ -62,16 +66,37 @@ class Console:
         sys.stdout.flush()
 
 
+def read_records(run_dir: str) -> List[Dict[str, Any]]:
+    """Every record of <run dir>/metrics.jsonl: the per-step metrics and the one-off records ({"step", "doctor"},
+    {"step", "profile"}, {"step", "summary"}); a line cut short (a run killed mid-write) is skipped."""
+    path = os.path.join(run_dir, METRICS)
+    if not os.path.exists(path):
+        return []
+    records = []
+    with open(path) as f:
+        for line in f:
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return records
+
+
+def step_metrics(run_dir: str) -> List[Dict[str, Any]]:
+    """The per-step metric rows of a run (one-off records have no loss)."""
+    return [row for row in read_records(run_dir) if "loss" in row]
+
+
 class JsonlSink:
     """One JSON object per logged step. A resumed run first drops the lines after its checkpoint's step, so
     the file never holds a step twice."""
 
-    def __init__(self, path: str, resume_step: int):
+    def __init__(self, run_dir: str, resume_step: int):
+        path = os.path.join(run_dir, METRICS)
         if os.path.exists(path):
-            with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+            kept = [record for record in read_records(run_dir) if record["step"] <= resume_step]
             with open(path + ".tmp", "w") as f:
-                f.writelines(kept)
+                f.writelines(json.dumps(record) + "\n" for record in kept)
             os.replace(path + ".tmp", path)
         self.file = open(path, "a", buffering=1)
 
@@ -81,7 +106,7 @@ class JsonlSink:
     def note(self, step: int, key: str, value: Any) -> None:
         self.log({"step": step, key: value})
 
-    def finish(self) -> None:
+    def finish(self, failed: bool = False) -> None:
         self.file.close()
 
 
@@ -99,8 +124,9 @@ class WandbSink:
         # The summary, not the history: one record per run, and the history stays one row per logged step.
         self.run.summary[key] = value
 
-    def finish(self) -> None:
-        self.run.finish()
+    def finish(self, failed: bool = False) -> None:
+        # A run that raised is marked failed in W&B, not left running.
+        self.run.finish(exit_code=1 if failed else 0)
 
 
 class Sinks:
@@ -120,10 +146,12 @@ class Sinks:
             if hasattr(sink, "note"):
                 sink.note(step, key, value)
 
-    def finish(self) -> None:
-        for sink in self.sinks:
+    def finish(self, failed: bool = False) -> None:
+        """Closes every sink, once (also when training raised: a failed sweep job leaves no W&B run open)."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
             if hasattr(sink, "finish"):
-                sink.finish()
+                sink.finish(failed)
 
 
 def new_run_id() -> str:
@@ -136,7 +164,7 @@ def build_sinks(cfg: LoggerConfig, run_dir: str, rank: int, max_steps: int, conf
                 run_id: str, resume_step: int) -> Sinks:
     if rank != 0:
         return Sinks([])
-    sinks: list = [Console(max_steps), JsonlSink(os.path.join(run_dir, "metrics.jsonl"), resume_step)]
+    sinks: list = [Console(max_steps), JsonlSink(run_dir, resume_step)]
     if cfg.kind == "wandb":
         sinks.append(WandbSink(cfg, run_dir, config, run_id))
     return Sinks(sinks)

@@ -1,7 +1,5 @@
-"""Memory and communication planner: per-rank memory and per-step traffic of a config, without allocating the
-model (it is built on the meta device, wrapped for activation checkpointing and planned as the trainer does).
-
-    python -m fsdp_research.plan <overrides...> world_size=N [--compare] [--device cpu|cuda]
+"""The planner's model of memory and communication per rank, without allocating anything (the model behind the
+summary is built on the meta device, wrapped for activation checkpointing and planned as the trainer does).
 
 Everything below is a pure function of a ModelSummary (each FSDP unit's parameter shapes, from the plan; the block
 shapes, from the HF config) and a Run (world size, dtypes, batch). Bytes per rank; e = compute bytes
@@ -48,92 +46,15 @@ unit in forward and every unit that resharded again in backward, per micro-batch
 Reduce-scatter: every unit's gradients in the reduce dtype, once per step with defer_grad_sync (else per
 micro-batch). hsdp adds an all-reduce of the gradient shards across replicas; ddp all-reduces fp32 gradients.
 """
-import argparse
-import sys
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import torch.nn as nn
-from omegaconf import DictConfig
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from ..config import Strategy
+from .summary import ModelSummary, Run, UnitSize
 
-from .config import ConfigError, Strategy, compose
-from .distributed import device_for, planned_world_size
-from .models import build_hf_config
-from .precision import dtype
-from .sharding import ShardingPlan, planned_model
-
-GIB = 2**30
 FP32 = 4
 # Same block as HF's Llama: RMSNorm, rotary SDPA attention, SwiGLU MLP.
 LLAMA_LIKE = ("llama", "mistral", "qwen2")
-
-
-@dataclass(frozen=True)
-class UnitSize:
-    """One FSDP unit: the parameters it owns, as (dim 0, elements per dim-0 row), in forward order."""
-
-    path: str
-    shapes: Tuple[Tuple[int, int], ...]
-    reshard_after_forward: bool
-    # The block it lies in; None for the root.
-    block: Optional[int]
-
-    @property
-    def numel(self) -> int:
-        return sum(rows * row for rows, row in self.shapes)
-
-    def shard_numel(self, n: int) -> int:
-        return sum(-(-rows // n) * row for rows, row in self.shapes)
-
-
-@dataclass(frozen=True)
-class ModelSummary:
-    """What the memory model needs of a model and its plan: parameter shapes per unit, block shapes."""
-
-    name: str
-    model_type: str
-    n_params: int
-    hidden: int
-    intermediate: int
-    heads: int
-    kv_dim: int
-    vocab: int
-    n_blocks: int
-    sdpa: bool
-    strategy: Strategy
-    checkpointed: Tuple[bool, ...]
-    # The units below the root, in forward order (none for root_only and ddp).
-    units: Tuple[UnitSize, ...]
-    # What the root unit owns (ddp: the whole model).
-    root: UnitSize
-    # Root-owned elements inside each block (norms under per_linear, whole blocks under root_only).
-    root_in_block: Tuple[int, ...]
-    # The input embedding when untied: its gradient only appears at the very end of backward.
-    input_embedding: int
-
-
-@dataclass(frozen=True)
-class Run:
-    world_size: int
-    # precision.param_dtype and reduce_dtype, as named in the config.
-    compute_dtype: str
-    reduce_dtype: str
-    shard_group: int
-    replicas: int
-    compute_bytes: int
-    reduce_bytes: int
-    micro_batch: int
-    seq_len: int
-    micro_steps: int
-    defer_grad_sync: bool
-    cpu_offload: bool
-    # AdamW's foreach implementation (CUDA) instead of the per-tensor loop (CPU).
-    foreach: bool
-
-    @property
-    def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
 
 
 @dataclass(frozen=True)
@@ -162,54 +83,6 @@ class Traffic:
     all_gather_backward: int
     reduce_scatter: int
     all_reduce: int
-
-
-def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) -> ModelSummary:
-    """The plan's units with the parameter shapes each one owns (a unit owns what no deeper unit owns)."""
-    paths = [u.path for u in plan.units] or [""]
-    owned: Dict[str, List[Tuple[str, Tuple[int, int]]]] = {p: [] for p in paths}
-    for name, param in model.named_parameters():
-        owner = max((p for p in paths if p == "" or name.startswith(p + ".")), key=len)
-        owned[owner].append((name, (param.shape[0], param[0].numel()) if param.dim() else (1, 1)))
-
-    def block_of(name: str) -> Optional[int]:
-        return next((i for i, b in enumerate(plan.blocks) if name == b or name.startswith(b + ".")), None)
-
-    flags = {u.path: u.reshard_after_forward for u in plan.units}
-    units = tuple(UnitSize(p, tuple(s for _, s in owned[p]), flags.get(p, False), block_of(p) if p else None)
-                  for p in paths)
-    root_in_block = [0] * len(plan.blocks)
-    for name, (rows, row) in owned[""]:
-        if block_of(name) is not None:
-            root_in_block[block_of(name)] += rows * row
-    embedding = model.get_input_embeddings().weight
-    tied = any(p is embedding for p in model.get_output_embeddings().parameters())
-    h, heads = hf_config.hidden_size, hf_config.num_attention_heads
-    head_dim = getattr(hf_config, "head_dim", None) or h // heads
-    return ModelSummary(
-        name=cfg.model.name, model_type=hf_config.model_type, n_params=sum(p.numel() for p in model.parameters()),
-        hidden=h, intermediate=getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None)
-        or 4 * h, heads=heads, kv_dim=(getattr(hf_config, "num_key_value_heads", None) or heads) * head_dim,
-        vocab=hf_config.vocab_size, n_blocks=len(plan.blocks), sdpa=model.config._attn_implementation != "eager",
-        strategy=plan.strategy,
-        checkpointed=tuple(isinstance(model.get_submodule(b), CheckpointWrapper) for b in plan.blocks),
-        units=units[:-1] if plan.units else (), root=units[-1], root_in_block=tuple(root_in_block),
-        input_embedding=0 if tied else embedding.numel())
-
-
-def run_settings(cfg: DictConfig, world_size: int, device_type: str) -> Run:
-    strategy = Strategy(cfg.sharding.strategy)
-    replicas = cfg.sharding.replicate if strategy is Strategy.hsdp else 1
-    t = cfg.trainer
-    return Run(world_size=world_size, compute_dtype=cfg.precision.param_dtype,
-               reduce_dtype=cfg.precision.reduce_dtype,
-               shard_group=1 if strategy is Strategy.ddp else world_size // replicas,
-               replicas=replicas, compute_bytes=dtype(cfg.precision.param_dtype, "precision.param_dtype").itemsize,
-               reduce_bytes=dtype(cfg.precision.reduce_dtype, "precision.reduce_dtype").itemsize,
-               micro_batch=t.micro_batch_size, seq_len=cfg.data.seq_len,
-               micro_steps=t.global_batch_size // (t.micro_batch_size * world_size),
-               defer_grad_sync=t.defer_grad_sync, cpu_offload=cfg.sharding.cpu_offload,
-               foreach=device_type == "cuda" and not cfg.sharding.cpu_offload)
 
 
 # Activations, per token (bytes); see the module docstring.
@@ -420,148 +293,3 @@ def traffic(m: ModelSummary, run: Run) -> Traffic:
     replicas = run.replicas
     across = syncs * 2 * (replicas - 1) / replicas * r * sum(u.shard_numel(n) for u in units)
     return Traffic(int(forward + backward), int(backward), int(reduce), int(across))
-
-
-# The command.
-
-def summary_for(cfg: DictConfig) -> ModelSummary:
-    hf_config = build_hf_config(cfg.model)
-    model, plan = planned_model(cfg, hf_config)
-    return summarize(cfg, model, plan, hf_config)
-
-
-def _gib(value: float) -> str:
-    value /= GIB
-    return f"{value:.2f}" if value >= 1 else f"{value:.3g}"
-
-
-def format_plan(m: ModelSummary, run: Run) -> str:
-    e, mem = run.compute_dtype, memory(m, run)
-    replicated = m.strategy is Strategy.ddp
-    size = f"{m.n_params / 1e9:.2f}B" if m.n_params >= 1e9 else f"{m.n_params / 1e6:.2f}M"
-    layout = "replicated" if replicated else f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units"
-    deferring = run.micro_steps > 1 and run.defer_grad_sync
-    lines = [
-        f"{m.name}: {size} parameters, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {layout}",
-        f"compute {e}, reduce {run.reduce_dtype}; micro-batch {run.micro_batch} x {run.seq_len} tokens, "
-        f"{run.micro_steps} micro-batch(es) per step; {_checkpointing(m.checkpointed)}",
-        "",
-        "memory per rank (GiB)",
-    ]
-    rows = [
-        ("parameters (fp32)" if replicated else "sharded parameters (fp32)", mem.sharded_params, ""),
-        ("gradients (fp32)" if replicated else "sharded gradients (fp32)", mem.sharded_grads,
-         "param.grad + DDP buckets" if replicated else ""),
-        ("optimizer state (AdamW, 2 x fp32)", mem.optimizer, ""),
-        (f"parameters gathered in flight ({e})", mem.gathered,
-         "autocast weight copies" if replicated else _gathered_note(m)),
-        ("gradients unsharded in flight", mem.unsharded_grads, "" if replicated else
-         f"one unit in {e} + its {run.reduce_dtype} reduce-scatter input"
-         + (" + all accumulated (defer_grad_sync)" if deferring else "")),
-    ]
-    for ckpt in _activation_variants(m.checkpointed):
-        rows.append((f"activations, {_checkpointing(ckpt)}", memory(m, run, ckpt).activations,
-                     f"+{recompute_share(ckpt):.0%} compute" if any(ckpt) else ""))
-    rows += [("backward and optimizer temporaries", mem.temporaries, ""),
-             ("peak", mem.peak, f"at: {mem.peak_at}")]
-    if mem.host:
-        rows.append(("host memory (cpu_offload)", mem.host, "sharded state, off the device"))
-    lines += [f"  {label:<44}{_gib(value):>9}   {note}".rstrip() for label, value, note in rows]
-    comm = traffic(m, run)
-    lines += ["", "communication per rank per step (GiB received)",
-              f"  {'all-gather':<44}{_gib(comm.all_gather):>9}   {_gib(comm.all_gather_backward)} of it in backward",
-              f"  {'reduce-scatter':<44}{_gib(comm.reduce_scatter):>9}",
-              f"  {'all-reduce':<44}{_gib(comm.all_reduce):>9}"]
-    return "\n".join(lines)
-
-
-def format_compare(rows: Sequence[Tuple[ModelSummary, Run]]) -> str:
-    header = ("strategy", "params+grads+optim", "gathered", "unsharded grads", "activations", "peak",
-              "all-gather", "reduce-scatter", "all-reduce")
-    table = [header]
-    for m, run in rows:
-        mem, comm = memory(m, run), traffic(m, run)
-        table.append((m.strategy.value if run.replicas == 1 else f"hsdp ({run.replicas}x{run.shard_group})",
-                      *map(_gib, (mem.sharded_params + mem.sharded_grads + mem.optimizer, mem.gathered,
-                                  mem.unsharded_grads, mem.activations, mem.peak, comm.all_gather,
-                                  comm.reduce_scatter, comm.all_reduce))))
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in table]
-    return "\n".join(["per rank, GiB (memory) and GiB received per step (communication)", *lines])
-
-
-def _checkpointing(checkpointed: Sequence[bool]) -> str:
-    count = sum(checkpointed)
-    if not count:
-        return "no checkpointing"
-    if count == len(checkpointed):
-        return "every block checkpointed"
-    return f"{count} of {len(checkpointed)} blocks checkpointed"
-
-
-def _activation_variants(checkpointed: Tuple[bool, ...]) -> List[Tuple[bool, ...]]:
-    """Without checkpointing, and with it as configured (every block when the config has none)."""
-    none = (False,) * len(checkpointed)
-    return [none, checkpointed if any(checkpointed) else (True,) * len(checkpointed)]
-
-
-def _gathered_note(m: ModelSummary) -> str:
-    if not m.units:
-        return "the whole model (root only)"
-    if all(not u.reshard_after_forward for u in m.units):
-        return "root + every unit, kept from forward to backward"
-    kept = sum(not u.reshard_after_forward for u in m.units)
-    return "root + current unit + next" + (f" + {kept} resident" if kept else "")
-
-
-def _split_world_size(argv: Sequence[str]) -> Tuple[Optional[int], List[str]]:
-    """world_size=N is the planner's own argument; everything else is a Hydra override."""
-    sizes = [a.partition("=")[2] for a in argv if a.startswith("world_size=")]
-    if sizes and not (sizes[-1].isdigit() and int(sizes[-1]) > 0):
-        raise ConfigError("world_size", f"{sizes[-1]!r} is not a positive integer", "use world_size=N, N >= 1")
-    return (int(sizes[-1]) if sizes else None), [a for a in argv if not a.startswith("world_size=")]
-
-
-def _compare_rows(overrides: Sequence[str], world_size: int, device_type: str) -> List[Tuple[ModelSummary, Run]]:
-    rows = []
-    for strategy in Strategy:
-        options = [f"sharding={strategy.value}"]
-        if strategy is Strategy.hsdp:
-            if world_size < 4 or world_size % 2:
-                continue  # hsdp needs two replicas of at least two shards each
-            options.append("sharding.replicate=2")
-        cfg = compose([*overrides, *options])
-        rows.append((summary_for(cfg), run_settings(cfg, world_size, device_type)))
-    return rows
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .trainer import check_config
-
-    parser = argparse.ArgumentParser(prog="python -m fsdp_research.plan", description=__doc__.splitlines()[0])
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides as for train.py, and world_size=N "
-                        "(default: as the launch would have)")
-    parser.add_argument("--compare", action="store_true", help="also compare every sharding option")
-    parser.add_argument("--device", choices=("cpu", "cuda"),
-                        help="the device type to plan for (default: the trainer's, trainer.device)")
-    args = parser.parse_args(argv)
-    try:
-        world_size, overrides = _split_world_size(args.overrides)
-        cfg = compose(overrides)
-        world_size = world_size or planned_world_size(cfg.distributed)
-        device = device_for(cfg.trainer.device, 0)
-        check_config(cfg, world_size, build_hf_config(cfg.model), device)
-        device_type = args.device or device.type
-        print(format_plan(summary_for(cfg), run_settings(cfg, world_size, device_type)))
-        if args.compare:
-            print()
-            print(format_compare(_compare_rows(overrides, world_size, device_type)))
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

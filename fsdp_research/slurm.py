@@ -1,28 +1,20 @@
-"""Submit a file of override lines as one SLURM job array:
-
-    python -m fsdp_research.slurm_submit <override file> [--parallel P] [--partition NAME] [-- <sbatch options>]
-
-One job per line, written as on the command line (blank lines and # comments are skipped). Task i of
-slurm/array.sbatch runs line i in outputs/slurm/<array job id>/<i>/ under the current dir. Every check runs
-before sbatch, so bad input submits nothing. The SLURM checks are shared with the Hydra launcher path
-(fsdp_research.sweep)."""
-import argparse
+"""SLURM: a file of override lines as one job array (one job per line, written as on the command line; blank
+lines and # comments are skipped; task i of slurm/array.sbatch runs line i in outputs/slurm/<array job id>/<i>/
+under the current dir), and the checks that run before anything is submitted, shared with the Hydra launcher
+path (fsdp_research.sweep). `fsdp-research submit` is the command."""
 import os
 import shlex
 import shutil
 import subprocess
-import sys
 from typing import List, Optional, Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 
+from .errors import SubmitError
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARRAY_SCRIPT = os.path.join(REPO, "slurm", "array.sbatch")
-
-
-class SubmitError(Exception):
-    """Why nothing was submitted, in one line."""
 
 
 def _reason(err: OverrideParseException) -> str:
@@ -93,29 +85,3 @@ def submit(jobs: List[List[str]], parallel: int, partition: Optional[str], sbatc
     if result.returncode != 0:
         raise SubmitError(f"sbatch failed: {' '.join(result.stderr.split())}")
     return result.stdout.strip().split(";")[0]  # --parsable prints "<id>" or "<id>;<cluster>"
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    argv, sbatch_args = argv[:split], argv[split + 1:]
-    parser = argparse.ArgumentParser(prog="python -m fsdp_research.slurm_submit", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("override_file", help="one job per line: overrides as on the command line")
-    parser.add_argument("--parallel", type=int, default=16, help="array tasks running at once (default 16)")
-    parser.add_argument("--partition", help="default: the cluster's default partition")
-    args = parser.parse_args(argv)
-    try:
-        if args.parallel < 1:
-            raise SubmitError(f"--parallel must be 1 or more, not {args.parallel}")
-        jobs = read_override_lines(args.override_file)
-        job_id = submit(jobs, args.parallel, args.partition, sbatch_args)
-    except SubmitError as err:
-        print(f"error: {err}; nothing submitted", file=sys.stderr)
-        sys.exit(2)
-    print(f"submitted array job {job_id}: {len(jobs)} task(s), run dirs outputs/slurm/{job_id}/<task>/ "
-          f"(watch: squeue -j {job_id}; sacct -j {job_id}; python -m fsdp_research.report outputs/slurm/{job_id})")
-
-
-if __name__ == "__main__":
-    main()

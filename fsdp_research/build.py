@@ -1,0 +1,48 @@
+"""The model as training runs it, in the order the recipe needs: on the meta device -> activation checkpointing
+-> compile -> the sharding plan applied with fully_shard (innermost first) -> this rank's shards materialized,
+initialised or read from a checkpoint -> DDP for the baseline."""
+from typing import Tuple
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from .activation_checkpointing import apply_activation_checkpointing
+from .compilation import apply_compile
+from .config import Strategy
+from .initialization import init_weights, materialize
+from .models import block_class_name, build_model, find_blocks, pretrained_dir
+from .precision import build_mp_policy
+from .pretrained import load_pretrained
+from .sharding import ShardingPlan, apply_ddp, apply_fsdp, build_mesh, build_plan
+
+
+def planned_model(cfg: DictConfig, hf_config) -> Tuple[nn.Module, ShardingPlan]:
+    """The model on the meta device, prepared in the trainer's order (activation checkpointing, compile), and
+    its sharding plan: nothing allocated, no process group needed. Raises ConfigError for a block class the
+    model does not have."""
+    model = build_model(hf_config)
+    blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
+    # Before sharding, so that FSDP shards the wrapped block; compile too, so FSDP's hooks stay outside it.
+    blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
+    apply_compile(blocks, cfg.trainer.compile)
+    return model, build_plan(model, blocks, cfg.sharding)
+
+
+def shard_model(model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device: torch.device,
+                world_size: int) -> nn.Module:
+    """A planned model sharded, materialized and filled on this rank (a collective: every rank calls it)."""
+    apply_fsdp(model, plan, build_mesh(cfg.sharding, device.type, world_size), build_mp_policy(cfg.precision),
+               cfg.sharding)
+    materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device)
+    if cfg.model.load_weights:
+        load_pretrained(model, pretrained_dir(cfg.model.name_or_path), device)
+    else:
+        init_weights(model, cfg.trainer.seed)
+    return apply_ddp(model, device) if plan.strategy is Strategy.ddp else model
+
+
+def build_sharded_model(cfg: DictConfig, hf_config, device: torch.device,
+                        world_size: int) -> Tuple[nn.Module, ShardingPlan]:
+    model, plan = planned_model(cfg, hf_config)
+    return shard_model(model, plan, cfg, device, world_size), plan

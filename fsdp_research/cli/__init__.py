@@ -1,0 +1,25 @@
+"""The command-line tools, one subcommand each: `fsdp-research <command> ...` (or `python -m fsdp_research
+<command> ...`). Training itself is train.py. Each command module has main(argv) -> exit code."""
+import importlib
+import sys
+from typing import List, Optional
+
+COMMANDS = {
+    "plan": "memory and communication per rank of a config, without allocating the model",
+    "doctor": "check a config against the causes of slow FSDP (--measure: from a short profiled run)",
+    "export": "convert a resume checkpoint into a Hugging Face directory, offline",
+    "report": "one row per job of a sweep, and a PNG of its curves",
+    "scaling": "samples/s at 1..N devices for a sharding and for DDP, and the abandon verdict",
+    "submit": "submit a file of override lines as one SLURM job array",
+}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] not in COMMANDS:
+        width = max(map(len, COMMANDS))
+        usage = "\n".join(f"  {name:<{width}}  {what}" for name, what in COMMANDS.items())
+        print(f"usage: fsdp-research <command> [args...]; commands:\n{usage}",
+              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    return importlib.import_module(f"{__name__}.{argv[0]}").main(argv[1:]) or 0

@@ -1,0 +1,44 @@
+"""What the commands share: the launch they describe (world_size=N, nodes=N beside the Hydra overrides), the
+composed and checked config, and the one-line error."""
+import sys
+from typing import Any, Dict, List, Sequence, Tuple
+
+from omegaconf import DictConfig
+
+from ..composition import compose
+from ..distributed import device_for, planned_world_size
+from ..errors import ConfigError
+from ..models import build_hf_config
+from ..validation import check_config
+
+LAUNCH_KEYS = ("world_size", "nodes")
+
+
+def split_launch(argv: Sequence[str]) -> Tuple[Dict[str, int], List[str]]:
+    """world_size=N and nodes=N (the launch to describe) apart from the Hydra overrides; the last one given wins."""
+    launch: Dict[str, int] = {}
+    overrides = []
+    for arg in argv:
+        key, _, value = arg.partition("=")
+        if key not in LAUNCH_KEYS:
+            overrides.append(arg)
+            continue
+        if not (value.isdigit() and int(value) > 0):
+            raise ConfigError(key, f"{value!r} is not a positive integer", f"use {key}=N, N >= 1")
+        launch[key] = int(value)
+    return launch, overrides
+
+
+def checked_config(overrides: Sequence[str], world_size: int = 0) -> Tuple[DictConfig, Any, int]:
+    """(config, HF config, world size): composed as train.py would, checked as the trainer checks it, for
+    world_size ranks (0: as the launch would have)."""
+    cfg = compose(overrides)
+    world_size = world_size or planned_world_size(cfg.distributed)
+    hf_config = build_hf_config(cfg.model)
+    check_config(cfg, world_size, hf_config, device_for(cfg.trainer.device, 0))
+    return cfg, hf_config, world_size
+
+
+def fail(err: BaseException, suffix: str = "") -> int:
+    print(f"error: {err}{suffix}", file=sys.stderr)
+    return 2

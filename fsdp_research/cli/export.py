@@ -1,0 +1,38 @@
+"""fsdp-research export <step dir> <out dir> [--dtype D] [--shard-size S]: a resume checkpoint as a Hugging Face
+directory, in this process alone (no process group, no GPU)."""
+import argparse
+import os
+from typing import Optional, Sequence
+
+from omegaconf import OmegaConf
+
+from ..checkpoint import verify
+from ..errors import ConfigError
+from ..export import export_dtype, load_checkpoint_weights, parse_size, write_hf_dir
+from .common import fail
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="fsdp-research export", description=__doc__.split(":", 1)[1].strip())
+    parser.add_argument("step_dir")
+    parser.add_argument("out_dir")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the run's "
+                        "checkpoint.export_dtype, else its training dtype)")
+    parser.add_argument("--shard-size", default="5GB")
+    args = parser.parse_args(argv)
+    from transformers import AutoConfig
+
+    problem = verify(args.step_dir)
+    if problem:
+        return fail(f"{args.step_dir}: {problem}")
+    train_cfg = OmegaConf.load(os.path.join(args.step_dir, "train_config.yaml"))
+    if args.dtype:
+        train_cfg.checkpoint.export_dtype = args.dtype
+    try:
+        dtype, shard_size = export_dtype(train_cfg), parse_size(args.shard_size)
+    except ConfigError as err:
+        return fail(err)
+    write_hf_dir(load_checkpoint_weights(args.step_dir), AutoConfig.from_pretrained(args.step_dir), args.out_dir,
+                 dtype, shard_size, train_cfg.data.tokenizer)
+    print(f"wrote {args.out_dir}")
+    return 0

@@ -1,0 +1,33 @@
+"""fsdp-research report <sweep dir> [--out <png>]: one row per job of a Hydra multirun sweep or SLURM array (the
+overrides that differ between jobs, final loss and eval loss, throughput per device, peak memory, steps,
+status), and a PNG of the loss curves, throughput and peak memory (default <sweep dir>/report.png)."""
+import argparse
+import os
+from typing import List, Optional
+
+from ..report import differing_overrides, format_table, load_job, plot
+from ..sweep import job_dirs
+from .common import fail
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="fsdp-research report", description=__doc__.split(":", 1)[1].strip())
+    parser.add_argument("sweep_dir", help="outputs/multirun/<date>/<time>")
+    parser.add_argument("--out", help="PNG path (default: <sweep dir>/report.png)")
+    args = parser.parse_args(argv)
+    if not os.path.isdir(args.sweep_dir):
+        return fail(f"no such sweep directory: {args.sweep_dir}")
+    jobs = [load_job(d) for d in job_dirs(args.sweep_dir)]
+    if not jobs:
+        return fail(f"no job directories (<n>/) in {args.sweep_dir}")
+    for job, overrides in zip(jobs, differing_overrides(jobs)):
+        job["label"] = " ".join(overrides) or "-"
+    print(format_table(jobs))
+    for job in jobs:
+        if job["error"]:
+            print(f"job {job['num']} {job['status']}: {job['error']}")
+    out = args.out or os.path.join(args.sweep_dir, "report.png")
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    plot(jobs, out)
+    print(f"wrote {out}")
+    return 0

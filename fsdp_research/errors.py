@@ -1,0 +1,21 @@
+"""The errors a user sees as one line: what is wrong, where, and the fix. A leaf: imports nothing of ours."""
+
+
+class ConfigError(ValueError):
+    """A bad config value: the message names the key and the fix, on one line."""
+
+    def __init__(self, key: str, problem: str, fix: str):
+        super().__init__(f"{key}: {problem}; fix: {fix}")
+        self.key, self.problem, self.fix = key, problem, fix
+
+    def __reduce__(self):
+        # Pickled whole (one rank's error raised on all of them): the default would call __init__ with the message.
+        return type(self), (self.key, self.problem, self.fix)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or does not fit the run: one line, what and where."""
+
+
+class SubmitError(Exception):
+    """Why nothing was submitted to SLURM, in one line."""

@@ -1,0 +1,127 @@
+"""Process orchestration, beside the recipe: train.py's entry (check the config once, then train here or in
+distributed.nproc_per_node workers of this app's own), what every run records in status.json, how each
+process exits (exit code 2 for bad input), requeueing a preempted SLURM job, and naming sweep jobs."""
+import logging
+import os
+import sys
+from typing import Any
+
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+from torch.multiprocessing import ProcessExitedException
+
+from . import rundir
+from .build import planned_model
+from .config import typed
+from .distributed import device_for, launch_env, spawn
+from .errors import CheckpointError, ConfigError
+from .models import build_hf_config
+from .preemption import requeue
+from .trainer import train
+from .validation import check_config
+
+log = logging.getLogger("fsdp_research")
+
+
+def one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+
+
+def run_worker(cfg: Any, run_dir: str) -> str:
+    """Train on this process's rank in run_dir; rank 0 records the outcome in status.json. Returns the status."""
+    env = launch_env()
+    status, error = "failed", None
+    try:
+        status = "preempted" if train(cfg, run_dir).preempted else "completed"
+        return status
+    except BaseException as err:
+        error = one_line(err)
+        raise
+    finally:
+        if env is None or env.rank == 0:
+            rundir.write_status(run_dir, status, error)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _spawned_worker(cfg: Any, run_dir: str) -> None:
+    try:
+        run_worker(cfg, run_dir)
+    except (ConfigError, CheckpointError) as err:
+        # Every rank raises these alike (checks run everywhere, checkpoint failures are made collective):
+        # rank 0 says it once.
+        if launch_env().rank == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    # Everything is written and closed: leave without the interpreter's teardown, where gloo's threads can
+    # abort the process ("terminate called without an active exception") and fail a finished run.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_spawned(cfg: DictConfig, world_size: int, run_dir: str) -> None:
+    """Train cfg in run_dir on world_size worker processes of this node, as torchrun would; raises
+    ProcessExitedException when a worker fails (a bad config: exit code 2, said once on stderr)."""
+    spawn(_spawned_worker, world_size, OmegaConf.to_container(cfg, resolve=True), run_dir)
+
+
+def _check_before_spawning(cfg: DictConfig, run_dir: str) -> None:
+    """The workers' own checks, once, before any starts: a bad value fails with one message."""
+    try:
+        hf_config = build_hf_config(cfg.model)
+        check_config(cfg, cfg.distributed.nproc_per_node, hf_config, device_for(cfg.trainer.device, 0))
+        planned_model(cfg, hf_config)
+    except ConfigError as err:
+        rundir.write_status(run_dir, "failed", one_line(err))
+        raise
+
+
+def _name_sweep_job(cfg: DictConfig) -> None:
+    """In a sweep, W&B groups the jobs by sweep and names each by its overrides, unless set."""
+    hydra = HydraConfig.get()
+    cfg.logger.group = cfg.logger.group or os.path.relpath(hydra.sweep.dir, "outputs/multirun").replace("/", "_")
+    cfg.logger.name = cfg.logger.name or hydra.job.override_dirname or f"job{hydra.job.num}"
+
+
+def _run(cfg: DictConfig, run_dir: str) -> str:
+    """Train here, or in nproc_per_node workers when no launcher started this process; returns the status."""
+    if launch_env() is None and cfg.distributed.nproc_per_node > 1:
+        _check_before_spawning(cfg, run_dir)
+        run_spawned(cfg, cfg.distributed.nproc_per_node, run_dir)
+        return rundir.read_status(run_dir)["status"]
+    return run_worker(OmegaConf.to_container(cfg, resolve=True), run_dir)
+
+
+def launch(cfg: DictConfig, output_dir: str) -> None:
+    """Entry from train.py, with Hydra's output dir. Bad input exits 2 with one line on stderr. In a sweep a
+    failed job is recorded (status.json) and the sweep goes on; the sweep callback fails it at its end."""
+    cfg = typed(cfg)
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if multirun:
+        _name_sweep_job(cfg)
+    try:
+        status = _run(cfg, rundir.resolve(cfg.checkpoint.resume, output_dir))
+    except (ConfigError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        if not multirun:
+            sys.exit(2)
+        return
+    except ProcessExitedException as err:  # the worker has said why
+        if not multirun:
+            sys.exit(err.exit_code or 1)
+        return
+    except Exception:
+        if not multirun:
+            raise
+        log.exception("job failed")
+        return
+    env = launch_env()
+    if status == "preempted" and (requeue() if env is None or env.rank == 0 else "SLURM_JOB_ID" in os.environ):
+        # Requeued: end without returning a result, so a launcher waiting on this job (submitit) keeps
+        # waiting for the requeued run instead of taking this one as its result.
+        sys.exit(0)

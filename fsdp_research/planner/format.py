@@ -1,0 +1,93 @@
+"""The planner's output: one config's memory and traffic per rank, or every sharding side by side."""
+from typing import List, Sequence, Tuple
+
+from ..config import Strategy
+from .memory import memory, recompute_share, traffic
+from .summary import ModelSummary, Run
+
+GIB = 2**30
+
+
+def _gib(value: float) -> str:
+    value /= GIB
+    return f"{value:.2f}" if value >= 1 else f"{value:.3g}"
+
+
+def format_plan(m: ModelSummary, run: Run) -> str:
+    e, mem = run.compute_dtype, memory(m, run)
+    replicated = m.strategy is Strategy.ddp
+    size = f"{m.n_params / 1e9:.2f}B" if m.n_params >= 1e9 else f"{m.n_params / 1e6:.2f}M"
+    layout = "replicated" if replicated else f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units"
+    deferring = run.micro_steps > 1 and run.defer_grad_sync
+    lines = [
+        f"{m.name}: {size} parameters, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {layout}",
+        f"compute {e}, reduce {run.reduce_dtype}; micro-batch {run.micro_batch} x {run.seq_len} tokens, "
+        f"{run.micro_steps} micro-batch(es) per step; {_checkpointing(m.checkpointed)}",
+        "",
+        "memory per rank (GiB)",
+    ]
+    rows = [
+        ("parameters (fp32)" if replicated else "sharded parameters (fp32)", mem.sharded_params, ""),
+        ("gradients (fp32)" if replicated else "sharded gradients (fp32)", mem.sharded_grads,
+         "param.grad + DDP buckets" if replicated else ""),
+        ("optimizer state (AdamW, 2 x fp32)", mem.optimizer, ""),
+        (f"parameters gathered in flight ({e})", mem.gathered,
+         "autocast weight copies" if replicated else _gathered_note(m)),
+        ("gradients unsharded in flight", mem.unsharded_grads, "" if replicated else
+         f"one unit in {e} + its {run.reduce_dtype} reduce-scatter input"
+         + (" + all accumulated (defer_grad_sync)" if deferring else "")),
+    ]
+    for ckpt in _activation_variants(m.checkpointed):
+        rows.append((f"activations, {_checkpointing(ckpt)}", memory(m, run, ckpt).activations,
+                     f"+{recompute_share(ckpt):.0%} compute" if any(ckpt) else ""))
+    rows += [("backward and optimizer temporaries", mem.temporaries, ""),
+             ("peak", mem.peak, f"at: {mem.peak_at}")]
+    if mem.host:
+        rows.append(("host memory (cpu_offload)", mem.host, "sharded state, off the device"))
+    lines += [f"  {label:<44}{_gib(value):>9}   {note}".rstrip() for label, value, note in rows]
+    comm = traffic(m, run)
+    lines += ["", "communication per rank per step (GiB received)",
+              f"  {'all-gather':<44}{_gib(comm.all_gather):>9}   {_gib(comm.all_gather_backward)} of it in backward",
+              f"  {'reduce-scatter':<44}{_gib(comm.reduce_scatter):>9}",
+              f"  {'all-reduce':<44}{_gib(comm.all_reduce):>9}"]
+    return "\n".join(lines)
+
+
+def format_compare(rows: Sequence[Tuple[ModelSummary, Run]]) -> str:
+    header = ("strategy", "params+grads+optim", "gathered", "unsharded grads", "activations", "peak",
+              "all-gather", "reduce-scatter", "all-reduce")
+    table = [header]
+    for m, run in rows:
+        mem, comm = memory(m, run), traffic(m, run)
+        table.append((m.strategy.value if run.replicas == 1 else f"hsdp ({run.replicas}x{run.shard_group})",
+                      *map(_gib, (mem.sharded_params + mem.sharded_grads + mem.optimizer, mem.gathered,
+                                  mem.unsharded_grads, mem.activations, mem.peak, comm.all_gather,
+                                  comm.reduce_scatter, comm.all_reduce))))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in table]
+    return "\n".join(["per rank, GiB (memory) and GiB received per step (communication)", *lines])
+
+
+def _checkpointing(checkpointed: Sequence[bool]) -> str:
+    count = sum(checkpointed)
+    if not count:
+        return "no checkpointing"
+    if count == len(checkpointed):
+        return "every block checkpointed"
+    return f"{count} of {len(checkpointed)} blocks checkpointed"
+
+
+def _activation_variants(checkpointed: Tuple[bool, ...]) -> List[Tuple[bool, ...]]:
+    """Without checkpointing, and with it as configured (every block when the config has none)."""
+    none = (False,) * len(checkpointed)
+    return [none, checkpointed if any(checkpointed) else (True,) * len(checkpointed)]
+
+
+def _gathered_note(m: ModelSummary) -> str:
+    if not m.units:
+        return "the whole model (root only)"
+    if all(not u.reshard_after_forward for u in m.units):
+        return "root + every unit, kept from forward to backward"
+    kept = sum(not u.reshard_after_forward for u in m.units)
+    return "root + current unit + next" + (f" + {kept} resident" if kept else "")
