@@ -1,4 +1,5 @@
 """Hydra entry point: `python train.py <group>=<option> <key>=<value> ...` (see README.md)."""
+
 import sys
 
 import hydra

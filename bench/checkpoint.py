@@ -1,9 +1,11 @@
 """Resume-checkpoint speed: DCP save/load (every rank writes its own shard) against gathering a full state
-dict on rank 0 plus torch.save (every rank then torch.loads the whole file), same model and optimizer state, same ranks, alternated in one
-run; and for checkpoint.async=true, how much of the save the training loop still waits for.
+dict on rank 0 plus torch.save (every rank then torch.loads the whole file), same model and optimizer state,
+same ranks, alternated in one run; and for checkpoint.async=true, how much of the save the training loop still
+waits for.
 
     .venv/bin/python bench/checkpoint.py [--nproc 2] [--repeats 3] [overrides ...]
 """
+
 import argparse
 import json
 import os
@@ -30,8 +32,12 @@ from fsdp_research.models import build_hf_config  # noqa: E402
 from fsdp_research.optim import build_optimizer  # noqa: E402
 
 # A mid-size llama (~33M parameters; ~0.4 GB of model + AdamW state): large enough for I/O to dominate.
-MODEL = ["model.config.hidden_size=512", "model.config.intermediate_size=1376", "model.config.num_hidden_layers=8",
-         "model.config.vocab_size=8192"]
+MODEL = [
+    "model.config.hidden_size=512",
+    "model.config.intermediate_size=1376",
+    "model.config.num_hidden_layers=8",
+    "model.config.vocab_size=8192",
+]
 
 
 def _timed(fn) -> float:
@@ -69,8 +75,13 @@ def _bench(container, repeats: int, out: str) -> None:
 
     def full_load():
         state = torch.load(full_path, weights_only=False)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=StateDictOptions(full_state_dict=True))
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+            options=StateDictOptions(full_state_dict=True),
+        )
 
     times = {k: [] for k in ("dcp_save", "dcp_load", "full_save", "full_load", "async_blocking")}
     sync = Checkpointer(cfg.checkpoint, os.path.join(out, "sync"), {})
@@ -89,8 +100,13 @@ def _bench(container, repeats: int, out: str) -> None:
         times["async_blocking"][-1] += _timed(asynchronous.wait)
     if rank == 0:
         with open(os.path.join(out, "times.json"), "w") as f:
-            json.dump({**times, "size_mb": sum(os.path.getsize(os.path.join(step_dir, n))
-                                               for n in os.listdir(step_dir)) / 1e6}, f)
+            json.dump(
+                {
+                    **times,
+                    "size_mb": sum(os.path.getsize(os.path.join(step_dir, n)) for n in os.listdir(step_dir)) / 1e6,
+                },
+                f,
+            )
     dist.destroy_process_group()
 
 
@@ -109,14 +125,22 @@ def main() -> None:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items() if isinstance(v, list)}
-    print(f"{args.nproc} ranks, checkpoint {times['size_mb']:.0f} MB (model + AdamW state), "
-          f"median of {args.repeats} alternated repeats")
-    print(f"save: DCP {med['dcp_save']:.2f} s | full state dict on rank 0 + torch.save {med['full_save']:.2f} s | "
-          f"ratio {med['full_save'] / med['dcp_save']:.2f}x")
-    print(f"load: DCP {med['dcp_load']:.2f} s | torch.load of the full file on every rank {med['full_load']:.2f} s | "
-          f"ratio {med['full_load'] / med['dcp_load']:.2f}x")
-    print(f"async save: the loop waits {med['async_blocking']:.2f} s of a sync save's {med['dcp_save']:.2f} s "
-          f"({100 * med['async_blocking'] / med['dcp_save']:.0f}%)")
+    print(
+        f"{args.nproc} ranks, checkpoint {times['size_mb']:.0f} MB (model + AdamW state), "
+        f"median of {args.repeats} alternated repeats"
+    )
+    print(
+        f"save: DCP {med['dcp_save']:.2f} s | full state dict on rank 0 + torch.save {med['full_save']:.2f} s | "
+        f"ratio {med['full_save'] / med['dcp_save']:.2f}x"
+    )
+    print(
+        f"load: DCP {med['dcp_load']:.2f} s | torch.load of the full file on every rank {med['full_load']:.2f} s | "
+        f"ratio {med['full_load'] / med['dcp_load']:.2f}x"
+    )
+    print(
+        f"async save: the loop waits {med['async_blocking']:.2f} s of a sync save's {med['dcp_save']:.2f} s "
+        f"({100 * med['async_blocking'] / med['dcp_save']:.0f}%)"
+    )
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ AdamW and nothing else, same model, batch, sharding and data, on the same ranks,
 
     .venv/bin/python bench/overhead.py [--nproc 2] [--steps 60] [--repeats 3] [overrides ...]
 """
+
 import argparse
 import json
 import os
@@ -10,7 +11,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, Tuple
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,8 @@ from fsdp_research.config import typed  # noqa: E402
 from fsdp_research.data import build_data  # noqa: E402
 from fsdp_research.distributed import spawn  # noqa: E402
 from fsdp_research.initialization import init_weights, materialize  # noqa: E402
-from fsdp_research.precision import dtypes  # noqa: E402
 from fsdp_research.models import block_class_name, build_hf_config, build_model, find_blocks  # noqa: E402
+from fsdp_research.precision import dtypes  # noqa: E402
 from fsdp_research.sinks import step_metrics  # noqa: E402
 from fsdp_research.trainer import train  # noqa: E402
 
@@ -79,7 +80,7 @@ def trainer_step_time(cfg, run_dir: str) -> float:
     return statistics.mean(r["step_time_s"] for r in step_metrics(run_dir) if r["step"] > WARMUP)
 
 
-def alternate(runs: Dict[str, Callable[[int], float]], repeats: int, out: str) -> None:
+def alternate(runs: dict[str, Callable[[int], float]], repeats: int, out: str) -> None:
     """In every worker: each run once per repeat, in turn, so slow phases of the machine hit all alike;
     rank 0 writes the times."""
     times = {name: [] for name in runs}
@@ -92,7 +93,7 @@ def alternate(runs: Dict[str, Callable[[int], float]], repeats: int, out: str) -
     dist.destroy_process_group()
 
 
-def bench_main(worker: Callable, default_steps: int) -> Tuple[argparse.Namespace, DictConfig, Dict[str, float]]:
+def bench_main(worker: Callable, default_steps: int) -> tuple[argparse.Namespace, DictConfig, dict[str, float]]:
     """Parse the command line, compose the config, run worker(container, steps, repeats, out) on --nproc
     processes; returns each run's seconds per step, one per repeat."""
     parser = argparse.ArgumentParser()
@@ -101,9 +102,18 @@ def bench_main(worker: Callable, default_steps: int) -> Tuple[argparse.Namespace
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
-    cfg = compose(["logger=none", "data=synthetic", "trainer.log_interval=10", "trainer.eval_interval=0",
-                   "checkpoint.interval=0", "checkpoint.export=false", f"trainer.max_steps={args.steps}",
-                   *args.overrides])
+    cfg = compose(
+        [
+            "logger=none",
+            "data=synthetic",
+            "trainer.log_interval=10",
+            "trainer.eval_interval=0",
+            "checkpoint.interval=0",
+            "checkpoint.export=false",
+            f"trainer.max_steps={args.steps}",
+            *args.overrides,
+        ]
+    )
     with tempfile.TemporaryDirectory() as out:
         spawn(worker, args.nproc, OmegaConf.to_container(cfg, resolve=True), args.steps, args.repeats, out)
         with open(os.path.join(out, "times.json")) as f:
@@ -112,8 +122,14 @@ def bench_main(worker: Callable, default_steps: int) -> Tuple[argparse.Namespace
 
 def _bench(container, steps: int, repeats: int, out: str) -> None:
     cfg = typed(container)
-    alternate({"trainer": lambda r: trainer_step_time(cfg, os.path.join(out, f"run{r}")),
-               "bare": lambda r: bare_loop(cfg, steps)}, repeats, out)
+    alternate(
+        {
+            "trainer": lambda r: trainer_step_time(cfg, os.path.join(out, f"run{r}")),
+            "bare": lambda r: bare_loop(cfg, steps),
+        },
+        repeats,
+        out,
+    )
 
 
 def main() -> None:
@@ -121,10 +137,14 @@ def main() -> None:
     trainer, bare = statistics.median(times["trainer"]), statistics.median(times["bare"])
     # Each repeat's pair ran back to back: their ratios show the machine's noise.
     ratios = sorted(100 * (t / b - 1) for t, b in zip(times["trainer"], times["bare"]))
-    print(f"config: {' '.join(args.overrides) or 'defaults'} | {args.nproc} ranks | {args.steps} steps x "
-          f"{args.repeats} alternated repeats")
-    print(f"trainer {trainer * 1e3:.1f} ms/step | bare loop {bare * 1e3:.1f} ms/step | "
-          f"overhead {100 * (trainer / bare - 1):+.1f}% (per repeat: {', '.join(f'{r:+.1f}%' for r in ratios)})")
+    print(
+        f"config: {' '.join(args.overrides) or 'defaults'} | {args.nproc} ranks | {args.steps} steps x "
+        f"{args.repeats} alternated repeats"
+    )
+    print(
+        f"trainer {trainer * 1e3:.1f} ms/step | bare loop {bare * 1e3:.1f} ms/step | "
+        f"overhead {100 * (trainer / bare - 1):+.1f}% (per repeat: {', '.join(f'{r:+.1f}%' for r in ratios)})"
+    )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ model), and the bare per-block fully_shard + AdamW loop (the floor). Steady-stat
     pip install accelerate   # bench only: the package never imports it
     .venv/bin/python bench/peers.py [--nproc 2] [--steps 40] [--repeats 3] [overrides ...]
 """
+
 import os
 import statistics
 import sys
@@ -13,7 +14,6 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
 from overhead import alternate, bare_loop, bench_main, seconds_per_step, trainer_step_time  # noqa: E402 (bench/ is on sys.path)
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -56,12 +56,16 @@ def _bench(container, steps: int, repeats: int, out: str) -> None:
     base = typed(container)
     init_distributed(base.distributed, device_for("auto", 0))
     ddp = typed({**container, "sharding": {"strategy": "ddp"}})
-    alternate({
-        "trainer ddp": lambda r: trainer_step_time(ddp, os.path.join(out, f"ddp{r}")),
-        "trainer blockwise": lambda r: trainer_step_time(base, os.path.join(out, f"blockwise{r}")),
-        "accelerate multi-CPU DDP": lambda r: accelerate_loop(base, steps),
-        "bare fully_shard loop": lambda r: bare_loop(base, steps),
-    }, repeats, out)
+    alternate(
+        {
+            "trainer ddp": lambda r: trainer_step_time(ddp, os.path.join(out, f"ddp{r}")),
+            "trainer blockwise": lambda r: trainer_step_time(base, os.path.join(out, f"blockwise{r}")),
+            "accelerate multi-CPU DDP": lambda r: accelerate_loop(base, steps),
+            "bare fully_shard loop": lambda r: bare_loop(base, steps),
+        },
+        repeats,
+        out,
+    )
 
 
 def main() -> None:
@@ -69,11 +73,15 @@ def main() -> None:
     times = {name: statistics.median(v) for name, v in times.items()}
     tokens = cfg.trainer.global_batch_size * cfg.data.seq_len
     ours = times["trainer ddp"]
-    print(f"{args.nproc} ranks, {cfg.model.name}, {cfg.precision.name}, global batch {cfg.trainer.global_batch_size} "
-          f"x {cfg.data.seq_len} tokens, median of {args.repeats} alternated repeats")
+    print(
+        f"{args.nproc} ranks, {cfg.model.name}, {cfg.precision.name}, global batch {cfg.trainer.global_batch_size} "
+        f"x {cfg.data.seq_len} tokens, median of {args.repeats} alternated repeats"
+    )
     for name, seconds in times.items():
-        print(f"{name:>26}: {tokens / seconds:9,.0f} tokens/s ({seconds * 1e3:.1f} ms/step); "
-              f"trainer ddp / this = {seconds / ours:.2f}x")
+        print(
+            f"{name:>26}: {tokens / seconds:9,.0f} tokens/s ({seconds * 1e3:.1f} ms/step); "
+            f"trainer ddp / this = {seconds / ours:.2f}x"
+        )
 
 
 if __name__ == "__main__":

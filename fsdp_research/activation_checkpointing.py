@@ -1,6 +1,5 @@
 """Activation checkpointing of every `stride`-th block, applied before sharding so that FSDP shards the
 wrapped block. Full checkpointing recomputes each block's forward in backward: about +33% compute."""
-from typing import List
 
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -8,8 +7,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from .config import ActivationCheckpointingConfig
 
 
-def apply_activation_checkpointing(model: nn.Module, blocks: List[nn.Module],
-                                   cfg: ActivationCheckpointingConfig) -> List[nn.Module]:
+def apply_activation_checkpointing(
+    model: nn.Module, blocks: list[nn.Module], cfg: ActivationCheckpointingConfig
+) -> list[nn.Module]:
     """Wrap blocks 0, stride, 2*stride, ... in place; returns the blocks as they now sit in the model."""
     if cfg.stride == 0:
         return blocks
@@ -22,4 +22,3 @@ def apply_activation_checkpointing(model: nn.Module, blocks: List[nn.Module],
             model.get_submodule(parent_path).register_module(child, block)
         wrapped.append(block)
     return wrapped
-

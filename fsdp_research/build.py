@@ -1,7 +1,6 @@
 """The model as training runs it, in the order the recipe needs: on the meta device -> activation checkpointing
 -> compile -> the sharding plan applied with fully_shard (innermost first) -> this rank's shards materialized,
 initialised or read from a checkpoint -> DDP for the baseline."""
-from typing import Tuple
 
 import torch
 import torch.nn as nn
@@ -17,7 +16,7 @@ from .pretrained import load_pretrained
 from .sharding import ShardingPlan, apply_ddp, apply_fsdp, build_mesh, build_plan
 
 
-def planned_model(cfg: DictConfig, hf_config) -> Tuple[nn.Module, ShardingPlan]:
+def planned_model(cfg: DictConfig, hf_config) -> tuple[nn.Module, ShardingPlan]:
     """The model on the meta device, prepared in the trainer's order (activation checkpointing, compile), and
     its sharding plan: nothing allocated, no process group needed. Raises ConfigError for a block class the
     model does not have."""
@@ -29,11 +28,13 @@ def planned_model(cfg: DictConfig, hf_config) -> Tuple[nn.Module, ShardingPlan]:
     return model, build_plan(model, blocks, cfg.sharding)
 
 
-def shard_model(model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device: torch.device,
-                world_size: int) -> nn.Module:
+def shard_model(
+    model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device: torch.device, world_size: int
+) -> nn.Module:
     """A planned model sharded, materialized and filled on this rank (a collective: every rank calls it)."""
-    apply_fsdp(model, plan, build_mesh(cfg.sharding, device.type, world_size), build_mp_policy(cfg.precision),
-               cfg.sharding)
+    apply_fsdp(
+        model, plan, build_mesh(cfg.sharding, device.type, world_size), build_mp_policy(cfg.precision), cfg.sharding
+    )
     materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device)
     if cfg.model.load_weights:
         load_pretrained(model, pretrained_dir(cfg.model.name_or_path), device)
@@ -42,7 +43,8 @@ def shard_model(model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device: t
     return apply_ddp(model, device) if plan.strategy is Strategy.ddp else model
 
 
-def build_sharded_model(cfg: DictConfig, hf_config, device: torch.device,
-                        world_size: int) -> Tuple[nn.Module, ShardingPlan]:
+def build_sharded_model(
+    cfg: DictConfig, hf_config, device: torch.device, world_size: int
+) -> tuple[nn.Module, ShardingPlan]:
     model, plan = planned_model(cfg, hf_config)
     return shard_model(model, plan, cfg, device, world_size), plan

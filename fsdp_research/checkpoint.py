@@ -2,13 +2,14 @@
 the whole model) into checkpoints/.tmp_step_<N>/; once all ranks are done, rank 0 writes a manifest and
 renames the directory to step_<N>. A checkpoint without a valid manifest never existed, so a process killed
 at any moment leaves the previous one loadable."""
+
 import json
 import logging
 import os
 import random
 import re
 import shutil
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,16 +32,19 @@ def is_step_dir(path: str) -> bool:
     return bool(_STEP_DIR.match(os.path.basename(os.path.normpath(path))))
 
 
-def checkpoints_in(root: str) -> List[Tuple[int, str]]:
+def checkpoints_in(root: str) -> list[tuple[int, str]]:
     """Published step dirs under root, newest first (not yet verified)."""
     if not os.path.isdir(root):
         return []
-    found = [(int(m.group(1)), os.path.join(root, name)) for name in os.listdir(root)
-             if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(root, name))]
+    found = [
+        (int(m.group(1)), os.path.join(root, name))
+        for name in os.listdir(root)
+        if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(root, name))
+    ]
     return sorted(found, reverse=True)
 
 
-def verify(step_dir: str) -> Optional[str]:
+def verify(step_dir: str) -> str | None:
     """None when the checkpoint is complete and readable; otherwise what is wrong with it."""
     try:
         with open(os.path.join(step_dir, MANIFEST)) as f:
@@ -60,14 +64,14 @@ def verify(step_dir: str) -> Optional[str]:
     return None
 
 
-def _rng_state() -> Dict[str, Any]:
+def _rng_state() -> dict[str, Any]:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
-def _set_rng_state(state: Dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -75,25 +79,36 @@ def _set_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _mismatches(step_dir: str, state: Dict[str, Dict[str, Any]]) -> List[List[str]]:
+def _mismatches(step_dir: str, state: dict[str, dict[str, Any]]) -> list[list[str]]:
     """Tensor keys that are missing, unexpected or of another shape between the checkpoint and this run: one
     list per kind, empty ones left out."""
-    saved = {k: tuple(v.size) for k, v in dcp.FileSystemReader(step_dir).read_metadata()
-             .state_dict_metadata.items() if hasattr(v, "size")}
+    saved = {
+        k: tuple(v.size)
+        for k, v in dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata.items()
+        if hasattr(v, "size")
+    }
     ours = {f"model.{k}": tuple(v.shape) for k, v in state["model"].items() if hasattr(v, "shape")}
-    ours.update({f"optim.state.{fqn}.{name}": tuple(v.shape) for fqn, s in state["optim"]["state"].items()
-                 for name, v in s.items() if hasattr(v, "shape") and v.dim() > 0})
-    saved = {k: v for k, v in saved.items() if k.startswith("model.") or (k.startswith("optim.state.")
-                                                                          and len(v) > 0)}
+    ours.update(
+        {
+            f"optim.state.{fqn}.{name}": tuple(v.shape)
+            for fqn, s in state["optim"]["state"].items()
+            for name, v in s.items()
+            if hasattr(v, "shape") and v.dim() > 0
+        }
+    )
+    saved = {k: v for k, v in saved.items() if k.startswith("model.") or (k.startswith("optim.state.") and len(v) > 0)}
     missing = [f"missing {k}" for k in sorted(ours.keys() - saved.keys())]
     unexpected = [f"unexpected {k}" for k in sorted(saved.keys() - ours.keys())]
-    reshaped = [f"{k} is {list(saved[k])} in the checkpoint, {list(ours[k])} here"
-                for k in sorted(ours.keys() & saved.keys()) if ours[k] != saved[k]]
+    reshaped = [
+        f"{k} is {list(saved[k])} in the checkpoint, {list(ours[k])} here"
+        for k in sorted(ours.keys() & saved.keys())
+        if ours[k] != saved[k]
+    ]
     return [kind for kind in (missing, unexpected, reshaped) if kind]
 
 
 class Checkpointer:
-    def __init__(self, cfg: DictConfig, run_dir: str, extra_files: Dict[str, str]):
+    def __init__(self, cfg: DictConfig, run_dir: str, extra_files: dict[str, str]):
         """extra_files: name -> text, written into every checkpoint by rank 0 (configs for offline export)."""
         self.cfg = cfg
         self.root = os.path.join(run_dir, "checkpoints")
@@ -105,12 +120,12 @@ class Checkpointer:
         # on one group (the preemption check uses `group` every step) deadlock.
         self.group = dist.new_group(backend="gloo")
         self._async_group = dist.new_group(backend="gloo") if self.is_async else None
-        self._pending: Optional[Tuple[Any, int, str]] = None
+        self._pending: tuple[Any, int, str] | None = None
 
     def due(self, step: int, max_steps: int) -> bool:
         return step == max_steps or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
 
-    def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: Dict[str, Any]) -> None:
+    def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any]) -> None:
         self.wait()
         tmp = os.path.join(self.root, f".tmp_step_{step}")
         if self.rank == 0:
@@ -183,7 +198,7 @@ class Checkpointer:
     def _barrier(self) -> None:
         dist.barrier(group=self.group)
 
-    def _check_all(self, step: int, tmp: str, error: Optional[Exception]) -> None:
+    def _check_all(self, step: int, tmp: str, error: Exception | None) -> None:
         """Fail on every rank if any rank failed, so no rank is left waiting in a collective."""
         failed = torch.tensor([0 if error is None else 1])
         dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
@@ -196,7 +211,7 @@ class Checkpointer:
         found = checkpoints_in(self.root)
         abandoned = [path for s, path in found if s > step]
         kept = [path for s, path in found if s <= step]
-        for old in abandoned + (kept[self.cfg.keep_last:] if self.cfg.keep_last > 0 else []):
+        for old in abandoned + (kept[self.cfg.keep_last :] if self.cfg.keep_last > 0 else []):
             shutil.rmtree(old, ignore_errors=True)
 
     def _fail(self, step: int, tmp: str, err: BaseException) -> None:
@@ -208,11 +223,13 @@ class Checkpointer:
             err = next(iter(err.failures.values()))[0]
         previous = next((d for _, d in checkpoints_in(self.root) if verify(d) is None), None)
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise CheckpointError(f"saving checkpoint step_{step} in {self.root} failed ({type(err).__name__}: "
-                              f"{reason}; {free / 2**20:.1f} MiB free there); the previous checkpoint "
-                              f"({previous or 'none'}) is intact") from err
+        raise CheckpointError(
+            f"saving checkpoint step_{step} in {self.root} failed ({type(err).__name__}: "
+            f"{reason}; {free / 2**20:.1f} MiB free there); the previous checkpoint "
+            f"({previous or 'none'}) is intact"
+        ) from err
 
-    def load(self, step_dir: str, model: torch.nn.Module, optimizer) -> Dict[str, Any]:
+    def load(self, step_dir: str, model: torch.nn.Module, optimizer) -> dict[str, Any]:
         """Load model, optimizer and this rank's RNG state (DCP reshards to this world size); returns the
         trainer state. Checks every tensor key and shape first, so a mismatch changes nothing."""
         model_state, optim_state = get_state_dict(model, optimizer)
@@ -222,8 +239,10 @@ class Checkpointer:
             # A few of each kind: another optimizer shows as keys both missing and unexpected.
             shown = [problem for kind in kinds for problem in kind[:3]]
             more = sum(map(len, kinds)) - len(shown)
-            raise CheckpointError(f"checkpoint {step_dir} does not fit this model/optimizer: {'; '.join(shown)}"
-                                  + (f"; ... {more} more" if more else ""))
+            raise CheckpointError(
+                f"checkpoint {step_dir} does not fit this model/optimizer: {'; '.join(shown)}"
+                + (f"; ... {more} more" if more else "")
+            )
         dcp.load(state, checkpoint_id=step_dir)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng = os.path.join(step_dir, f"rng_rank{self.rank}.pt")
@@ -233,6 +252,6 @@ class Checkpointer:
         return torch.load(os.path.join(step_dir, TRAINER_STATE), weights_only=False)
 
 
-def config_files(cfg: DictConfig, hf_config) -> Dict[str, str]:
+def config_files(cfg: DictConfig, hf_config) -> dict[str, str]:
     """What an offline export needs besides the weights: the model config and the run's config."""
     return {"config.json": hf_config.to_json_string(), "train_config.yaml": OmegaConf.to_yaml(cfg, resolve=True)}

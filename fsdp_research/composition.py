@@ -1,7 +1,9 @@
 """Hydra wiring, for train.py, the command-line tools and the tests (the library never imports it): the schema
 in Hydra's ConfigStore, the resolvers conf/ uses, and compose() for a config without @hydra.main."""
+
 import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -27,7 +29,8 @@ def register_configs() -> None:
 
 def compose(overrides: Sequence[str] = ()) -> DictConfig:
     """The config `python train.py <overrides>` runs with, typed (Hydra's compose API over conf/)."""
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

@@ -1,9 +1,10 @@
 """Config schemas. Each group's YAML in conf/<group>/ is merged onto these dataclasses, so a typo'd key,
 a wrong type or an unknown enum value fails at composition, before any process group or model exists.
 A leaf: imports nothing of ours (the Hydra wiring that registers these is fsdp_research.composition)."""
+
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -12,13 +13,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 class ModelConfig:
     name: str = "llama_tiny"
     # A hub id or local directory: its config.json (and, for `pretrained`, its weights) are used.
-    name_or_path: Optional[str] = None
+    name_or_path: str | None = None
     # Used when name_or_path is unset: AutoConfig.for_model(model_type, **config).
-    model_type: Optional[str] = None
-    config: Dict[str, Any] = field(default_factory=dict)
+    model_type: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
     load_weights: bool = False
     # The repeating block class; default: the model's _no_split_modules.
-    block_class: Optional[str] = None
+    block_class: str | None = None
 
 
 class Strategy(str, Enum):
@@ -38,7 +39,7 @@ class ShardingConfig:
     replicate: int = 1
     cpu_offload: bool = False
     # Block index -> reshard_after_forward, overriding the strategy for those blocks.
-    reshard_override: Dict[int, bool] = field(default_factory=dict)
+    reshard_override: dict[int, bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,13 +69,13 @@ class DataKind(str, Enum):
 class DataConfig:
     kind: DataKind = DataKind.local_text
     # local_text: files or glob patterns; empty -> the running Python's standard-library sources.
-    paths: List[str] = field(default_factory=list)
+    paths: list[str] = field(default_factory=list)
     seq_len: int = 128
     # "byte" (no download) or an HF tokenizer name or local path.
     tokenizer: str = "byte"
     # hub: datasets.load_dataset(hub_name, hub_config, split=split, streaming=streaming).
-    hub_name: Optional[str] = None
-    hub_config: Optional[str] = None
+    hub_name: str | None = None
+    hub_config: str | None = None
     split: str = "train"
     streaming: bool = False
     # With streaming, how many documents to take.
@@ -84,14 +85,14 @@ class DataConfig:
     num_sequences: int = 4096
     # Fraction of packed sequences held out for eval.
     eval_fraction: float = 0.05
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
 
 
 @dataclass
 class OptimConfig:
     name: str = "adamw"
     lr: float = 3e-3
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     weight_decay: float = 0.1
     warmup_steps: int = 10
@@ -105,9 +106,9 @@ class OptimConfig:
 class LoggerConfig:
     kind: str = "wandb"
     project: str = "fsdp_research"
-    group: Optional[str] = None
-    name: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
+    group: str | None = None
+    name: str | None = None
+    tags: list[str] = field(default_factory=list)
     # offline unless set: runs with no account; `wandb sync` uploads later.
     mode: str = "offline"
 
@@ -126,11 +127,11 @@ class TrainerConfig:
     # Gradient accumulation: skip the gradient reduction on all but the last micro-batch.
     defer_grad_sync: bool = True
     # Peak dense bf16 TFLOP/s of one device for MFU; null -> looked up from the GPU's name.
-    peak_tflops: Optional[float] = None
+    peak_tflops: float | None = None
     # auto: cuda if available, else cpu.
     device: str = "auto"
     # SLURM's warning before a time limit or preemption (sbatch --signal=USR2@<s>): save, requeue, exit.
-    preemption_signal: Optional[str] = "SIGUSR2"
+    preemption_signal: str | None = "SIGUSR2"
     # >0: profile that many steps after a warm-up step (trace and time breakdown in <run dir>/profile/).
     profile_steps: int = 0
 
@@ -158,7 +159,7 @@ class CheckpointConfig:
     # Split model.safetensors into shards above this size (bytes, or "500MB", "5GB").
     export_shard_size: str = "5GB"
     # null: the training param dtype.
-    export_dtype: Optional[str] = None
+    export_dtype: str | None = None
 
 
 @dataclass
@@ -175,9 +176,7 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    activation_checkpointing: ActivationCheckpointingConfig = field(
-        default_factory=ActivationCheckpointingConfig
-    )
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -1,10 +1,11 @@
 """Text -> tokens (datasets.map, cached) -> packed sequences -> a sample stream defined on the global step.
 The samples of step s are the same whatever the world size; each rank takes its slice of them."""
+
 import glob
 import os
 import sysconfig
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, List
 
 import numpy as np
 import torch
@@ -17,17 +18,19 @@ BYTE_VOCAB = 257  # 256 byte values and an end-of-document token
 _BYTE_EOS = 256
 
 
-def resolve_paths(cfg: DataConfig) -> List[str]:
+def resolve_paths(cfg: DataConfig) -> list[str]:
     patterns = list(cfg.paths) or [os.path.join(sysconfig.get_paths()["stdlib"], "*.py")]
-    files = sorted({f for p in patterns for f in glob.glob(os.path.expanduser(p), recursive=True)
-                    if os.path.isfile(f)})
+    files = sorted({f for p in patterns for f in glob.glob(os.path.expanduser(p), recursive=True) if os.path.isfile(f)})
     if not files:
-        raise ConfigError("data.paths", f"{list(cfg.paths)} matches no file",
-                          "point data.paths at existing text files or globs (or leave it empty)")
+        raise ConfigError(
+            "data.paths",
+            f"{list(cfg.paths)} matches no file",
+            "point data.paths at existing text files or globs (or leave it empty)",
+        )
     return files
 
 
-def build_tokenizer(name: str) -> tuple[Callable[[List[str]], List[List[int]]], int]:
+def build_tokenizer(name: str) -> tuple[Callable[[list[str]], list[list[int]]], int]:
     """(encode a batch of documents, each ending with an end-of-document token; vocabulary size)."""
     if name == "byte":
         return (lambda texts: [list(t.encode("utf-8")) + [_BYTE_EOS] for t in texts]), BYTE_VOCAB
@@ -43,8 +46,11 @@ def check_vocab(cfg: DataConfig, model_vocab: int) -> None:
         return
     _, vocab = build_tokenizer(cfg.tokenizer)
     if vocab > model_vocab:
-        raise ConfigError("data.tokenizer", f"{cfg.tokenizer!r} has {vocab} tokens, the model only {model_vocab}",
-                          "use a model with a larger vocab_size or a smaller tokenizer")
+        raise ConfigError(
+            "data.tokenizer",
+            f"{cfg.tokenizer!r} has {vocab} tokens, the model only {model_vocab}",
+            "use a model with a larger vocab_size or a smaller tokenizer",
+        )
 
 
 def _load_texts(cfg: DataConfig):
@@ -52,10 +58,12 @@ def _load_texts(cfg: DataConfig):
 
     datasets.disable_progress_bars()
     if cfg.kind is DataKind.local_text:
-        return datasets.load_dataset("text", data_files=resolve_paths(cfg), sample_by="document",
-                                     split="train", cache_dir=cfg.cache_dir)
-    ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=cfg.split, streaming=cfg.streaming,
-                               cache_dir=cfg.cache_dir)
+        return datasets.load_dataset(
+            "text", data_files=resolve_paths(cfg), sample_by="document", split="train", cache_dir=cfg.cache_dir
+        )
+    ds = datasets.load_dataset(
+        cfg.hub_name, cfg.hub_config, split=cfg.split, streaming=cfg.streaming, cache_dir=cfg.cache_dir
+    )
     if cfg.streaming:
         # A global-step-indexed stream needs random access: take a fixed prefix of the stream.
         ds = datasets.Dataset.from_list(list(ds.take(cfg.max_documents)))
@@ -107,7 +115,7 @@ class TokenStream:
 
     def rank_batch(self, step: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
         per_rank = batch_size // world_size
-        return self.global_batch(step, batch_size)[rank * per_rank:(rank + 1) * per_rank]
+        return self.global_batch(step, batch_size)[rank * per_rank : (rank + 1) * per_rank]
 
 
 @dataclass
@@ -130,7 +138,10 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int) -> Data:
     # At least one held-out sequence when any is asked for: eval averages over them.
     n_eval = max(1, int(len(sequences) * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
     if len(sequences) - n_eval < 1:
-        raise ConfigError("data", f"only {len(sequences)} sequences of {cfg.seq_len + 1} tokens",
-                          "add text (data.paths) or lower data.seq_len")
+        raise ConfigError(
+            "data",
+            f"only {len(sequences)} sequences of {cfg.seq_len + 1} tokens",
+            "add text (data.paths) or lower data.seq_len",
+        )
     sequences = torch.from_numpy(sequences)
-    return Data(TokenStream(sequences[: len(sequences) - n_eval], seed), sequences[len(sequences) - n_eval:])
+    return Data(TokenStream(sequences[: len(sequences) - n_eval], seed), sequences[len(sequences) - n_eval :])

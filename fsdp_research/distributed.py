@@ -1,11 +1,13 @@
 """One code path for every launch: a single process (a 1-rank group), torchrun, this app's own workers
 (distributed.nproc_per_node), or tasks started by SLURM's srun."""
+
 import datetime
 import os
 import socket
 import subprocess
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,23 +34,34 @@ def _free_port() -> int:
 def _slurm_master_addr() -> str:
     nodes = os.environ.get("SLURM_STEP_NODELIST") or os.environ["SLURM_JOB_NODELIST"]
     try:
-        return subprocess.run(["scontrol", "show", "hostnames", nodes], check=True, capture_output=True,
-                              text=True).stdout.split()[0]
+        return subprocess.run(
+            ["scontrol", "show", "hostnames", nodes], check=True, capture_output=True, text=True
+        ).stdout.split()[0]
     except (OSError, subprocess.CalledProcessError):
         return nodes.split(",")[0]
 
 
-def launch_env() -> Optional[LaunchEnv]:
+def launch_env() -> LaunchEnv | None:
     """The rank layout given by torchrun / our spawner (RANK, WORLD_SIZE) or by srun (SLURM_PROCID within a
     job step); None for a plain single process."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env:
-        return LaunchEnv(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0)),
-                         env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)))
+        return LaunchEnv(
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            int(env.get("LOCAL_RANK", 0)),
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env.get("MASTER_PORT", 29500)),
+        )
     if "SLURM_STEP_ID" in env and int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", 1))) > 1:
         job = int(env["SLURM_JOB_ID"])
-        return LaunchEnv(int(env["SLURM_PROCID"]), int(env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"])),
-                         int(env["SLURM_LOCALID"]), _slurm_master_addr(), 20000 + job % 20000)
+        return LaunchEnv(
+            int(env["SLURM_PROCID"]),
+            int(env.get("SLURM_STEP_NUM_TASKS", env["SLURM_NTASKS"])),
+            int(env["SLURM_LOCALID"]),
+            _slurm_master_addr(),
+            20000 + job % 20000,
+        )
     return None
 
 
@@ -97,9 +110,14 @@ def init_distributed(cfg: DistributedConfig, device: torch.device) -> None:
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{env.master_addr}:{env.master_port}", rank=env.rank,
-                            world_size=env.world_size, timeout=datetime.timedelta(seconds=cfg.timeout_s),
-                            device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{env.master_addr}:{env.master_port}",
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
 
 
 def broadcast_object(obj: Any) -> Any:
@@ -125,8 +143,14 @@ def on_rank0(fn: Callable[[], Any]) -> Any:
 
 
 def _worker(local_rank: int, fn: Callable, nprocs: int, port: int, args: tuple) -> None:
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
-                      LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     fn(*args)
 
 

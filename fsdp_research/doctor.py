@@ -6,9 +6,10 @@ The trainer runs the same checks at start-up (rank 0 logs them, metrics.jsonl ge
 W&B its summary); `fsdp-research doctor` runs them from the command line, with measured numbers from a short
 profiled run when asked (the exposed-communication share and the checkpoint save share).
 """
+
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Optional, Tuple
 
 from omegaconf import DictConfig
 
@@ -36,7 +37,7 @@ class _Case:
     cfg: DictConfig
     plan: ShardingPlan
     layout: Layout
-    measured: Dict[str, float]
+    measured: dict[str, float]
 
     def block_units(self):
         return [u for u in self.plan.units if u.path in self.plan.blocks]
@@ -47,89 +48,130 @@ class _Case:
 
 # Each check returns the cause it found in this case, or None.
 
-def _root_only(c: _Case) -> Optional[str]:
+
+def _root_only(c: _Case) -> str | None:
     if [u.path for u in c.plan.units] == [""]:
-        return (f"the root is the only FSDP unit: all {len(c.plan.blocks)} blocks' parameters are gathered at once, "
-                "so peak memory holds the whole model and no gather overlaps compute")
+        return (
+            f"the root is the only FSDP unit: all {len(c.plan.blocks)} blocks' parameters are gathered at once, "
+            "so peak memory holds the whole model and no gather overlaps compute"
+        )
 
 
-def _too_fine(c: _Case) -> Optional[str]:
+def _too_fine(c: _Case) -> str | None:
     inside = c.units_inside_blocks()
     if inside:
-        return (f"{len(inside)} FSDP units inside the {len(c.plan.blocks)} blocks: each gather and reduce-scatter "
-                "moves a few small tensors, so the collectives' fixed latency dominates and too little compute "
-                "sits between them to hide it")
+        return (
+            f"{len(inside)} FSDP units inside the {len(c.plan.blocks)} blocks: each gather and reduce-scatter "
+            "moves a few small tensors, so the collectives' fixed latency dominates and too little compute "
+            "sits between them to hide it"
+        )
 
 
-def _slow_interconnect(c: _Case) -> Optional[str]:
+def _slow_interconnect(c: _Case) -> str | None:
     n, nodes = c.layout.shard_group, c.layout.nodes
     if nodes > 1 and n > c.layout.world_size // nodes and any(u.reshard_after_forward for u in c.plan.units):
-        return (f"parameters are fully sharded over {n} ranks on {nodes} nodes: every all-gather "
-                "(twice per step) and reduce-scatter crosses the inter-node link")
+        return (
+            f"parameters are fully sharded over {n} ranks on {nodes} nodes: every all-gather "
+            "(twice per step) and reduce-scatter crosses the inter-node link"
+        )
     share = c.measured.get("exposed_comm_share")
     if share is not None and share > c.cfg.doctor.exposed_comm_share:
-        return (f"communication that no compute hides takes {share:.0%} of a step "
-                f"(doctor.exposed_comm_share {c.cfg.doctor.exposed_comm_share:.0%})")
+        return (
+            f"communication that no compute hides takes {share:.0%} of a step "
+            f"(doctor.exposed_comm_share {c.cfg.doctor.exposed_comm_share:.0%})"
+        )
 
 
-def _reshard_all(c: _Case) -> Optional[str]:
+def _reshard_all(c: _Case) -> str | None:
     blocks = c.block_units()
     if blocks and all(u.reshard_after_forward for u in blocks):
-        return (f"all {len(blocks)} blocks, the last one too, free their parameters after forward: the last is "
-                "gathered again right away, as backward starts with it")
+        return (
+            f"all {len(blocks)} blocks, the last one too, free their parameters after forward: the last is "
+            "gathered again right away, as backward starts with it"
+        )
 
 
-def _checkpoint_save(c: _Case) -> Optional[str]:
+def _checkpoint_save(c: _Case) -> str | None:
     save, step = c.measured.get("checkpoint_save_s"), c.measured.get("step_time_s")
     if save is None or not step:
         return None
     interval = c.cfg.checkpoint.interval or c.cfg.trainer.max_steps
     share = save / (step * interval)
     if share > c.cfg.doctor.checkpoint_share:
-        return (f"each resume checkpoint stops training for {save:.2f} s, {share:.0%} of the {interval} steps "
-                f"between saves (doctor.checkpoint_share {c.cfg.doctor.checkpoint_share:.0%}); these are sharded "
-                "DCP saves already: the full state dict is gathered only once, for the export")
+        return (
+            f"each resume checkpoint stops training for {save:.2f} s, {share:.0%} of the {interval} steps "
+            f"between saves (doctor.checkpoint_share {c.cfg.doctor.checkpoint_share:.0%}); these are sharded "
+            "DCP saves already: the full state dict is gathered only once, for the export"
+        )
 
 
-def _cpu_offload(c: _Case) -> Optional[str]:
+def _cpu_offload(c: _Case) -> str | None:
     if c.cfg.sharding.cpu_offload and c.plan.units:
-        return ("parameters, gradients and optimizer state live in CPU memory: each step copies every parameter "
-                "to the device and every gradient back, and the optimizer steps on the CPU")
+        return (
+            "parameters, gradients and optimizer state live in CPU memory: each step copies every parameter "
+            "to the device and every gradient back, and the optimizer steps on the CPU"
+        )
 
 
-def _sync_every_micro_batch(c: _Case) -> Optional[str]:
+def _sync_every_micro_batch(c: _Case) -> str | None:
     micro = c.layout.micro_steps
     if c.layout.world_size > 1 and micro > 1 and not c.cfg.trainer.defer_grad_sync:
-        return (f"gradient accumulation over {micro} micro-batches with trainer.defer_grad_sync=false: "
-                f"gradients are reduced after every micro-batch, {micro}x the communication")
+        return (
+            f"gradient accumulation over {micro} micro-batches with trainer.defer_grad_sync=false: "
+            f"gradients are reduced after every micro-batch, {micro}x the communication"
+        )
 
 
 # (check, symptom, detect, what to do), in the order worth checking.
-CHECKS: Tuple[Tuple[str, str, Callable[[_Case], Optional[str]], str], ...] = (
+CHECKS: tuple[tuple[str, str, Callable[[_Case], str | None], str], ...] = (
     ("root_only", "wrapped only the root", _root_only, "wrap each repeating block: sharding=blockwise"),
     ("per_linear", "wrapped too finely", _too_fine, "wrap blocks, not layers: sharding=blockwise"),
-    ("slow_interconnect", "full sharding on a slow interconnect", _slow_interconnect,
-     "shard within a node and replicate across nodes (sharding=hsdp sharding.replicate=<nodes>), or keep "
-     "parameters gathered after forward (sharding=no_reshard), or accumulate gradients (a larger "
-     "trainer.global_batch_size over the same micro-batch: fewer reductions per sample)"),
-    ("reshard_all", "reshard_after_forward on everywhere", _reshard_all,
-     "leave the last block resident: sharding=blockwise"),
-    ("checkpoint_save", "checkpoint saves take a large share of training", _checkpoint_save,
-     "checkpoint.async=true (write in the background), or a larger checkpoint.interval"),
-    ("cpu_offload", "CPU offload left on", _cpu_offload,
-     "sharding.cpu_offload=false, unless the model does not fit on the devices without it"),
-    ("grad_sync", "gradients reduced every micro-batch", _sync_every_micro_batch,
-     "trainer.defer_grad_sync=true: one reduction per step (unsharded gradients are held between micro-batches)"),
+    (
+        "slow_interconnect",
+        "full sharding on a slow interconnect",
+        _slow_interconnect,
+        "shard within a node and replicate across nodes (sharding=hsdp sharding.replicate=<nodes>), or keep "
+        "parameters gathered after forward (sharding=no_reshard), or accumulate gradients (a larger "
+        "trainer.global_batch_size over the same micro-batch: fewer reductions per sample)",
+    ),
+    (
+        "reshard_all",
+        "reshard_after_forward on everywhere",
+        _reshard_all,
+        "leave the last block resident: sharding=blockwise",
+    ),
+    (
+        "checkpoint_save",
+        "checkpoint saves take a large share of training",
+        _checkpoint_save,
+        "checkpoint.async=true (write in the background), or a larger checkpoint.interval",
+    ),
+    (
+        "cpu_offload",
+        "CPU offload left on",
+        _cpu_offload,
+        "sharding.cpu_offload=false, unless the model does not fit on the devices without it",
+    ),
+    (
+        "grad_sync",
+        "gradients reduced every micro-batch",
+        _sync_every_micro_batch,
+        "trainer.defer_grad_sync=true: one reduction per step (unsharded gradients are held between micro-batches)",
+    ),
 )
 
 
-def diagnose(cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int,
-             measured: Optional[Dict[str, float]] = None) -> List[Finding]:
+def diagnose(
+    cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int, measured: dict[str, float] | None = None
+) -> list[Finding]:
     """The findings for this config and plan on world_size ranks over `nodes` nodes. measured (optional):
     exposed_comm_share, step_time_s, checkpoint_save_s."""
     case = _Case(cfg, plan, layout(cfg, world_size, nodes), measured or {})
-    return [Finding(name, symptom, cause, fix) for name, symptom, detect, fix in CHECKS
-            if (cause := detect(case)) is not None]
+    return [
+        Finding(name, symptom, cause, fix)
+        for name, symptom, detect, fix in CHECKS
+        if (cause := detect(case)) is not None
+    ]
 
 
 def explain(cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int) -> str:
@@ -138,13 +180,17 @@ def explain(cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int) ->
         shape = "no FSDP units (plain DDP)"
     else:
         resident = sum(not u.reshard_after_forward for u in plan.units if u.path in plan.blocks)
-        shape = f"{len(plan.units)} FSDP units: each of the {len(plan.blocks)} blocks ({resident} resident) and the root"
-    return (f"{plan.strategy.value} on {world_size} rank(s), {nodes} node(s): {shape}; "
-            f"CPU offload {'on' if cfg.sharding.cpu_offload else 'off'}; "
-            f"{layout(cfg, world_size, nodes).micro_steps} micro-batch(es) per step")
+        shape = (
+            f"{len(plan.units)} FSDP units: each of the {len(plan.blocks)} blocks ({resident} resident) and the root"
+        )
+    return (
+        f"{plan.strategy.value} on {world_size} rank(s), {nodes} node(s): {shape}; "
+        f"CPU offload {'on' if cfg.sharding.cpu_offload else 'off'}; "
+        f"{layout(cfg, world_size, nodes).micro_steps} micro-batch(es) per step"
+    )
 
 
-def report(findings: List[Finding], sinks, step: int) -> None:
+def report(findings: list[Finding], sinks, step: int) -> None:
     """Rank 0 at start-up: each finding as a warning, and all of them to metrics.jsonl and W&B."""
     for finding in findings:
         log.warning(f"doctor: {finding}")

@@ -3,10 +3,10 @@ size, the tokenizer when one is used) that AutoModelForCausalLM.from_pretrained 
 
 At the end of training the full weights are gathered once; `fsdp-research export <step dir> <out dir>`
 converts any resume checkpoint offline, with no process group and no GPU."""
+
 import json
 import os
 import re
-from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -43,8 +43,14 @@ def _tied_keys(hf_config) -> set:
     return set(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)], "_tied_weights_keys", None) or {})
 
 
-def write_hf_dir(state: Dict[str, torch.Tensor], hf_config, out_dir: str, dtype: torch.dtype, shard_size: int,
-                 tokenizer: Optional[str] = None) -> None:
+def write_hf_dir(
+    state: dict[str, torch.Tensor],
+    hf_config,
+    out_dir: str,
+    dtype: torch.dtype,
+    shard_size: int,
+    tokenizer: str | None = None,
+) -> None:
     """Write full weights as a Hugging Face model directory."""
     os.makedirs(out_dir, exist_ok=True)
     tied = _tied_keys(hf_config)
@@ -77,19 +83,24 @@ def write_hf_dir(state: Dict[str, torch.Tensor], hf_config, out_dir: str, dtype:
         AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out_dir)
 
 
-def export_model(model: torch.nn.Module, hf_config, out_dir: str, dtype: torch.dtype, shard_size: int,
-                 tokenizer: Optional[str]) -> None:
+def export_model(
+    model: torch.nn.Module, hf_config, out_dir: str, dtype: torch.dtype, shard_size: int, tokenizer: str | None
+) -> None:
     """Gather the full weights (a collective, every rank calls it) and write them from rank 0."""
-    state = get_model_state_dict(getattr(model, "module", model),
-                                 options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    state = get_model_state_dict(
+        getattr(model, "module", model), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     if dist.get_rank() == 0:
         write_hf_dir(state, hf_config, out_dir, dtype, shard_size, tokenizer)
 
 
-def load_checkpoint_weights(step_dir: str) -> Dict[str, torch.Tensor]:
+def load_checkpoint_weights(step_dir: str) -> dict[str, torch.Tensor]:
     """The full model weights of a resume checkpoint, read in this process alone."""
     metadata = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
-    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in metadata.items()
-             if k.startswith("model.") and hasattr(v, "size")}
+    state = {
+        k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
     dcp.load(state, checkpoint_id=step_dir, no_dist=True)
-    return {k[len("model."):]: v for k, v in state.items()}
+    return {k[len("model.") :]: v for k, v in state.items()}

@@ -1,4 +1,5 @@
 """Materialize a meta-device model shard by shard, with initial weights that do not depend on the world size."""
+
 import zlib
 
 import torch

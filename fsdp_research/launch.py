@@ -1,6 +1,7 @@
 """Process orchestration, beside the recipe: train.py's entry (check the config once, then train here or in
 distributed.nproc_per_node workers of this app's own), what every run records in status.json, how each
 process exits (exit code 2 for bad input), requeueing a preempted SLURM job, and naming sweep jobs."""
+
 import logging
 import os
 import sys

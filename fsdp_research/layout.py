@@ -1,5 +1,6 @@
 """How a step is laid out over the ranks: the shard group, the replica groups, the micro-batches per step.
 Pure functions of the config and the launch, the same for the trainer, the doctor and the planner."""
+
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -23,6 +24,10 @@ def layout(cfg: DictConfig, world_size: int, nodes: int = 1) -> Layout:
     strategy = Strategy(cfg.sharding.strategy)
     replicas = cfg.sharding.replicate if strategy is Strategy.hsdp else 1
     t = cfg.trainer
-    return Layout(world_size=world_size, nodes=nodes, replicas=replicas,
-                  shard_group=1 if strategy is Strategy.ddp else world_size // replicas,
-                  micro_steps=t.global_batch_size // (t.micro_batch_size * world_size))
+    return Layout(
+        world_size=world_size,
+        nodes=nodes,
+        replicas=replicas,
+        shard_group=1 if strategy is Strategy.ddp else world_size // replicas,
+        micro_steps=t.global_batch_size // (t.micro_batch_size * world_size),
+    )

@@ -1,7 +1,7 @@
 """Throughput, MFU and peak memory, computed in one place and handed to whichever sinks are on."""
+
 import resource
 import time
-from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -10,13 +10,25 @@ from .models import ModelDims
 
 # Peak dense bf16 TFLOP/s per device, by a substring of torch.cuda.get_device_name().
 PEAK_TFLOPS = {
-    "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "A800": 312.0,
-    "A10G": 125.0, "L40S": 362.0, "L4": 121.0, "V100": 125.0, "RTX 4090": 165.0, "RTX 3090": 71.0,
-    "MI300X": 1307.0, "MI250X": 383.0,
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "A10G": 125.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "V100": 125.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
+    "MI300X": 1307.0,
+    "MI250X": 383.0,
 }
 
 
-def peak_tflops(device: torch.device, override: Optional[float]) -> Optional[float]:
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
     if override is not None:
         return override
     if device.type != "cuda":
@@ -30,11 +42,14 @@ def flops_per_token(model: ModelDims, n_params: int, seq_len: int) -> float:
     return 6.0 * n_params + 12.0 * model.layers * model.hidden * seq_len
 
 
-def peak_memory(device: torch.device) -> Dict[str, float]:
+def peak_memory(device: torch.device) -> dict[str, float]:
     """Peak memory of this process in GiB, the maximum over ranks."""
     if device.type == "cuda":
-        values = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
-                              dtype=torch.float64, device=device)
+        values = torch.tensor(
+            [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+            dtype=torch.float64,
+            device=device,
+        )
         keys = ("peak_mem_allocated_gib", "peak_mem_reserved_gib")
     else:
         # ru_maxrss is in KiB on Linux.
@@ -48,8 +63,15 @@ def peak_memory(device: torch.device) -> Dict[str, float]:
 class Throughput:
     """Timing of the steps since the last report, and the rates derived from it."""
 
-    def __init__(self, tokens_per_step: int, samples_per_step: int, world_size: int, flops_per_token: float,
-                 peak_tflops: Optional[float], device: torch.device):
+    def __init__(
+        self,
+        tokens_per_step: int,
+        samples_per_step: int,
+        world_size: int,
+        flops_per_token: float,
+        peak_tflops: float | None,
+        device: torch.device,
+    ):
         self.tokens_per_step, self.samples_per_step, self.world_size = tokens_per_step, samples_per_step, world_size
         self.flops_per_token, self.peak_tflops, self.device = flops_per_token, peak_tflops, device
         self._start = 0.0
@@ -57,7 +79,7 @@ class Throughput:
     def start(self) -> None:
         self._start = time.perf_counter()
 
-    def stop(self, steps: int) -> Dict[str, float]:
+    def stop(self, steps: int) -> dict[str, float]:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         dt = (time.perf_counter() - self._start) / steps

@@ -1,9 +1,10 @@
 """Hugging Face causal LMs without allocating them: the config, the model on the meta device, its repeating
 blocks, and its dimensions read once from the config (each family names them its own way)."""
+
 import contextlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, List, Optional
 
 import torch
 import torch.nn as nn
@@ -18,8 +19,11 @@ def build_hf_config(cfg: ModelConfig):
     if cfg.name_or_path:
         return AutoConfig.from_pretrained(cfg.name_or_path, **cfg.config)
     if not cfg.model_type:
-        raise ConfigError("model.model_type", "neither model.name_or_path nor model.model_type is set",
-                          "pick a model option (model=llama_tiny) or set model.name_or_path")
+        raise ConfigError(
+            "model.model_type",
+            "neither model.name_or_path nor model.model_type is set",
+            "pick a model option (model=llama_tiny) or set model.name_or_path",
+        )
     return AutoConfig.for_model(cfg.model_type, **cfg.config)
 
 
@@ -33,20 +37,22 @@ class ModelDims:
     intermediate: int
     vocab: int
     # None where the family has no fixed limit.
-    max_positions: Optional[int]
+    max_positions: int | None
 
 
 def dims(hf_config) -> ModelDims:
     """The dimensions every consumer needs (validation, MFU, the planner), with each family's defaults."""
     hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
     return ModelDims(
-        hidden=hidden, layers=hf_config.num_hidden_layers, heads=heads,
+        hidden=hidden,
+        layers=hf_config.num_hidden_layers,
+        heads=heads,
         kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
         head_dim=getattr(hf_config, "head_dim", None) or hidden // heads,
-        intermediate=getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None)
-        or 4 * hidden,
+        intermediate=getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) or 4 * hidden,
         vocab=hf_config.vocab_size,
-        max_positions=getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None))
+        max_positions=getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None),
+    )
 
 
 @contextlib.contextmanager
@@ -84,18 +90,24 @@ def block_class_name(model: nn.Module, override: str | None) -> str:
         return override
     names = list(getattr(model, "_no_split_modules", None) or [])
     if not names:
-        raise ConfigError("model.block_class", f"{type(model).__name__} declares no repeating block "
-                          "(_no_split_modules is empty)", "set model.block_class=<its block class name>")
+        raise ConfigError(
+            "model.block_class",
+            f"{type(model).__name__} declares no repeating block (_no_split_modules is empty)",
+            "set model.block_class=<its block class name>",
+        )
     return names[0]
 
 
-def find_blocks(model: nn.Module, class_name: str) -> List[nn.Module]:
+def find_blocks(model: nn.Module, class_name: str) -> list[nn.Module]:
     """The repeating transformer blocks, in forward order."""
     blocks = [m for m in model.modules() if type(m).__name__ == class_name]
     if not blocks:
         present = sorted({type(m).__name__ for m in model.modules()})
-        raise ConfigError("model.block_class", f"{type(model).__name__} has no module of class {class_name}",
-                          f"use one of its classes: {', '.join(present)}")
+        raise ConfigError(
+            "model.block_class",
+            f"{type(model).__name__} has no module of class {class_name}",
+            f"use one of its classes: {', '.join(present)}",
+        )
     return blocks
 
 

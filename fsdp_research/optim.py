@@ -1,4 +1,5 @@
 """AdamW with linear warmup then cosine decay, and gradient clipping by the true global norm."""
+
 import math
 
 import torch
@@ -10,8 +11,9 @@ from .config import OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, max_steps: int):
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                                  weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
 
     def lr_factor(step: int) -> float:
         if step < cfg.warmup_steps:

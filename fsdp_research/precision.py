@@ -1,7 +1,8 @@
 """Mixed precision: FSDP2's MixedPrecisionPolicy (autocast for the DDP baseline), and a dynamic loss
 scaler that works on sharded gradients."""
+
 import contextlib
-from typing import Iterable, Optional, Tuple
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,12 +21,14 @@ def parse_dtype(name: str, key: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def dtypes(cfg: PrecisionConfig) -> Tuple[torch.dtype, torch.dtype]:
+def dtypes(cfg: PrecisionConfig) -> tuple[torch.dtype, torch.dtype]:
     """(compute dtype, gradient reduction dtype)."""
-    return parse_dtype(cfg.param_dtype, "precision.param_dtype"), parse_dtype(cfg.reduce_dtype, "precision.reduce_dtype")
+    return parse_dtype(cfg.param_dtype, "precision.param_dtype"), parse_dtype(
+        cfg.reduce_dtype, "precision.reduce_dtype"
+    )
 
 
-def build_mp_policy(cfg: PrecisionConfig) -> Optional[MixedPrecisionPolicy]:
+def build_mp_policy(cfg: PrecisionConfig) -> MixedPrecisionPolicy | None:
     param, reduce = dtypes(cfg)
     if param is torch.float32 and reduce is torch.float32:
         return None

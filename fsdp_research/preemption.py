@@ -1,11 +1,11 @@
 """Preemption and time limits: SLURM sends a warning signal (--signal=USR2@<seconds>) before it ends a job.
 Every rank finishes its step, the ranks agree through one collective (a signal may reach only some of them),
 a resume checkpoint is saved, rank 0 requeues the job, and all exit cleanly."""
+
 import logging
 import os
 import signal
 import subprocess
-from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -16,7 +16,7 @@ log = logging.getLogger("fsdp_research")
 
 
 class Preemption:
-    def __init__(self, signal_name: Optional[str]):
+    def __init__(self, signal_name: str | None):
         """Made first thing in a run: the signal's default action ends the process, and setting up a large model
         can take minutes."""
         self._received = False
@@ -27,8 +27,11 @@ class Preemption:
             try:
                 signum = getattr(signal, signal_name if signal_name.startswith("SIG") else f"SIG{signal_name}")
             except AttributeError:
-                raise ConfigError("trainer.preemption_signal", f"unknown signal {signal_name!r}",
-                                  "use e.g. SIGUSR2, SIGUSR1 or SIGTERM, or null to ignore signals") from None
+                raise ConfigError(
+                    "trainer.preemption_signal",
+                    f"unknown signal {signal_name!r}",
+                    "use e.g. SIGUSR2, SIGUSR1 or SIGTERM, or null to ignore signals",
+                ) from None
             signal.signal(signum, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
@@ -45,8 +48,10 @@ class Preemption:
         if self._group is None:
             self._group = dist.new_group(backend="gloo")
         flag = torch.tensor([int(self._received)])
-        previous, self._pending = self._pending, (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group,
-                                                                  async_op=True), flag)
+        previous, self._pending = (
+            self._pending,
+            (dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True), flag),
+        )
         return self._read(previous)
 
     def close(self, failed: bool = False) -> None:

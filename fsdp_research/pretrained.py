@@ -1,8 +1,9 @@
 """Weights in: fill a materialized (possibly sharded) model from a safetensors checkpoint, each rank reading
 only the slices it owns."""
+
 import json
 import os
-from typing import Any, Dict
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -13,7 +14,7 @@ from .errors import ConfigError
 from .models import clean_name
 
 
-def _safetensors_files(path: str) -> Dict[str, str]:
+def _safetensors_files(path: str) -> dict[str, str]:
     """Tensor name -> file, for a single model.safetensors or a sharded one with an index."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
@@ -21,8 +22,11 @@ def _safetensors_files(path: str) -> Dict[str, str]:
             return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
-        raise ConfigError("model.name_or_path", f"{path} holds no model.safetensors(.index.json)",
-                          "point it at a directory written by save_pretrained (safetensors)")
+        raise ConfigError(
+            "model.name_or_path",
+            f"{path} holds no model.safetensors(.index.json)",
+            "point it at a directory written by save_pretrained (safetensors)",
+        )
     with safe_open(single, "pt") as f:
         return {k: single for k in f.keys()}
 
@@ -31,12 +35,15 @@ def _safetensors_files(path: str) -> Dict[str, str]:
 def load_pretrained(model: nn.Module, path: str, device: torch.device) -> None:
     """Fill the model from the checkpoint in `path`: its peak memory per rank stays near its shard."""
     files = _safetensors_files(path)
-    handles: Dict[str, Any] = {}
+    handles: dict[str, Any] = {}
     for name, param in model.named_parameters():
         key = clean_name(name)
         if key not in files:
-            raise ConfigError("model.name_or_path", f"{path} has no weight {key}",
-                              "use a checkpoint of the same architecture as the model config")
+            raise ConfigError(
+                "model.name_or_path",
+                f"{path} has no weight {key}",
+                "use a checkpoint of the same architecture as the model config",
+            )
         if files[key] not in handles:
             handles[files[key]] = safe_open(files[key], "pt")
         tensor = handles[files[key]].get_slice(key)

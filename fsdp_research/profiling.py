@@ -7,10 +7,11 @@ NCCL kernels on GPU). Exposed communication is the part of it during which no co
 kernel time outside every other kernel, so it shows whether the next block's all-gather hides behind this
 block's compute; on CPU, time gloo works while the training thread runs no aten op. gloo collectives mostly
 block the training thread, so on CPU exposed communication is close to all of it."""
+
 import json
 import logging
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +24,7 @@ LABELS = ("data", "forward", "backward", "optimizer")
 COMM = ("c10d::", "gloo:", "nccl", "record_param_comms")
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
-Interval = Tuple[float, float]
+Interval = tuple[float, float]
 
 
 def region(label: str) -> record_function:
@@ -31,8 +32,8 @@ def region(label: str) -> record_function:
     return record_function(f"step.{label}")
 
 
-def _union(intervals: List[Interval]) -> List[Interval]:
-    merged: List[Interval] = []
+def _union(intervals: list[Interval]) -> list[Interval]:
+    merged: list[Interval] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
             merged[-1] = (merged[-1][0], max(merged[-1][1], end))
@@ -41,11 +42,11 @@ def _union(intervals: List[Interval]) -> List[Interval]:
     return merged
 
 
-def _length(intervals: List[Interval]) -> float:
+def _length(intervals: list[Interval]) -> float:
     return sum(end - start for start, end in intervals)
 
 
-def _overlap(a: List[Interval], b: List[Interval]) -> float:
+def _overlap(a: list[Interval], b: list[Interval]) -> float:
     """Length of the intersection of two merged interval lists."""
     total, i, j = 0.0, 0, 0
     while i < len(a) and j < len(b):
@@ -57,7 +58,7 @@ def _overlap(a: List[Interval], b: List[Interval]) -> float:
     return total
 
 
-def breakdown(trace_events: List[Dict[str, Any]]) -> Dict[str, Any]:
+def breakdown(trace_events: list[dict[str, Any]]) -> dict[str, Any]:
     """Per-step means in seconds over the profiled steps of a Chrome trace (torch.profiler's export); empty
     when the trace holds no complete step."""
     spans = [e for e in trace_events if e.get("ph") == "X" and "dur" in e]
@@ -67,10 +68,10 @@ def breakdown(trace_events: List[Dict[str, Any]]) -> Dict[str, Any]:
     train_threads = {e["tid"] for e in steps}
     on_gpu = any(e.get("cat") == "kernel" for e in spans)
 
-    def is_comm(e: Dict[str, Any]) -> bool:
+    def is_comm(e: dict[str, Any]) -> bool:
         return any(marker in e["name"].lower() for marker in COMM)
 
-    def merged(keep) -> List[Interval]:
+    def merged(keep) -> list[Interval]:
         return _union([(e["ts"], e["ts"] + e["dur"]) for e in spans if keep(e)])
 
     if on_gpu:
@@ -78,10 +79,16 @@ def breakdown(trace_events: List[Dict[str, Any]]) -> Dict[str, Any]:
         compute = merged(lambda e: e.get("cat") in DEVICE_CATS and not is_comm(e))
     else:
         comm = merged(lambda e: e.get("cat") in ("cpu_op", "user_annotation") and is_comm(e))
-        compute = merged(lambda e: e.get("cat") == "cpu_op" and e["tid"] in train_threads
-                         and e["name"].startswith("aten::") and not is_comm(e))
+        compute = merged(
+            lambda e: (
+                e.get("cat") == "cpu_op"
+                and e["tid"] in train_threads
+                and e["name"].startswith("aten::")
+                and not is_comm(e)
+            )
+        )
     n = len(steps)
-    out: Dict[str, Any] = {"steps": n, "step_time_s": sum(e["dur"] for e in steps) / n / 1e6}
+    out: dict[str, Any] = {"steps": n, "step_time_s": sum(e["dur"] for e in steps) / n / 1e6}
     for label in LABELS:
         name = f"step.{label}"
         # On GPU the device-side span of a phase is its real duration: the CPU only launches the kernels.
@@ -94,12 +101,14 @@ def breakdown(trace_events: List[Dict[str, Any]]) -> Dict[str, Any]:
     return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
 
 
-def format_breakdown(result: Dict[str, Any]) -> str:
+def format_breakdown(result: dict[str, Any]) -> str:
     ms = {k: result[k] * 1e3 for k in ("step_time_s", "comm_s", "exposed_comm_s", *(f"{x}_s" for x in LABELS))}
-    return (f"step {ms['step_time_s']:.1f} ms: data {ms['data_s']:.1f} | forward {ms['forward_s']:.1f} | "
-            f"backward {ms['backward_s']:.1f} | optimizer {ms['optimizer_s']:.1f}; communication "
-            f"{ms['comm_s']:.1f} ms, exposed {ms['exposed_comm_s']:.1f} ms "
-            f"({result['exposed_comm_share']:.0%} of the step) [mean of {result['steps']} steps]")
+    return (
+        f"step {ms['step_time_s']:.1f} ms: data {ms['data_s']:.1f} | forward {ms['forward_s']:.1f} | "
+        f"backward {ms['backward_s']:.1f} | optimizer {ms['optimizer_s']:.1f}; communication "
+        f"{ms['comm_s']:.1f} ms, exposed {ms['exposed_comm_s']:.1f} ms "
+        f"({result['exposed_comm_share']:.0%} of the step) [mean of {result['steps']} steps]"
+    )
 
 
 class StepProfiler:
@@ -113,11 +122,14 @@ class StepProfiler:
         self.rank, self.sinks = rank, sinks
         self._traced = False
         self._done = 0
-        self._profiler: Optional[profile] = None
+        self._profiler: profile | None = None
         if steps > 0:
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            self._profiler = profile(activities=activities, on_trace_ready=self._write,
-                                     schedule=schedule(wait=0, warmup=1, active=steps, repeat=1))
+            self._profiler = profile(
+                activities=activities,
+                on_trace_ready=self._write,
+                schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
+            )
             self._profiler.start()
 
     def _write(self, prof: profile) -> None:

@@ -1,9 +1,10 @@
 """Sweep report: every job dir of a sweep (<sweep dir>/<n>/) as one row: the overrides that differ between
 jobs, final loss and eval loss, throughput per device, peak memory, steps and status; and a PNG with the loss
 curves and each job's throughput and peak memory. `fsdp-research report` is the command."""
+
 import os
 import statistics
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 from .rundir import read_status
 from .sinks import step_metrics
@@ -27,7 +28,7 @@ COLUMNS = (
 )
 
 
-def _median_after_warmup(rows: List[Dict[str, Any]], key: str) -> Optional[float]:
+def _median_after_warmup(rows: list[dict[str, Any]], key: str) -> float | None:
     """The first logged interval includes warmup (allocator, kernel selection), so it is left out when others
     exist."""
     values = [row[key] for row in rows if key in row]
@@ -35,7 +36,7 @@ def _median_after_warmup(rows: List[Dict[str, Any]], key: str) -> Optional[float
     return statistics.median(values) if values else None
 
 
-def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The table's numbers from a job's metrics.jsonl rows (None where the job logged nothing)."""
     eval_losses = [row["eval_loss"] for row in rows if "eval_loss" in row]
     memory_key = next((key for key in MEMORY_KEYS if any(key in row for row in rows)), None)
@@ -49,22 +50,27 @@ def summarize(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     }
 
 
-def load_job(job_dir: str) -> Dict[str, Any]:
+def load_job(job_dir: str) -> dict[str, Any]:
     """One job dir: its number, overrides, metrics rows, summary and status; missing files give empty values."""
     status = read_status(job_dir)
     rows = step_metrics(job_dir)
     # Without status.json the job may still be running or may have died without a word: we cannot tell.
-    return {"num": int(os.path.basename(os.path.normpath(job_dir))), "overrides": job_overrides(job_dir),
-            "rows": rows, "status": status.get("status", "unknown"), "error": status.get("error"),
-            **summarize(rows)}
+    return {
+        "num": int(os.path.basename(os.path.normpath(job_dir))),
+        "overrides": job_overrides(job_dir),
+        "rows": rows,
+        "status": status.get("status", "unknown"),
+        "error": status.get("error"),
+        **summarize(rows),
+    }
 
 
-def _split(override: str) -> Tuple[str, str]:
+def _split(override: str) -> tuple[str, str]:
     key, _, value = override.partition("=")
     return key, value
 
 
-def differing_overrides(jobs: List[Dict[str, Any]]) -> List[List[str]]:
+def differing_overrides(jobs: list[dict[str, Any]]) -> list[list[str]]:
     """Per job, its overrides whose key does not have the same value in every job (a key some jobs lack
     differs). A single job keeps all of its overrides."""
     if len(jobs) == 1:
@@ -75,7 +81,7 @@ def differing_overrides(jobs: List[Dict[str, Any]]) -> List[List[str]]:
     return [[o for o in job["overrides"] if _split(o)[0] in varying] for job in jobs]
 
 
-def format_table(jobs: List[Dict[str, Any]]) -> str:
+def format_table(jobs: list[dict[str, Any]]) -> str:
     """A plain-text table of COLUMNS, one line per job, left-aligned, '-' where a value is missing."""
     cells = [[header for header, _, _ in COLUMNS]]
     cells += [["-" if job.get(key) is None else fmt.format(job[key]) for _, key, fmt in COLUMNS] for job in jobs]
@@ -83,7 +89,7 @@ def format_table(jobs: List[Dict[str, Any]]) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in cells)
 
 
-def plot(jobs: List[Dict[str, Any]], path: str) -> None:
+def plot(jobs: list[dict[str, Any]], path: str) -> None:
     """Loss curves (eval loss as markers), then tokens/s per device and peak memory as horizontal bars (long
     override labels stay readable), one colour per job throughout."""
     import matplotlib
@@ -94,7 +100,8 @@ def plot(jobs: List[Dict[str, Any]], path: str) -> None:
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(jobs))]
     names = [f"{job['num']}: {job['label']}" for job in jobs]
     fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(
-        3, 1, figsize=(10, 5 + 1.2 * len(jobs)), gridspec_kw={"height_ratios": [3, 1, 1]})
+        3, 1, figsize=(10, 5 + 1.2 * len(jobs)), gridspec_kw={"height_ratios": [3, 1, 1]}
+    )
     for job, name, color in zip(jobs, names, colors):
         rows = job["rows"]
         if rows:
@@ -107,15 +114,23 @@ def plot(jobs: List[Dict[str, Any]], path: str) -> None:
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     ax_loss.grid(alpha=0.3)
     ax_loss.legend(fontsize="small")
-    for ax, key, title, fmt in ((ax_tps, "tokens_per_s_per_device", "tokens/s per device (median)", "{:,.0f}"),
-                                (ax_mem, "peak_mem_gib", "peak memory (GiB)", "{:.2f}")):
+    for ax, key, title, fmt in (
+        (ax_tps, "tokens_per_s_per_device", "tokens/s per device (median)", "{:,.0f}"),
+        (ax_mem, "peak_mem_gib", "peak memory (GiB)", "{:.2f}"),
+    ):
         values = [job[key] or 0.0 for job in jobs]
         ax.barh(range(len(jobs)), values, color=colors)
         ax.set_yticks(range(len(jobs)), names, fontsize="small")
         ax.invert_yaxis()  # job 0 on top, as in the table
         for i, job in enumerate(jobs):
-            ax.annotate("no data" if job[key] is None else fmt.format(job[key]), (values[i], i),
-                        xytext=(3, 0), textcoords="offset points", va="center", fontsize="small")
+            ax.annotate(
+                "no data" if job[key] is None else fmt.format(job[key]),
+                (values[i], i),
+                xytext=(3, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize="small",
+            )
         ax.set_title(title)
         ax.margins(x=0.15)
     fig.tight_layout()

@@ -1,9 +1,10 @@
 """The run directory, decided here and nowhere else: where a run lives (checkpoint.resume=<path> continues in
 that run's dir), which checkpoint it resumes from, whether a fresh start may use it, and its status.json."""
+
 import json
 import logging
 import os
-from typing import Any, Dict, Optional
+from typing import Any
 
 from .checkpoint import checkpoints_in, is_step_dir, verify
 from .errors import ConfigError
@@ -21,18 +22,24 @@ def resolve(resume: str, default: str) -> str:
     return os.path.dirname(os.path.dirname(path)) if is_step_dir(path) else path
 
 
-def resume_point(resume: str, run_dir: str) -> Optional[str]:
+def resume_point(resume: str, run_dir: str) -> str | None:
     """The step dir to resume from: the newest complete one (skipping broken ones, with a warning), or None.
     resume=never refuses a run dir that already holds checkpoints: they belong to another run."""
     if resume == "never":
         if checkpoints_in(os.path.join(run_dir, "checkpoints")):
-            raise ConfigError("checkpoint.resume", f"is never, but {run_dir} already holds checkpoints",
-                              "use a new hydra.run.dir, or checkpoint.resume=auto to continue that run")
+            raise ConfigError(
+                "checkpoint.resume",
+                f"is never, but {run_dir} already holds checkpoints",
+                "use a new hydra.run.dir, or checkpoint.resume=auto to continue that run",
+            )
         return None
     path = run_dir if resume == "auto" else os.path.abspath(os.path.expanduser(resume))
     if resume != "auto" and not os.path.isdir(path):
-        raise ConfigError("checkpoint.resume", f"{path} does not exist",
-                          "give a run dir or a checkpoints/step_<N> dir, or use auto/never")
+        raise ConfigError(
+            "checkpoint.resume",
+            f"{path} does not exist",
+            "give a run dir or a checkpoints/step_<N> dir, or use auto/never",
+        )
     candidates = [path] if is_step_dir(path) else [d for _, d in checkpoints_in(os.path.join(path, "checkpoints"))]
     for step_dir in candidates:
         problem = verify(step_dir)
@@ -40,12 +47,15 @@ def resume_point(resume: str, run_dir: str) -> Optional[str]:
             return step_dir
         log.warning(f"skipping checkpoint {step_dir}: {problem}")
     if resume != "auto":
-        raise ConfigError("checkpoint.resume", f"no complete checkpoint in {path}",
-                          "point it at a complete step dir, or use auto/never")
+        raise ConfigError(
+            "checkpoint.resume",
+            f"no complete checkpoint in {path}",
+            "point it at a complete step dir, or use auto/never",
+        )
     return None
 
 
-def read_status(run_dir: str) -> Dict[str, Any]:
+def read_status(run_dir: str) -> dict[str, Any]:
     """The run's status.json ({"status", "error"}); empty when absent or unreadable."""
     try:
         with open(os.path.join(run_dir, STATUS)) as f:
@@ -54,7 +64,7 @@ def read_status(run_dir: str) -> Dict[str, Any]:
         return {}
 
 
-def write_status(run_dir: str, status: str, error: Optional[str] = None) -> None:
+def write_status(run_dir: str, status: str, error: str | None = None) -> None:
     """<run dir>/status.json: running, completed, preempted or failed (with the one-line reason), for sweeps
     and the report; written whole (temp + rename), so a reader never sees half of it. A command refused
     before it trained leaves an earlier run's record as it was."""

@@ -2,8 +2,8 @@
 same per-device micro batch, and the verdict the seed text asks for: a sharding whose throughput falls below
 what DDP gives with the micro batch that fits is a configuration to abandon. `fsdp-research scaling` is the
 command."""
+
 import statistics
-from typing import Dict, List
 
 from omegaconf import DictConfig
 
@@ -12,8 +12,13 @@ from .sinks import step_metrics
 
 WARMUP_STEPS = 5
 # What a measured run leaves out: everything but the steps (give the config trainer.max_steps).
-MEASURE = ["logger=none", "checkpoint.interval=0", "checkpoint.export=false", "trainer.eval_interval=0",
-           "trainer.log_interval=1"]
+MEASURE = [
+    "logger=none",
+    "checkpoint.interval=0",
+    "checkpoint.export=false",
+    "trainer.eval_interval=0",
+    "trainer.log_interval=1",
+]
 
 
 def measure(cfg: DictConfig, world_size: int, run_dir: str) -> float:
@@ -23,25 +28,31 @@ def measure(cfg: DictConfig, world_size: int, run_dir: str) -> float:
     return statistics.median(r["samples_per_s"] for r in step_metrics(run_dir) if r["step"] > WARMUP_STEPS)
 
 
-def verdict(results: Dict[str, Dict[int, float]], sharding: str) -> List[str]:
+def verdict(results: dict[str, dict[int, float]], sharding: str) -> list[str]:
     lines = []
     for name, by_world in results.items():
         base = by_world[min(by_world)]
         for world, sps in sorted(by_world.items()):
-            lines.append(f"{name:>10} x{world}: {sps:8.2f} samples/s, {sps / world:8.2f} per device, "
-                         f"scaling efficiency {sps / (world * base / min(by_world)):.0%}")
+            lines.append(
+                f"{name:>10} x{world}: {sps:8.2f} samples/s, {sps / world:8.2f} per device, "
+                f"scaling efficiency {sps / (world * base / min(by_world)):.0%}"
+            )
     top = max(results[sharding])
     if sharding != "ddp" and results[sharding][top] < results["ddp"][top]:
-        lines.append(f"verdict: {sharding} gives {results[sharding][top]:.2f} samples/s on {top} devices, below ddp's "
-                     f"{results['ddp'][top]:.2f} with the micro batch that fits: abandon this configuration "
-                     "rather than tune it (unless the model does not fit under ddp)")
+        lines.append(
+            f"verdict: {sharding} gives {results[sharding][top]:.2f} samples/s on {top} devices, below ddp's "
+            f"{results['ddp'][top]:.2f} with the micro batch that fits: abandon this configuration "
+            "rather than tune it (unless the model does not fit under ddp)"
+        )
     else:
-        lines.append(f"verdict: {sharding} keeps up with ddp on {top} devices "
-                     f"({results[sharding][top]:.2f} vs {results['ddp'][top]:.2f} samples/s)")
+        lines.append(
+            f"verdict: {sharding} keeps up with ddp on {top} devices "
+            f"({results[sharding][top]:.2f} vs {results['ddp'][top]:.2f} samples/s)"
+        )
     return lines
 
 
-def plot(results: Dict[str, Dict[int, float]], path: str) -> None:
+def plot(results: dict[str, dict[int, float]], path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,8 +1,8 @@
 """The sharding plan as data (which modules become FSDP units, each with its reshard flag), and its
 application with FSDP2's fully_shard, or plain DDP for the baseline."""
+
 import contextlib
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -26,17 +26,17 @@ class Unit:
 class ShardingPlan:
     strategy: Strategy
     # Innermost first, the root last; empty for ddp.
-    units: List[Unit]
+    units: list[Unit]
     # The repeating blocks' paths, in forward order: what a reader of the plan (the doctor) holds units against.
-    blocks: Tuple[str, ...] = ()
+    blocks: tuple[str, ...] = ()
 
 
-def owner(name: str, unit_paths: List[str]) -> str:
+def owner(name: str, unit_paths: list[str]) -> str:
     """The unit that owns a parameter: the deepest unit whose path contains it ("" is the root)."""
     return max((p for p in unit_paths if p == "" or name.startswith(p + ".")), key=len)
 
 
-def _block_reshard_flags(strategy: Strategy, n_blocks: int) -> List[bool]:
+def _block_reshard_flags(strategy: Strategy, n_blocks: int) -> list[bool]:
     if strategy is Strategy.no_reshard:
         return [False] * n_blocks
     if strategy is Strategy.reshard_all:
@@ -45,7 +45,7 @@ def _block_reshard_flags(strategy: Strategy, n_blocks: int) -> List[bool]:
     return [True] * (n_blocks - 1) + [False]
 
 
-def build_plan(model: nn.Module, blocks: List[nn.Module], cfg: ShardingConfig) -> ShardingPlan:
+def build_plan(model: nn.Module, blocks: list[nn.Module], cfg: ShardingConfig) -> ShardingPlan:
     strategy = Strategy(cfg.strategy)
     paths = {module: path for path, module in model.named_modules()}
     block_paths = tuple(paths[block] for block in blocks)
@@ -54,10 +54,13 @@ def build_plan(model: nn.Module, blocks: List[nn.Module], cfg: ShardingConfig) -
     flags = _block_reshard_flags(strategy, len(blocks))
     for index, flag in cfg.reshard_override.items():
         if not 0 <= index < len(blocks):
-            raise ConfigError("sharding.reshard_override", f"block {index} does not exist "
-                              f"(the model has {len(blocks)} blocks)", f"use indices 0..{len(blocks) - 1}")
+            raise ConfigError(
+                "sharding.reshard_override",
+                f"block {index} does not exist (the model has {len(blocks)} blocks)",
+                f"use indices 0..{len(blocks) - 1}",
+            )
         flags[index] = flag
-    units: List[Unit] = []
+    units: list[Unit] = []
     if strategy is Strategy.per_linear:
         units = [Unit(paths[m], True) for block in blocks for m in block.modules() if isinstance(m, nn.Linear)]
     elif strategy is not Strategy.root_only:
@@ -68,13 +71,15 @@ def build_plan(model: nn.Module, blocks: List[nn.Module], cfg: ShardingConfig) -
 
 def build_mesh(cfg: ShardingConfig, device_type: str, world_size: int) -> DeviceMesh:
     if Strategy(cfg.strategy) is Strategy.hsdp:
-        return init_device_mesh(device_type, (cfg.replicate, world_size // cfg.replicate),
-                                mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(
+            device_type, (cfg.replicate, world_size // cfg.replicate), mesh_dim_names=("replicate", "shard")
+        )
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
 
 
-def apply_fsdp(model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh,
-               mp_policy: Optional[MixedPrecisionPolicy], cfg: ShardingConfig) -> nn.Module:
+def apply_fsdp(
+    model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None, cfg: ShardingConfig
+) -> nn.Module:
     """fully_shard each unit of the plan, innermost first (the model may still be on the meta device)."""
     kwargs = {"mesh": mesh}
     if mp_policy is not None:

@@ -1,12 +1,13 @@
 """Where log lines and metrics go: a line on stdout (a progress bar on a terminal), metrics.jsonl in the run
 dir, and W&B. Only rank 0 logs metrics; the other ranks get sinks that drop everything. Also the reader of
 metrics.jsonl, for everything that reads a run back."""
+
 import json
 import logging
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 from .config import LoggerConfig
 
@@ -22,7 +23,7 @@ def setup_logging(run_dir: str, rank: int) -> None:
     for handler in list(root.handlers):
         root.removeHandler(handler)
     fmt = logging.Formatter(f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s", "%H:%M:%S")
-    handlers: List[logging.Handler] = [logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)]
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stdout if rank == 0 else sys.stderr)]
     if rank == 0:
         handlers.append(logging.FileHandler(os.path.join(run_dir, "train.log")))
     for handler in handlers:
@@ -44,13 +45,13 @@ class Console:
 
     KEYS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu")
 
-    def __init__(self, max_steps: int, tty: Optional[bool] = None):
+    def __init__(self, max_steps: int, tty: bool | None = None):
         self.max_steps = max_steps
         self.tty = sys.stdout.isatty() if tty is None else tty
         self._t0 = time.perf_counter()
-        self._first_step: Optional[int] = None
+        self._first_step: int | None = None
 
-    def log(self, metrics: Dict[str, Any]) -> None:
+    def log(self, metrics: dict[str, Any]) -> None:
         step = metrics["step"]
         text = " | ".join(_fmt(k, metrics[k]) for k in self.KEYS if k in metrics)
         if not self.tty:
@@ -66,7 +67,7 @@ class Console:
         sys.stdout.flush()
 
 
-def read_records(run_dir: str) -> List[Dict[str, Any]]:
+def read_records(run_dir: str) -> list[dict[str, Any]]:
     """Every record of <run dir>/metrics.jsonl: the per-step metrics and the one-off records ({"step", "doctor"},
     {"step", "profile"}, {"step", "summary"}); a line cut short (a run killed mid-write) is skipped."""
     path = os.path.join(run_dir, METRICS)
@@ -82,7 +83,7 @@ def read_records(run_dir: str) -> List[Dict[str, Any]]:
     return records
 
 
-def step_metrics(run_dir: str) -> List[Dict[str, Any]]:
+def step_metrics(run_dir: str) -> list[dict[str, Any]]:
     """The per-step metric rows of a run (one-off records have no loss)."""
     return [row for row in read_records(run_dir) if "loss" in row]
 
@@ -100,7 +101,7 @@ class JsonlSink:
             os.replace(path + ".tmp", path)
         self.file = open(path, "a", buffering=1)
 
-    def log(self, metrics: Dict[str, Any]) -> None:
+    def log(self, metrics: dict[str, Any]) -> None:
         self.file.write(json.dumps(metrics) + "\n")
 
     def note(self, step: int, key: str, value: Any) -> None:
@@ -111,13 +112,22 @@ class JsonlSink:
 
 
 class WandbSink:
-    def __init__(self, cfg: LoggerConfig, run_dir: str, config: Dict[str, Any], run_id: str):
+    def __init__(self, cfg: LoggerConfig, run_dir: str, config: dict[str, Any], run_id: str):
         import wandb
 
-        self.run = wandb.init(project=cfg.project, group=cfg.group, name=cfg.name, tags=list(cfg.tags),
-                              config=config, dir=run_dir, mode=cfg.mode, id=run_id, resume="allow")
+        self.run = wandb.init(
+            project=cfg.project,
+            group=cfg.group,
+            name=cfg.name,
+            tags=list(cfg.tags),
+            config=config,
+            dir=run_dir,
+            mode=cfg.mode,
+            id=run_id,
+            resume="allow",
+        )
 
-    def log(self, metrics: Dict[str, Any]) -> None:
+    def log(self, metrics: dict[str, Any]) -> None:
         self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 
     def note(self, step: int, key: str, value: Any) -> None:
@@ -135,7 +145,7 @@ class Sinks:
     def __init__(self, sinks: list):
         self.sinks = sinks
 
-    def log(self, metrics: Dict[str, Any]) -> None:
+    def log(self, metrics: dict[str, Any]) -> None:
         for sink in self.sinks:
             sink.log(metrics)
 
@@ -160,8 +170,9 @@ def new_run_id() -> str:
     return secrets.token_hex(4)
 
 
-def build_sinks(cfg: LoggerConfig, run_dir: str, rank: int, max_steps: int, config: Dict[str, Any],
-                run_id: str, resume_step: int) -> Sinks:
+def build_sinks(
+    cfg: LoggerConfig, run_dir: str, rank: int, max_steps: int, config: dict[str, Any], run_id: str, resume_step: int
+) -> Sinks:
     if rank != 0:
         return Sinks([])
     sinks: list = [Console(max_steps), JsonlSink(run_dir, resume_step)]

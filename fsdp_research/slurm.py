@@ -2,11 +2,12 @@
 lines and # comments are skipped; task i of slurm/array.sbatch runs line i in outputs/slurm/<array job id>/<i>/
 under the current dir), and the checks that run before anything is submitted, shared with the Hydra launcher
 path (fsdp_research.sweep). `fsdp-research submit` is the command."""
+
 import os
 import shlex
 import shutil
 import subprocess
-from typing import List, Optional, Sequence
+from collections.abc import Sequence
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
@@ -19,12 +20,15 @@ ARRAY_SCRIPT = os.path.join(REPO, "slurm", "array.sbatch")
 
 def _reason(err: OverrideParseException) -> str:
     # Hydra's message: "Error parsing override ...", the reason, then a "See https://..." line.
-    lines = [line for line in str(err).splitlines()
-             if line.strip() and not line.startswith(("Error parsing override", "See https://"))]
+    lines = [
+        line
+        for line in str(err).splitlines()
+        if line.strip() and not line.startswith(("Error parsing override", "See https://"))
+    ]
     return "; ".join(lines) or str(err)
 
 
-def read_override_lines(path: str) -> List[List[str]]:
+def read_override_lines(path: str) -> list[list[str]]:
     """The overrides of each job (one per non-blank, non-comment line), each parsed as Hydra would."""
     parser = OverridesParser.create()
     try:
@@ -70,7 +74,7 @@ def check_partition(name: str) -> None:
         raise SubmitError(f"unknown SLURM partition {name!r}; this cluster has: {', '.join(known) or 'none'}")
 
 
-def submit(jobs: List[List[str]], parallel: int, partition: Optional[str], sbatch_args: Sequence[str]) -> str:
+def submit(jobs: list[list[str]], parallel: int, partition: str | None, sbatch_args: Sequence[str]) -> str:
     """Submits the array after the SLURM checks; returns its job id."""
     check_sbatch()
     if partition:
@@ -80,8 +84,7 @@ def submit(jobs: List[List[str]], parallel: int, partition: Optional[str], sbatc
     # One argument per job: array.sbatch splits its own line back into words.
     command += [*sbatch_args, ARRAY_SCRIPT, *(shlex.join(job) for job in jobs)]
     # The batch script finds train.py here, wherever the array is submitted from.
-    result = subprocess.run(command, capture_output=True, text=True,
-                            env={**os.environ, "FSDP_RESEARCH_ROOT": REPO})
+    result = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "FSDP_RESEARCH_ROOT": REPO})
     if result.returncode != 0:
         raise SubmitError(f"sbatch failed: {' '.join(result.stderr.split())}")
     return result.stdout.strip().split(";")[0]  # --parsable prints "<id>" or "<id>;<cluster>"

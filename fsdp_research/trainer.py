@@ -1,12 +1,14 @@
 """The training recipe, as one rank runs it: join the process group -> check the config -> plan the model on the
 meta device -> shard and materialize it -> optimizer -> resume -> loop {data -> forward -> backward -> clip ->
 step -> metrics -> maybe checkpoint} -> export. Starting the processes that run it is fsdp_research.launch."""
+
 import contextlib
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,12 +48,17 @@ class TrainState:
     tokens_seen: int = 0
     wandb_run_id: str = field(default_factory=new_run_id)
 
-    def state_dict(self, world_size: int) -> Dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "wandb_run_id": self.wandb_run_id,
-                "world_size": world_size, "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict()}
+    def state_dict(self, world_size: int) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "wandb_run_id": self.wandb_run_id,
+            "world_size": world_size,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
 
-    def load_state_dict(self, state: Dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.tokens_seen, self.wandb_run_id = state["step"], state["tokens_seen"], state["wandb_run_id"]
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
@@ -60,10 +67,10 @@ class TrainState:
 @dataclass
 class TrainResult:
     model: nn.Module
-    losses: List[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
     # Stopped early by the preemption signal, after saving a resume checkpoint.
     preempted: bool = False
-    summary: Dict[str, Any] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,8 +94,8 @@ class Run:
     profiler: StepProfiler
     throughput: Throughput
     preemption: Preemption
-    save_times: List[float] = field(default_factory=list)
-    rates: List[float] = field(default_factory=list)
+    save_times: list[float] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)
 
 
 def loss_of(model: nn.Module, batch: torch.Tensor, amp) -> torch.Tensor:
@@ -131,7 +138,7 @@ def _close_on_exit(resources: contextlib.ExitStack, close: Callable[[bool], Any]
     resources.push(on_exit)
 
 
-def _prepare(cfg: DictConfig, run_dir: str) -> Tuple[torch.device, str, Any, nn.Module, ShardingPlan, Optional[str]]:
+def _prepare(cfg: DictConfig, run_dir: str) -> tuple[torch.device, str, Any, nn.Module, ShardingPlan, str | None]:
     """Join the group, check everything, plan the model; only then touch the run dir (a bad config leaves an
     existing run as it was) and find the checkpoint to resume from."""
     env = launch_env()
@@ -161,27 +168,56 @@ def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: con
     if resume_dir:
         state.load_state_dict(checkpointer.load(resume_dir, model, optimizer))
     n_params = sum(p.numel() for p in model.parameters())
-    log.info(f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {len(plan.blocks)} blocks, "
-             f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
-             f"starting at step {state.step}")
-    sinks = build_sinks(cfg.logger, run_dir, rank, t.max_steps, OmegaConf.to_container(cfg, resolve=True),
-                        state.wandb_run_id, state.step)
+    log.info(
+        f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {len(plan.blocks)} blocks, "
+        f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
+        f"starting at step {state.step}"
+    )
+    sinks = build_sinks(
+        cfg.logger,
+        run_dir,
+        rank,
+        t.max_steps,
+        OmegaConf.to_container(cfg, resolve=True),
+        state.wandb_run_id,
+        state.step,
+    )
     _close_on_exit(resources, sinks.finish)
     if rank == 0:
         rundir.write_status(run_dir, "running")
         report(diagnose(cfg, plan, world, planned_nodes()), sinks, state.step)
     profiler = StepProfiler(t.profile_steps, run_dir, rank, device, sinks)
     _close_on_exit(resources, lambda failed: profiler.close())
-    throughput = Throughput(t.global_batch_size * cfg.data.seq_len, t.global_batch_size, world,
-                            flops_per_token(dims(hf_config), n_params, cfg.data.seq_len),
-                            peak_tflops(device, t.peak_tflops), device)
-    return Run(cfg=cfg, run_dir=run_dir, device=device, rank=rank, layout=layout(cfg, world), hf_config=hf_config,
-               model=model, plan=plan, optimizer=optimizer, state=state, data=data,
-               amp=autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp), checkpointer=checkpointer,
-               sinks=sinks, profiler=profiler, throughput=throughput, preemption=preemption)
+    throughput = Throughput(
+        t.global_batch_size * cfg.data.seq_len,
+        t.global_batch_size,
+        world,
+        flops_per_token(dims(hf_config), n_params, cfg.data.seq_len),
+        peak_tflops(device, t.peak_tflops),
+        device,
+    )
+    return Run(
+        cfg=cfg,
+        run_dir=run_dir,
+        device=device,
+        rank=rank,
+        layout=layout(cfg, world),
+        hf_config=hf_config,
+        model=model,
+        plan=plan,
+        optimizer=optimizer,
+        state=state,
+        data=data,
+        amp=autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp),
+        checkpointer=checkpointer,
+        sinks=sinks,
+        profiler=profiler,
+        throughput=throughput,
+        preemption=preemption,
+    )
 
 
-def train_step(run: Run, step: int) -> Tuple[torch.Tensor, torch.Tensor, float]:
+def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One optimizer step on the global batch of `step`: this rank's micro-batches, each forward and backward,
     the gradient reduction (only after the last micro-batch with trainer.defer_grad_sync), clip, step.
     Returns this rank's loss, the global gradient norm and the learning rate the step used."""
@@ -234,12 +270,19 @@ def _loop(run: Run, result: TrainResult) -> None:
             run.throughput.start()
 
 
-def _log_step(run: Run, result: TrainResult, steps: int, loss: torch.Tensor, grad_norm: torch.Tensor,
-              lr: float) -> None:
+def _log_step(
+    run: Run, result: TrainResult, steps: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float
+) -> None:
     """The metrics of the `steps` steps since the last log, to every sink."""
     t, done, scaler = run.cfg.trainer, run.state.step, run.state.scaler
-    metrics = {"step": done, "loss": _mean_over_ranks(loss), "lr": lr, "grad_norm": grad_norm.item(),
-               **run.throughput.stop(steps), **peak_memory(run.device)}
+    metrics = {
+        "step": done,
+        "loss": _mean_over_ranks(loss),
+        "lr": lr,
+        "grad_norm": grad_norm.item(),
+        **run.throughput.stop(steps),
+        **peak_memory(run.device),
+    }
     if scaler.enabled:
         metrics.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps)
     if t.eval_interval and (done % t.eval_interval == 0 or done == t.max_steps):
@@ -279,14 +322,26 @@ def _finish(run: Run, result: TrainResult, wall_time_s: float) -> None:
     run.preemption.close()
     run.checkpointer.wait()
     if cfg.checkpoint.export and not result.preempted:
-        export_model(run.model, run.hf_config, os.path.join(run.run_dir, "export"), export_dtype(cfg),
-                     parse_size(cfg.checkpoint.export_shard_size), cfg.data.tokenizer)
+        export_model(
+            run.model,
+            run.hf_config,
+            os.path.join(run.run_dir, "export"),
+            export_dtype(cfg),
+            parse_size(cfg.checkpoint.export_shard_size),
+            cfg.data.tokenizer,
+        )
     rates = sorted(run.rates)
-    result.summary = {"final_loss": result.losses[-1] if result.losses else None, "steps": run.state.step,
-                      "wall_time_s": round(wall_time_s, 2),
-                      "median_tokens_per_s": rates[len(rates) // 2] if rates else None, **peak_memory(run.device)}
+    result.summary = {
+        "final_loss": result.losses[-1] if result.losses else None,
+        "steps": run.state.step,
+        "wall_time_s": round(wall_time_s, 2),
+        "median_tokens_per_s": rates[len(rates) // 2] if rates else None,
+        **peak_memory(run.device),
+    }
     if run.save_times:
         result.summary["checkpoint_save_s"] = sum(run.save_times) / len(run.save_times)
-    log.info("summary: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                     for k, v in result.summary.items()))
+    log.info(
+        "summary: "
+        + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in result.summary.items())
+    )
     run.sinks.note(run.state.step, "summary", result.summary)

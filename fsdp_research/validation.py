@@ -1,11 +1,21 @@
 """Every check of a composed config that needs no compute, one function per config group: each raises
 ConfigError naming the key and the fix. The trainer, the launcher (before it starts workers), the doctor
 and the planner run the same checks."""
+
 import torch
 from omegaconf import DictConfig
 
-from .config import (ActivationCheckpointingConfig, CheckpointConfig, DataConfig, DataKind, OptimConfig,
-                     PrecisionConfig, ShardingConfig, Strategy, TrainerConfig)
+from .config import (
+    ActivationCheckpointingConfig,
+    CheckpointConfig,
+    DataConfig,
+    DataKind,
+    OptimConfig,
+    PrecisionConfig,
+    ShardingConfig,
+    Strategy,
+    TrainerConfig,
+)
 from .data import check_vocab, resolve_paths
 from .errors import ConfigError
 from .export import parse_size
@@ -21,41 +31,58 @@ def check_trainer(t: TrainerConfig, world_size: int) -> None:
         raise ConfigError("trainer.profile_steps", f"{t.profile_steps} is negative", "use 0 (off) or a few steps")
     unit = t.micro_batch_size * world_size
     if t.global_batch_size % unit:
-        raise ConfigError("trainer.global_batch_size",
-                          f"{t.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
-                          f"({t.micro_batch_size} x {world_size} = {unit})",
-                          f"use a multiple of {unit}, or change trainer.micro_batch_size")
+        raise ConfigError(
+            "trainer.global_batch_size",
+            f"{t.global_batch_size} is not divisible by micro_batch_size x data-parallel size "
+            f"({t.micro_batch_size} x {world_size} = {unit})",
+            f"use a multiple of {unit}, or change trainer.micro_batch_size",
+        )
 
 
 def check_data(cfg: DataConfig, t: TrainerConfig, model: ModelDims) -> None:
     if model.max_positions and cfg.seq_len > model.max_positions:
-        raise ConfigError("data.seq_len", f"{cfg.seq_len} exceeds the model's {model.max_positions} positions",
-                          f"set data.seq_len to at most {model.max_positions}")
+        raise ConfigError(
+            "data.seq_len",
+            f"{cfg.seq_len} exceeds the model's {model.max_positions} positions",
+            f"set data.seq_len to at most {model.max_positions}",
+        )
     if cfg.kind is DataKind.local_text:
         resolve_paths(cfg)
     if t.eval_interval and cfg.eval_fraction <= 0:
-        raise ConfigError("trainer.eval_interval", "eval needs held-out data but data.eval_fraction is 0",
-                          "set data.eval_fraction above 0, or trainer.eval_interval=0")
+        raise ConfigError(
+            "trainer.eval_interval",
+            "eval needs held-out data but data.eval_fraction is 0",
+            "set data.eval_fraction above 0, or trainer.eval_interval=0",
+        )
     check_vocab(cfg, model.vocab)
 
 
 def check_sharding(cfg: ShardingConfig, world_size: int) -> None:
     if cfg.strategy is Strategy.hsdp and (cfg.replicate < 1 or world_size % cfg.replicate):
-        raise ConfigError("sharding.replicate", f"{cfg.replicate} replica groups do not divide "
-                          f"the world size {world_size}", "use a divisor of the world size")
+        raise ConfigError(
+            "sharding.replicate",
+            f"{cfg.replicate} replica groups do not divide the world size {world_size}",
+            "use a divisor of the world size",
+        )
 
 
 def check_precision(cfg: PrecisionConfig, device: torch.device) -> None:
     param, _ = dtypes(cfg)
     if device.type == "cuda" and param is torch.bfloat16 and not torch.cuda.is_bf16_supported():
-        raise ConfigError("precision", f"{torch.cuda.get_device_name(device)} cannot compute in bfloat16",
-                          "use precision=fp16 (or fp32)")
+        raise ConfigError(
+            "precision",
+            f"{torch.cuda.get_device_name(device)} cannot compute in bfloat16",
+            "use precision=fp16 (or fp32)",
+        )
 
 
 def check_activation_checkpointing(cfg: ActivationCheckpointingConfig) -> None:
     if cfg.stride < 0:
-        raise ConfigError("activation_checkpointing.stride", f"{cfg.stride} is negative",
-                          "use 0 (off), 1 (every block) or k (every k-th block)")
+        raise ConfigError(
+            "activation_checkpointing.stride",
+            f"{cfg.stride} is negative",
+            "use 0 (off), 1 (every block) or k (every k-th block)",
+        )
 
 
 def check_optim(cfg: OptimConfig) -> None:

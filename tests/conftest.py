@@ -1,5 +1,6 @@
 """Configs are composed with Hydra's compose API (fsdp_research.composition.compose), exactly as train.py composes
 them; outputs go to tmp dirs."""
+
 import glob
 import os
 import sysconfig
@@ -11,8 +12,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "[a-c]*.py")))
 
 # Small, fast and exact: fp32, no W&B, every step logged.
-FAST = ["precision=fp32", "logger=none", "trainer.log_interval=1", "trainer.eval_interval=0",
-        "data.seq_len=64", f"data.paths=[{','.join(TEXT)}]", "checkpoint.export=false"]
+FAST = [
+    "precision=fp32",
+    "logger=none",
+    "trainer.log_interval=1",
+    "trainer.eval_interval=0",
+    "data.seq_len=64",
+    f"data.paths=[{','.join(TEXT)}]",
+    "checkpoint.export=false",
+]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,5 +1,6 @@
 """Every bad input fails fast: one line on stderr naming the key and the fix, a non-zero exit, no compute, and
 nothing written into the run dir. Composition errors (unknown key or option, wrong type) are Hydra's own."""
+
 import json
 import os
 
@@ -9,8 +10,10 @@ from tests.helpers.cli import finish, start
 
 SMALL = ["logger=none", "trainer.max_steps=2"]
 APP_ERRORS = {
-    "batch": ("trainer.global_batch_size",
-              ["distributed.nproc_per_node=2", "trainer.global_batch_size=6", "trainer.micro_batch_size=2"]),
+    "batch": (
+        "trainer.global_batch_size",
+        ["distributed.nproc_per_node=2", "trainer.global_batch_size=6", "trainer.micro_batch_size=2"],
+    ),
     "seq_len": ("data.seq_len", ["data.seq_len=4096"]),
     "block_class": ("model.block_class", ["model.block_class=NoSuchBlock"]),
     "hsdp": ("sharding.replicate", ["distributed.nproc_per_node=2", "sharding=hsdp", "sharding.replicate=3"]),
@@ -25,8 +28,11 @@ HYDRA_ERRORS = {
 }
 # A run dir that already holds a run: a bad relaunch into it must leave it as it was. One case of each path:
 # checked in the parent before workers start (batch), and inside train() (seq_len).
-EXISTING = {"train.log": "[00:00:00][INFO] step 1/2 | loss 6\n", "metrics.jsonl": '{"step": 1, "loss": 6.0}\n',
-            "status.json": '{"status": "completed", "error": null}'}
+EXISTING = {
+    "train.log": "[00:00:00][INFO] step 1/2 | loss 6\n",
+    "metrics.jsonl": '{"step": 1, "loss": 6.0}\n',
+    "status.json": '{"status": "completed", "error": null}',
+}
 INTO_EXISTING = {"batch", "seq_len"}
 
 

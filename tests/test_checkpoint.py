@@ -2,6 +2,7 @@
 job, a real full disk (tmpfs); nothing is mocked. One uninterrupted 2-rank run, the baseline, is shared by most
 tests: each test that resumes from it works on a copy of its run dir. The scenarios after the baseline start
 together on a few threads (each mostly waits on its subprocesses); a test waits for the one it reads."""
+
 import functools
 import json
 import os
@@ -20,23 +21,41 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
 from fsdp_research.checkpoint import MANIFEST, TRAINER_STATE, checkpoints_in, verify
-from fsdp_research.export import load_checkpoint_weights
 from fsdp_research.composition import compose
+from fsdp_research.export import load_checkpoint_weights
 from tests.conftest import FAST, ROOT
-from tests.helpers.checkpointing import (Job, assert_bitwise_equal, build_distributed, checkpoint_tensors,
-                                         complete_steps, newest_complete, snapshot, train, with_overrides)
+from tests.helpers.checkpointing import (
+    Job,
+    assert_bitwise_equal,
+    build_distributed,
+    checkpoint_tensors,
+    complete_steps,
+    newest_complete,
+    snapshot,
+    train,
+    with_overrides,
+)
 
 STEPS, INTERVAL, KEEP, BATCH, SEQ_LEN = 16, 4, 3, 8, 64
-BASE = with_overrides(FAST, "distributed.nproc_per_node=2", f"trainer.max_steps={STEPS}",
-                      f"trainer.global_batch_size={BATCH}", "trainer.micro_batch_size=4",
-                      f"checkpoint.interval={INTERVAL}", f"checkpoint.keep_last={KEEP}", "checkpoint.export=true",
-                      "checkpoint.export_dtype=float32")
+BASE = with_overrides(
+    FAST,
+    "distributed.nproc_per_node=2",
+    f"trainer.max_steps={STEPS}",
+    f"trainer.global_batch_size={BATCH}",
+    "trainer.micro_batch_size=4",
+    f"checkpoint.interval={INTERVAL}",
+    f"checkpoint.keep_last={KEEP}",
+    "checkpoint.export=true",
+    "checkpoint.export_dtype=float32",
+)
 LAST = f"checkpoints/step_{STEPS}"
 KEPT = list(range(STEPS - (KEEP - 1) * INTERVAL, STEPS + 1, INTERVAL))  # [8, 12, 16]
 # Gradient accumulation and activation checkpointing are resumed together, to keep the runs few; that variant
 # also logs to W&B, so its kill and resume show the W&B run id carried over.
-VARIANTS = {"plain": [], "accumulation+ac": ["trainer.micro_batch_size=2", "activation_checkpointing=every_block",
-                                             "logger=wandb"]}
+VARIANTS = {
+    "plain": [],
+    "accumulation+ac": ["trainer.micro_batch_size=2", "activation_checkpointing=every_block", "logger=wandb"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -92,15 +111,21 @@ def scenario(work, hf_cache, baseline):
         "reshard[4]": functools.partial(_resume_at, work, hf_cache, baseline, 4),
         "disk_full": functools.partial(_fill_the_disk, work, hf_cache),
         "broken": functools.partial(_resume_broken, work, hf_cache, baseline),
-        "async": functools.partial(train, os.path.join(work, "async"), with_overrides(BASE, "checkpoint.async=true"),
-                                   hf_cache),
-        "gpt2": functools.partial(train, os.path.join(work, "gpt2"),  # tied embeddings, export in ~1 MB shards
-                                  with_overrides(BASE, "model=gpt2_tiny", "trainer.max_steps=2",
-                                                 "checkpoint.export_shard_size=1MB"), hf_cache),
+        "async": functools.partial(
+            train, os.path.join(work, "async"), with_overrides(BASE, "checkpoint.async=true"), hf_cache
+        ),
+        "gpt2": functools.partial(
+            train,
+            os.path.join(work, "gpt2"),  # tied embeddings, export in ~1 MB shards
+            with_overrides(BASE, "model=gpt2_tiny", "trainer.max_steps=2", "checkpoint.export_shard_size=1MB"),
+            hf_cache,
+        ),
         "built": functools.partial(_build, work),
         "reshard[1]": functools.partial(_resume_at, work, hf_cache, baseline, 1),
-        **{f"mismatch[{name}]": functools.partial(_resume_mismatched, work, hf_cache, baseline, name)
-           for name in MISMATCHED},
+        **{
+            f"mismatch[{name}]": functools.partial(_resume_mismatched, work, hf_cache, baseline, name)
+            for name in MISMATCHED
+        },
         "older": functools.partial(_resume_older, work, hf_cache, baseline),
     }
     pool = ThreadPoolExecutor(3)
@@ -141,10 +166,14 @@ def test_sigkill_then_resume_is_bitwise_exact(scenario, variant):
     assert f"resumed from checkpoint {resumed.run_dir}/checkpoints/step_{resumed_from}" in resumed.stdout
     _assert_same_metrics(resumed, baseline)
     # Model and optimizer state of the last checkpoint, and the exported weights.
-    assert_bitwise_equal(checkpoint_tensors(os.path.join(resumed.run_dir, LAST)),
-                         checkpoint_tensors(os.path.join(baseline.run_dir, LAST)))
-    assert_bitwise_equal(load_file(os.path.join(resumed.run_dir, "export/model.safetensors")),
-                         load_file(os.path.join(baseline.run_dir, "export/model.safetensors")))
+    assert_bitwise_equal(
+        checkpoint_tensors(os.path.join(resumed.run_dir, LAST)),
+        checkpoint_tensors(os.path.join(baseline.run_dir, LAST)),
+    )
+    assert_bitwise_equal(
+        load_file(os.path.join(resumed.run_dir, "export/model.safetensors")),
+        load_file(os.path.join(baseline.run_dir, "export/model.safetensors")),
+    )
 
 
 def test_keep_last_prunes_only_after_a_newer_checkpoint_is_complete(watched_baseline):
@@ -175,9 +204,16 @@ def test_wandb_run_id_survives_resume(scenario):
 
 def _resume_at(work, hf_cache, baseline, world):
     run_dir = _copy_run(baseline.run_dir, os.path.join(work, f"reshard_{world}"))
-    return train(run_dir, with_overrides(BASE, f"distributed.nproc_per_node={world}",
-                                         f"trainer.micro_batch_size={BATCH // world}",
-                                         f"checkpoint.resume={run_dir}/checkpoints/step_{KEPT[0]}"), hf_cache)
+    return train(
+        run_dir,
+        with_overrides(
+            BASE,
+            f"distributed.nproc_per_node={world}",
+            f"trainer.micro_batch_size={BATCH // world}",
+            f"checkpoint.resume={run_dir}/checkpoints/step_{KEPT[0]}",
+        ),
+        hf_cache,
+    )
 
 
 @pytest.mark.parametrize("world", [1, 4])
@@ -191,8 +227,12 @@ def test_resume_at_another_world_size(baseline, scenario, world):
     # nor skips a sample.
     assert [m["step"] for m in got] == list(range(1, STEPS + 1))
     assert got[:k] == want[:k]
-    torch.testing.assert_close(torch.tensor([m["loss"] for m in got[k:]], dtype=torch.float64),
-                               torch.tensor([m["loss"] for m in want[k:]], dtype=torch.float64), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor([m["loss"] for m in got[k:]], dtype=torch.float64),
+        torch.tensor([m["loss"] for m in want[k:]], dtype=torch.float64),
+        rtol=1e-5,
+        atol=0,
+    )
     state = torch.load(os.path.join(run.run_dir, LAST, TRAINER_STATE), weights_only=False)
     assert state["tokens_seen"] == STEPS * BATCH * SEQ_LEN and state["world_size"] == world
     final, reference = (load_checkpoint_weights(os.path.join(r.run_dir, LAST)) for r in (run, baseline))
@@ -207,9 +247,10 @@ def _garble(path):
 
 # The newest checkpoint loses a shard file, the one before it gets garbled metadata: resume=auto must fall back
 # to the third newest, naming what is wrong with each.
-BROKEN = {STEPS: (lambda step_dir: os.remove(os.path.join(step_dir, "__1_0.distcp")), "missing __1_0.distcp"),
-          STEPS - INTERVAL: (lambda step_dir: _garble(os.path.join(step_dir, ".metadata")),
-                             "unreadable DCP metadata")}
+BROKEN = {
+    STEPS: (lambda step_dir: os.remove(os.path.join(step_dir, "__1_0.distcp")), "missing __1_0.distcp"),
+    STEPS - INTERVAL: (lambda step_dir: _garble(os.path.join(step_dir, ".metadata")), "unreadable DCP metadata"),
+}
 
 
 def _resume_broken(work, hf_cache, baseline):
@@ -223,8 +264,9 @@ def _resume_broken(work, hf_cache, baseline):
 def test_broken_checkpoint_is_skipped_with_a_warning(scenario, step):
     broken = scenario("broken")
     warnings = [line for line in broken.stdout.splitlines() if "[WARNING]" in line]
-    assert any(f"skipping checkpoint {broken.run_dir}/checkpoints/step_{step}: {BROKEN[step][1]}" in w
-               for w in warnings), warnings
+    assert any(
+        f"skipping checkpoint {broken.run_dir}/checkpoints/step_{step}: {BROKEN[step][1]}" in w for w in warnings
+    ), warnings
 
 
 def test_training_continues_from_the_newest_complete_checkpoint(baseline, scenario):
@@ -255,13 +297,22 @@ def _momentum_optimizer(step_dir):
 
 
 MISMATCHED = {
-    "model_shape": (None, ["model.config.hidden_size=64"],
-                    ["model.model.embed_tokens.weight is [512, 128] in the checkpoint, [512, 64] here"]),
+    "model_shape": (
+        None,
+        ["model.config.hidden_size=64"],
+        ["model.model.embed_tokens.weight is [512, 128] in the checkpoint, [512, 64] here"],
+    ),
     # One rank (a cheaper start): the check compares whole tensors, whatever the world size.
-    "optimizer": (_momentum_optimizer, ["distributed.nproc_per_node=1", f"trainer.micro_batch_size={BATCH}"],
-                  ["missing optim.state.lm_head.weight.exp_avg;",
-                   "unexpected optim.state.lm_head.weight.momentum_buffer;"]),
+    "optimizer": (
+        _momentum_optimizer,
+        ["distributed.nproc_per_node=1", f"trainer.micro_batch_size={BATCH}"],
+        ["missing optim.state.lm_head.weight.exp_avg;", "unexpected optim.state.lm_head.weight.momentum_buffer;"],
+    ),
 }
+
+
+def _app_files(files):
+    return {k: v for k, v in files.items() if not k.startswith(".hydra" + os.sep)}
 
 
 def _resume_mismatched(work, hf_cache, baseline, name):
@@ -284,8 +335,7 @@ def test_mismatched_resume_names_the_keys_and_writes_nothing(scenario, name):
     assert line.startswith(f"error: checkpoint {run.run_dir}/{LAST} does not fit this model/optimizer: ")
     assert all(named in line for named in MISMATCHED[name][2]), line
     # Hydra records the command in .hydra/ before the app starts; everything the app owns is untouched.
-    app_files = lambda files: {k: v for k, v in files.items() if not k.startswith(".hydra" + os.sep)}
-    assert app_files(after) == app_files(before)
+    assert _app_files(after) == _app_files(before)
 
 
 OLDER_STEPS = KEPT[0] + 2
@@ -293,9 +343,18 @@ OLDER_STEPS = KEPT[0] + 2
 
 def _resume_older(work, hf_cache, baseline):
     run_dir = _copy_run(baseline.run_dir, os.path.join(work, "older"))
-    return train(run_dir, with_overrides(BASE, "distributed.nproc_per_node=1", f"trainer.micro_batch_size={BATCH}",
-                                         f"trainer.max_steps={OLDER_STEPS}", "checkpoint.export=false",
-                                         f"checkpoint.resume={run_dir}/checkpoints/step_{KEPT[0]}"), hf_cache)
+    return train(
+        run_dir,
+        with_overrides(
+            BASE,
+            "distributed.nproc_per_node=1",
+            f"trainer.micro_batch_size={BATCH}",
+            f"trainer.max_steps={OLDER_STEPS}",
+            "checkpoint.export=false",
+            f"checkpoint.resume={run_dir}/checkpoints/step_{KEPT[0]}",
+        ),
+        hf_cache,
+    )
 
 
 def test_resume_from_an_older_checkpoint_abandons_the_later_ones(scenario):
@@ -315,8 +374,12 @@ def _fill_the_disk(work, hf_cache):
     mount = os.path.join(work, "small_disk")
     os.makedirs(mount)
     try:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MIB}m", "tmpfs", mount], check=True,
-                       capture_output=True, text=True)
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MIB}m", "tmpfs", mount],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
     except (OSError, subprocess.CalledProcessError) as err:
         pytest.skip(f"cannot mount a small tmpfs to fill up: {getattr(err, 'stderr', '') or err}")
     try:
@@ -351,8 +414,10 @@ def test_async_save_writes_the_same_checkpoints(baseline, scenario):
     _assert_same_metrics(async_run, baseline)
     # The intermediate checkpoint too: training went on while it was written.
     for step in KEPT:
-        assert_bitwise_equal(checkpoint_tensors(os.path.join(async_run.run_dir, f"checkpoints/step_{step}")),
-                             checkpoint_tensors(os.path.join(baseline.run_dir, f"checkpoints/step_{step}")))
+        assert_bitwise_equal(
+            checkpoint_tensors(os.path.join(async_run.run_dir, f"checkpoints/step_{step}")),
+            checkpoint_tensors(os.path.join(baseline.run_dir, f"checkpoints/step_{step}")),
+        )
 
 
 def _save_random_llama(out_dir: str, **kwargs) -> str:
@@ -369,12 +434,22 @@ def _build(work):
     a save_pretrained llama (one file, and sharded with an index) loaded at 2 ranks."""
     single = _save_random_llama(os.path.join(work, "hf_single"))
     sharded = _save_random_llama(os.path.join(work, "hf_sharded"), max_shard_size="200KB")
-    container = lambda *o: OmegaConf.to_container(compose(FAST + list(o)), resolve=True)
+
+    def container(*overrides):
+        return OmegaConf.to_container(compose(FAST + list(overrides)), resolve=True)
+
     batch = torch.randint(0, 257, (2, 32), generator=torch.Generator().manual_seed(0))
-    configs = {"init": container(), "single": container("model=pretrained", f"model.name_or_path={single}"),
-               "sharded": container("model=pretrained", f"model.name_or_path={sharded}")}
-    return (batch, {"single": single, "sharded": sharded},
-            build_distributed({"init": configs["init"]}, 1, batch), build_distributed(configs, 2, batch))
+    configs = {
+        "init": container(),
+        "single": container("model=pretrained", f"model.name_or_path={single}"),
+        "sharded": container("model=pretrained", f"model.name_or_path={sharded}"),
+    }
+    return (
+        batch,
+        {"single": single, "sharded": sharded},
+        build_distributed({"init": configs["init"]}, 1, batch),
+        build_distributed(configs, 2, batch),
+    )
 
 
 def test_initial_weights_do_not_depend_on_world_size(scenario):
@@ -421,20 +496,33 @@ def test_export_loads_with_the_trained_weights(baseline):
     assert sorted(os.listdir(export)) == ["config.json", "model.safetensors"]
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     assert not any(info.values()), info
-    torch.testing.assert_close(_logits(model, BATCH_IDS), _logits(_trained_model(os.path.join(baseline.run_dir, LAST)),
-                                                                  BATCH_IDS), rtol=0, atol=0)
+    torch.testing.assert_close(
+        _logits(model, BATCH_IDS),
+        _logits(_trained_model(os.path.join(baseline.run_dir, LAST)), BATCH_IDS),
+        rtol=0,
+        atol=0,
+    )
 
 
 def test_offline_export_equals_the_end_of_training_export(work, baseline):
     out = os.path.join(work, "offline_export")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run([sys.executable, "-m", "fsdp_research", "export", os.path.join(baseline.run_dir, LAST), out],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "fsdp_research", "export", os.path.join(baseline.run_dir, LAST), out],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert_bitwise_equal(load_file(os.path.join(out, "model.safetensors")),
-                         load_file(os.path.join(baseline.run_dir, "export/model.safetensors")))
-    torch.testing.assert_close(_logits(out, BATCH_IDS), _logits(os.path.join(baseline.run_dir, "export"), BATCH_IDS),
-                               rtol=0, atol=0)
+    assert_bitwise_equal(
+        load_file(os.path.join(out, "model.safetensors")),
+        load_file(os.path.join(baseline.run_dir, "export/model.safetensors")),
+    )
+    torch.testing.assert_close(
+        _logits(out, BATCH_IDS), _logits(os.path.join(baseline.run_dir, "export"), BATCH_IDS), rtol=0, atol=0
+    )
 
 
 def test_sharded_export_of_tied_embeddings_loads(scenario):
@@ -451,6 +539,9 @@ def test_sharded_export_of_tied_embeddings_loads(scenario):
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     assert not any(info.values()), info
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()
-    torch.testing.assert_close(_logits(model, BATCH_IDS),
-                               _logits(_trained_model(os.path.join(gpt2_run.run_dir, "checkpoints/step_2")),
-                                       BATCH_IDS), rtol=0, atol=0)
+    torch.testing.assert_close(
+        _logits(model, BATCH_IDS),
+        _logits(_trained_model(os.path.join(gpt2_run.run_dir, "checkpoints/step_2")), BATCH_IDS),
+        rtol=0,
+        atol=0,
+    )

@@ -1,4 +1,5 @@
 """Experiment presets compose as `@package _global_` overrides of the groups."""
+
 from fsdp_research.composition import compose
 from fsdp_research.config import Strategy
 

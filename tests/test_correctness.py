@@ -2,6 +2,7 @@
 same final weights, for every sharding, with activation checkpointing on and off, and with accumulation. The
 configs train one after another in one pair of processes (a start-up each would cost minutes); a config that
 raises is named by its own test, the others still run."""
+
 import pytest
 import torch
 

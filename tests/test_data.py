@@ -1,13 +1,14 @@
 """The sample stream is defined on the global step: the same samples whatever the world size, the same for a
 seed, a fresh shuffle each epoch with no sample twice within one; the eval split is held out."""
+
 import os
 import sysconfig
 
 import pytest
 import torch
 
-from fsdp_research.data import BYTE_VOCAB, TokenStream, build_data, resolve_paths
 from fsdp_research.composition import compose
+from fsdp_research.data import BYTE_VOCAB, TokenStream, build_data, resolve_paths
 from tests.conftest import FAST, TEXT
 
 N, BATCH = 37, 12  # a prime number of sequences: batches straddle epoch boundaries
@@ -47,7 +48,7 @@ def test_epochs_wrap_without_repeats_within_an_epoch():
     stream = TokenStream(_numbered(), seed=0)
     epochs = 3
     order = torch.cat([stream.global_batch(step, BATCH)[:, 0] for step in range(epochs * N // BATCH + 1)])
-    passes = [order[e * N:(e + 1) * N] for e in range(epochs)]
+    passes = [order[e * N : (e + 1) * N] for e in range(epochs)]
     for p in passes:
         assert sorted(p.tolist()) == list(range(N))  # every sequence exactly once per epoch
     assert not torch.equal(passes[0], passes[1])  # reshuffled each epoch

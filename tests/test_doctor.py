@@ -1,14 +1,15 @@
 """The doctor: every check of the "when it is slow" table fires on a config (or measurement) that has the
 problem and stays quiet on one that does not; pure functions over a composed config and the plan built on
 the meta device. Then the CLI as a user runs it."""
+
 import subprocess
 import sys
 
 import pytest
 
+from fsdp_research.composition import compose
 from fsdp_research.distributed import planned_nodes
 from fsdp_research.doctor import CHECKS, diagnose
-from fsdp_research.composition import compose
 from tests.conftest import ROOT
 from tests.helpers.fsdp_units import plan_for
 
@@ -19,21 +20,36 @@ CASES = [
     ("root_only", (["sharding=root_only"], 2, 1, None), (["sharding=blockwise"], 2, 1, None)),
     ("per_linear", (["sharding=per_linear"], 2, 1, None), (["sharding=blockwise"], 2, 1, None)),
     # HSDP with one replica group per node shards only within a node.
-    ("slow_interconnect", (MULTI_NODE, 16, 2, None),
-     (MULTI_NODE + ["sharding=hsdp", "sharding.replicate=2"], 16, 2, None)),
+    (
+        "slow_interconnect",
+        (MULTI_NODE, 16, 2, None),
+        (MULTI_NODE + ["sharding=hsdp", "sharding.replicate=2"], 16, 2, None),
+    ),
     # ... but with fewer groups than nodes its shard groups span nodes; no_reshard (no all-gather in backward)
     # is one of the fixes.
-    ("slow_interconnect", (MULTI_NODE + ["sharding=hsdp", "sharding.replicate=2"], 16, 4, None),
-     (MULTI_NODE + ["sharding=no_reshard"], 16, 2, None)),
-    ("slow_interconnect", ([], 2, 1, {"exposed_comm_share": 0.5}),
-     (["doctor.exposed_comm_share=0.6"], 2, 1, {"exposed_comm_share": 0.5})),
+    (
+        "slow_interconnect",
+        (MULTI_NODE + ["sharding=hsdp", "sharding.replicate=2"], 16, 4, None),
+        (MULTI_NODE + ["sharding=no_reshard"], 16, 2, None),
+    ),
+    (
+        "slow_interconnect",
+        ([], 2, 1, {"exposed_comm_share": 0.5}),
+        (["doctor.exposed_comm_share=0.6"], 2, 1, {"exposed_comm_share": 0.5}),
+    ),
     ("reshard_all", (["sharding=reshard_all"], 2, 1, None), (["sharding=blockwise"], 2, 1, None)),
-    ("reshard_all", (["sharding.reshard_override={3:true}"], 2, 1, None),
-     (["sharding=reshard_all", "sharding.reshard_override={3:false}"], 2, 1, None)),
+    (
+        "reshard_all",
+        (["sharding.reshard_override={3:true}"], 2, 1, None),
+        (["sharding=reshard_all", "sharding.reshard_override={3:false}"], 2, 1, None),
+    ),
     ("checkpoint_save", ([], 2, 1, SLOW_SAVE), (["checkpoint.interval=1000"], 2, 1, SLOW_SAVE)),
     ("cpu_offload", (["sharding.cpu_offload=true"], 2, 1, None), (["sharding.cpu_offload=false"], 2, 1, None)),
-    ("grad_sync", (["trainer.micro_batch_size=2", "trainer.defer_grad_sync=false"], 2, 1, None),
-     (["trainer.micro_batch_size=2", "trainer.defer_grad_sync=true"], 2, 1, None)),
+    (
+        "grad_sync",
+        (["trainer.micro_batch_size=2", "trainer.defer_grad_sync=false"], 2, 1, None),
+        (["trainer.micro_batch_size=2", "trainer.defer_grad_sync=true"], 2, 1, None),
+    ),
 ]
 
 
@@ -52,16 +68,24 @@ def test_every_check_is_tested():
     assert [name for name, *_ in CHECKS] == list(dict.fromkeys(check for check, *_ in CASES))
 
 
-@pytest.mark.parametrize("overrides,world_size,nodes", [
-    ([], 1, 1), ([], 2, 1), (["sharding=ddp"], 2, 1), (MULTI_NODE + ["sharding=hsdp", "sharding.replicate=2"], 16, 2)])
+@pytest.mark.parametrize(
+    "overrides,world_size,nodes",
+    [([], 1, 1), ([], 2, 1), (["sharding=ddp"], 2, 1), (MULTI_NODE + ["sharding=hsdp", "sharding.replicate=2"], 16, 2)],
+)
 def test_healthy_configs_have_no_findings(overrides, world_size, nodes):
     measured = {"exposed_comm_share": 0.05, "checkpoint_save_s": 1.0, "step_time_s": 1.0}
     assert _checks(overrides, world_size, nodes, measured) == []
 
 
 def test_findings_in_table_order_one_line_each():
-    cfg = compose(["sharding=root_only", "sharding.cpu_offload=true", "trainer.micro_batch_size=2",
-                          "trainer.defer_grad_sync=false"])
+    cfg = compose(
+        [
+            "sharding=root_only",
+            "sharding.cpu_offload=true",
+            "trainer.micro_batch_size=2",
+            "trainer.defer_grad_sync=false",
+        ]
+    )
     findings = diagnose(cfg, plan_for(cfg), 2, 1)
     assert [f.check for f in findings] == ["root_only", "cpu_offload", "grad_sync"]
     for finding in findings:
@@ -70,16 +94,26 @@ def test_findings_in_table_order_one_line_each():
     assert str(findings[0]).startswith("wrapped only the root → ")
 
 
-@pytest.mark.parametrize("env,nodes", [
-    ({}, 1),
-    ({"RANK": "0", "WORLD_SIZE": "2"}, 1),  # this app's own workers: one node
-    ({"RANK": "0", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, 2),  # torchrun
-    ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "4", "SLURM_JOB_NUM_NODES": "8"}, 4),  # srun step
-    ({"SLURM_JOB_NUM_NODES": "8"}, 1),  # inside an allocation, not in a step: this process runs on one node
-])
+@pytest.mark.parametrize(
+    "env,nodes",
+    [
+        ({}, 1),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, 1),  # this app's own workers: one node
+        ({"RANK": "0", "WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, 2),  # torchrun
+        ({"SLURM_STEP_ID": "0", "SLURM_STEP_NUM_NODES": "4", "SLURM_JOB_NUM_NODES": "8"}, 4),  # srun step
+        ({"SLURM_JOB_NUM_NODES": "8"}, 1),  # inside an allocation, not in a step: this process runs on one node
+    ],
+)
 def test_planned_nodes_from_the_launcher(monkeypatch, env, nodes):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "SLURM_STEP_ID", "SLURM_STEP_NUM_NODES", "SLURM_NNODES",
-                "SLURM_JOB_NUM_NODES"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_WORLD_SIZE",
+        "SLURM_STEP_ID",
+        "SLURM_STEP_NUM_NODES",
+        "SLURM_NNODES",
+        "SLURM_JOB_NUM_NODES",
+    ):
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -89,15 +123,24 @@ def test_planned_nodes_from_the_launcher(monkeypatch, env, nodes):
 def test_cli_prints_findings_or_why_none():
     """Both commands at once: they are mostly start-up."""
     args = {"root_only": ["sharding=root_only"], "default": []}
-    procs = {name: subprocess.Popen([sys.executable, "-m", "fsdp_research", "doctor", *a], cwd=ROOT, text=True,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE) for name, a in args.items()}
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-m", "fsdp_research", "doctor", *a],
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for name, a in args.items()
+    }
     out = {name: proc.communicate(timeout=120) + (proc.returncode,) for name, proc in procs.items()}
     stdout, stderr, code = out["root_only"]
     assert code == 0, stderr
     assert stdout.splitlines() == [
         "wrapped only the root → the root is the only FSDP unit: all 4 blocks' parameters are gathered at once, so "
         "peak memory holds the whole model and no gather overlaps compute → wrap each repeating block: "
-        "sharding=blockwise"]
+        "sharding=blockwise"
+    ]
     stdout, stderr, code = out["default"]
     assert code == 0, stderr
     assert len(stdout.splitlines()) == 1 and stdout.startswith("no findings: blockwise on 1 rank(s), 1 node(s): ")

@@ -1,5 +1,6 @@
 """The real CLI, three ways: one process, the app's own workers (distributed.nproc_per_node=2) and torchrun.
 Each launch is one run dir written by rank 0 only, with the same metrics (and the same losses: one code path)."""
+
 import glob
 import os
 
@@ -12,11 +13,25 @@ from tests.helpers.wandb_history import history
 
 STEPS, EVAL_INTERVAL, SEQ_LEN, BATCH = 4, 2, 64, 8
 OVERRIDES = FAST + [  # later overrides win
-    f"trainer.max_steps={STEPS}", f"trainer.eval_interval={EVAL_INTERVAL}",
-    "trainer.eval_batches=2", f"trainer.global_batch_size={BATCH}", "trainer.micro_batch_size=4"]
+    f"trainer.max_steps={STEPS}",
+    f"trainer.eval_interval={EVAL_INTERVAL}",
+    "trainer.eval_batches=2",
+    f"trainer.global_batch_size={BATCH}",
+    "trainer.micro_batch_size=4",
+]
 LAUNCHES = ["single", "spawn", "torchrun"]
-REQUIRED = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "samples_per_s", "samples_per_s_per_device",
-            "tokens_per_s_per_device", "step_time_s", "peak_rss_gib"}
+REQUIRED = {
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "samples_per_s",
+    "samples_per_s_per_device",
+    "tokens_per_s_per_device",
+    "step_time_s",
+    "peak_rss_gib",
+}
 
 
 @pytest.fixture(scope="module")

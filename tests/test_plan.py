@@ -12,21 +12,30 @@ only notices recomputation through FSDP's pre-forward hook), autograd's paramete
 FSDP's post-backward takes them, and on gloo a reduce-scatter input is now and then filed as Temp. Their sum is what
 both sides mean by it.
 """
+
 import pytest
 
 from fsdp_research.cli.plan import main
+from fsdp_research.composition import compose
 from fsdp_research.planner.format import GIB
 from fsdp_research.planner.memory import memory, recompute_share, step_moments
 from fsdp_research.planner.summary import run_settings, summary_for
-from fsdp_research.composition import compose
 from tests.helpers.memory import measure_step_memory
 
-MID = ["model.config.hidden_size=512", "model.config.num_hidden_layers=8", "model.config.intermediate_size=1376",
-       "model.config.num_attention_heads=8", "model.config.num_key_value_heads=4"]
+MID = [
+    "model.config.hidden_size=512",
+    "model.config.num_hidden_layers=8",
+    "model.config.intermediate_size=1376",
+    "model.config.num_attention_heads=8",
+    "model.config.num_key_value_heads=4",
+]
 CASES = {
     "llama_tiny": [],
-    "llama_tiny-fp32-no_reshard-every_block": ["precision=fp32", "sharding=no_reshard",
-                                               "activation_checkpointing=every_block"],
+    "llama_tiny-fp32-no_reshard-every_block": [
+        "precision=fp32",
+        "sharding=no_reshard",
+        "activation_checkpointing=every_block",
+    ],
     "mid": MID,
     "mid-reshard_all-every_2nd": MID + ["sharding=reshard_all", "activation_checkpointing=every_2nd"],
 }
@@ -46,9 +55,15 @@ def _predicted(cfg):
     summary, run = summary_for(cfg), run_settings(cfg, WORLD, "cpu")
     mem = memory(summary, run)
     together = max(p.get("activations", 0) + p.get("temporaries", 0) for _, p in step_moments(summary, run))
-    predicted = {"sharded_params": mem.sharded_params, "sharded_grads": mem.sharded_grads, "optimizer": mem.optimizer,
-                 "gathered": mem.gathered, "unsharded_grads": mem.unsharded_grads, "peak": mem.peak,
-                 "activations_and_temporaries": together}
+    predicted = {
+        "sharded_params": mem.sharded_params,
+        "sharded_grads": mem.sharded_grads,
+        "optimizer": mem.optimizer,
+        "gathered": mem.gathered,
+        "unsharded_grads": mem.unsharded_grads,
+        "peak": mem.peak,
+        "activations_and_temporaries": together,
+    }
     if not any(summary.checkpointed):
         predicted["activations"] = mem.activations
     return predicted

@@ -1,6 +1,7 @@
 """Mixed precision on 2 real processes: bf16 trains and reduces in fp32 (bf16_reduce in bf16); fp16's dynamic
 loss scaling skips and counts overflowing steps, then trains; gpt2_tiny, whose output embedding is tied to its
 input embedding, trains too, and in fp32 matches the plain single-process run."""
+
 import os
 
 import pytest
@@ -16,7 +17,7 @@ from tests.helpers.reference import reference_run
 STEPS = 12
 BASE = FAST + [f"trainer.max_steps={STEPS}", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"]
 # Overflows in fp16 for the first few steps (the gradients exceed 65504 until the scale is below ~1e5).
-INIT_SCALE = 2.0 ** 20
+INIT_SCALE = 2.0**20
 RUNS = {
     "bf16": ["precision=bf16"],
     "bf16_reduce": ["precision=bf16_reduce", "trainer.max_steps=3"],
@@ -34,12 +35,15 @@ def runs(tmp_path_factory):
     return {name: {**ok(results, name), "metrics": read_metrics(os.path.join(out, name))} for name in RUNS}
 
 
-@pytest.mark.parametrize("name, param, reduce", [
-    ("bf16", torch.bfloat16, torch.float32),
-    ("bf16_reduce", torch.bfloat16, torch.bfloat16),
-    ("fp16", torch.float16, torch.float32),
-    ("gpt2_bf16", torch.bfloat16, torch.float32),
-])
+@pytest.mark.parametrize(
+    "name, param, reduce",
+    [
+        ("bf16", torch.bfloat16, torch.float32),
+        ("bf16_reduce", torch.bfloat16, torch.bfloat16),
+        ("fp16", torch.float16, torch.float32),
+        ("gpt2_bf16", torch.bfloat16, torch.float32),
+    ],
+)
 def test_every_unit_has_the_policy(runs, name, param, reduce):
     mp = runs[name]["mp"]
     assert len(mp) == 5 and set(mp.values()) == {(param, reduce)}  # 4 blocks and the root
@@ -55,7 +59,7 @@ def test_bf16_trains(runs, name):
 def test_bf16_computes_in_bf16(runs):
     """Close to the fp32 run of the same model, but not equal: the compute really is in bf16."""
     fp32 = torch.tensor(runs["gpt2_fp32"]["losses"])
-    bf16 = torch.tensor(runs["gpt2_bf16"]["losses"][:len(fp32)])
+    bf16 = torch.tensor(runs["gpt2_bf16"]["losses"][: len(fp32)])
     relative = ((bf16 - fp32).abs() / fp32).max().item()
     assert 1e-5 < relative < 1e-2
 
@@ -68,10 +72,10 @@ def test_fp16_skips_and_counts_overflowing_steps(runs):
         # Each overflow halves the scale and is counted; then no step overflows (growth_interval is 200).
         overflowed = min(m["step"], skipped)
         assert m["skipped_steps"] == overflowed
-        assert m["loss_scale"] == INIT_SCALE / 2 ** overflowed
+        assert m["loss_scale"] == INIT_SCALE / 2**overflowed
     losses = [m["loss"] for m in metrics]
     # Skipped steps leave the weights as they were: the loss only moves with the batch until a step is taken.
-    assert max(abs(loss - losses[0]) for loss in losses[:skipped + 1]) < 0.1
+    assert max(abs(loss - losses[0]) for loss in losses[: skipped + 1]) < 0.1
     assert losses[-1] < losses[skipped] - 1.0  # trains once the scale fits
 
 

@@ -1,4 +1,5 @@
 """The sweep report CLI on a fake multirun dir: table text, PNG, and the error exit."""
+
 import json
 import os
 import subprocess
@@ -11,8 +12,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_research", "report", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "fsdp_research", "report", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
 
 
 def _job(sweep, num, overrides, status, error=None, metrics=()):
@@ -29,8 +31,16 @@ def _metrics(tokens_per_s, peak, first_tokens_per_s=1.0):
     rows = []
     for i, step in enumerate((5, 10, 15, 20)):
         tps = first_tokens_per_s if i == 0 else tokens_per_s + 10 * (i - 2)  # median of the rest = tokens_per_s
-        rows.append({"step": step, "loss": 5.0 - 0.5 * i, "lr": 1e-3, "tokens_per_s_per_device": tps,
-                     "samples_per_s_per_device": tps / 128, "peak_rss_gib": peak + 0.01 * i})
+        rows.append(
+            {
+                "step": step,
+                "loss": 5.0 - 0.5 * i,
+                "lr": 1e-3,
+                "tokens_per_s_per_device": tps,
+                "samples_per_s_per_device": tps / 128,
+                "peak_rss_gib": peak + 0.01 * i,
+            }
+        )
     rows[1]["eval_loss"], rows[3]["eval_loss"] = 4.9, 3.75
     return rows
 
@@ -47,11 +57,30 @@ def test_report_table_and_png(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     header, job0, job1, job2 = lines[:4]
-    assert header.split() == ["job", "overrides", "loss", "eval_loss", "tok/s/dev", "samples/s/dev",
-                              "peak_mem_GiB", "steps", "status"]
+    assert header.split() == [
+        "job",
+        "overrides",
+        "loss",
+        "eval_loss",
+        "tok/s/dev",
+        "samples/s/dev",
+        "peak_mem_GiB",
+        "steps",
+        "status",
+    ]
     assert "model=" not in result.stdout and "trainer.max_steps" not in result.stdout
-    assert job0.split() == ["0", "sharding=blockwise", "precision=fp32", "3.5000", "3.7500", "12,345", "96.4",
-                            "0.53", "20", "completed"]
+    assert job0.split() == [
+        "0",
+        "sharding=blockwise",
+        "precision=fp32",
+        "3.5000",
+        "3.7500",
+        "12,345",
+        "96.4",
+        "0.53",
+        "20",
+        "completed",
+    ]
     assert job1.split()[:6] == ["1", "sharding=ddp", "precision=fp32", "3.5000", "3.7500", "23,456"]
     assert job2.split() == ["2", "sharding=ddp", "precision=bf16", "-", "-", "-", "-", "-", "-", "failed"]
     assert "job 2 failed: RuntimeError: boom" in result.stdout

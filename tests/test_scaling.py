@@ -1,4 +1,5 @@
 """The scaling benchmark's verdict, and its CLI end to end (real processes, a few steps)."""
+
 import json
 import subprocess
 import sys
@@ -21,9 +22,27 @@ def test_verdict_keeps_a_sharding_that_keeps_up():
 
 def test_cli_writes_json_and_png(tmp_path):
     overrides = [o for o in FAST if not o.startswith("trainer.log_interval")]
-    result = subprocess.run([sys.executable, "-m", "fsdp_research", "scaling", *overrides, "--world-sizes", "1",
-                             "--steps", "7", "--micro-batch", "2", "--out", str(tmp_path)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsdp_research",
+            "scaling",
+            *overrides,
+            "--world-sizes",
+            "1",
+            "--steps",
+            "7",
+            "--micro-batch",
+            "2",
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((tmp_path / "scaling.json").read_text())
     assert set(report["samples_per_s"]) == {"blockwise", "ddp"}

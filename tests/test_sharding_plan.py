@@ -1,19 +1,30 @@
 """The sharding plan is data: which modules become FSDP units, each with its reshard flag. (a) The plan each
 config asks for; (b) on 2 real processes, the trained model's FSDP units and what stays gathered after a
 forward are exactly that plan."""
+
 import pytest
 
+from fsdp_research.composition import compose
 from fsdp_research.config import Strategy
 from fsdp_research.errors import ConfigError
-from fsdp_research.composition import compose
 from tests.conftest import FAST
 from tests.helpers.dist import ok, train_distributed
 from tests.helpers.fsdp_units import observe_units, plan_for
 
 BLOCKS = [f"model.layers.{i}" for i in range(4)]  # llama_tiny
-LINEARS = [f"{block}.{linear}" for block in BLOCKS for linear in (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+LINEARS = [
+    f"{block}.{linear}"
+    for block in BLOCKS
+    for linear in (
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+    )
+]
 # FSDP2 never reshards the root after forward: backward needs its parameters at once.
 ROOT = [("", False)]
 BLOCKWISE = [(block, True) for block in BLOCKS[:-1]] + [(BLOCKS[-1], False)] + ROOT

@@ -1,8 +1,8 @@
 """The command-line tools, one subcommand each: `fsdp-research <command> ...` (or `python -m fsdp_research
 <command> ...`). Training itself is train.py. Each command module has main(argv) -> exit code."""
+
 import importlib
 import sys
-from typing import List, Optional
 
 COMMANDS = {
     "plan": "memory and communication per rank of a config, without allocating the model",
@@ -14,12 +14,14 @@ COMMANDS = {
 }
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] not in COMMANDS:
         width = max(map(len, COMMANDS))
         usage = "\n".join(f"  {name:<{width}}  {what}" for name, what in COMMANDS.items())
-        print(f"usage: fsdp-research <command> [args...]; commands:\n{usage}",
-              file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        print(
+            f"usage: fsdp-research <command> [args...]; commands:\n{usage}",
+            file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
+        )
         return 0 if argv and argv[0] in ("-h", "--help") else 2
     return importlib.import_module(f"{__name__}.{argv[0]}").main(argv[1:]) or 0

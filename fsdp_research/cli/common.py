@@ -1,7 +1,9 @@
 """What the commands share: the launch they describe (world_size=N, nodes=N beside the Hydra overrides), the
 composed and checked config, and the one-line error."""
+
 import sys
-from typing import Any, Dict, List, Sequence, Tuple
+from collections.abc import Sequence
+from typing import Any
 
 from omegaconf import DictConfig
 
@@ -14,9 +16,9 @@ from ..validation import check_config
 LAUNCH_KEYS = ("world_size", "nodes")
 
 
-def split_launch(argv: Sequence[str]) -> Tuple[Dict[str, int], List[str]]:
+def split_launch(argv: Sequence[str]) -> tuple[dict[str, int], list[str]]:
     """world_size=N and nodes=N (the launch to describe) apart from the Hydra overrides; the last one given wins."""
-    launch: Dict[str, int] = {}
+    launch: dict[str, int] = {}
     overrides = []
     for arg in argv:
         key, _, value = arg.partition("=")
@@ -29,7 +31,7 @@ def split_launch(argv: Sequence[str]) -> Tuple[Dict[str, int], List[str]]:
     return launch, overrides
 
 
-def checked_config(overrides: Sequence[str], world_size: int = 0) -> Tuple[DictConfig, Any, int]:
+def checked_config(overrides: Sequence[str], world_size: int = 0) -> tuple[DictConfig, Any, int]:
     """(config, HF config, world size): composed as train.py would, checked as the trainer checks it, for
     world_size ranks (0: as the launch would have)."""
     cfg = compose(overrides)

@@ -1,10 +1,12 @@
 """fsdp-research doctor <overrides...> [world_size=N] [nodes=N] [--measure]: the config and its sharding plan
 checked against the causes of FSDP running correctly but slowly, one line per finding; --measure adds the
 measured checks from a short profiled run on world_size local processes, kept in outputs/doctor/<date>/<time>/."""
+
 import argparse
 import datetime
 import os
-from typing import Any, Dict, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from torch.multiprocessing import ProcessExitedException
 
@@ -21,11 +23,20 @@ from .common import checked_config, fail, split_launch
 MEASURE_STEPS = 3
 
 
-def measure(overrides: Sequence[str], world_size: int, steps: int, run_dir: str) -> Dict[str, Any]:
+def measure(overrides: Sequence[str], world_size: int, steps: int, run_dir: str) -> dict[str, Any]:
     """A short profiled run on world_size spawned processes: one warm-up step, `steps` profiled steps, then the
     final resume checkpoint. Returns the profile breakdown plus checkpoint_save_s."""
-    cfg = compose([*overrides, "logger=none", "trainer.eval_interval=0", "checkpoint.export=false",
-                   "checkpoint.resume=never", f"trainer.profile_steps={steps}", f"trainer.max_steps={steps + 1}"])
+    cfg = compose(
+        [
+            *overrides,
+            "logger=none",
+            "trainer.eval_interval=0",
+            "checkpoint.export=false",
+            "checkpoint.resume=never",
+            f"trainer.profile_steps={steps}",
+            f"trainer.max_steps={steps + 1}",
+        ]
+    )
     run_spawned(cfg, world_size, run_dir)
     records = read_records(run_dir)
     profile = next(r["profile"] for r in records if "profile" in r)
@@ -33,10 +44,14 @@ def measure(overrides: Sequence[str], world_size: int, steps: int, run_dir: str)
     return {**profile, "checkpoint_save_s": summary.get("checkpoint_save_s")}
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-research doctor", description=__doc__.split(":", 1)[1].strip())
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides as for train.py, plus world_size=N "
-                        "(default: as the launch would have) and nodes=N (default: from the launcher's environment)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides as for train.py, plus world_size=N "
+        "(default: as the launch would have) and nodes=N (default: from the launcher's environment)",
+    )
     parser.add_argument("--measure", action="store_true", help="add findings from a short profiled run")
     args = parser.parse_args(argv)
     try:
@@ -54,8 +69,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except ProcessExitedException as err:  # the run has said why on stderr
             return err.exit_code or 1
         saved = measured["checkpoint_save_s"]
-        print(f"measured on {world_size} rank(s): {format_breakdown(measured)}"
-              + (f"; checkpoint save {saved:.2f} s" if saved is not None else "") + f"\nrun dir: {run_dir}")
+        print(
+            f"measured on {world_size} rank(s): {format_breakdown(measured)}"
+            + (f"; checkpoint save {saved:.2f} s" if saved is not None else "")
+            + f"\nrun dir: {run_dir}"
+        )
     findings = diagnose(cfg, plan, world_size, nodes, measured)
     for finding in findings:
         print(finding)

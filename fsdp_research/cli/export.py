@@ -1,8 +1,9 @@
 """fsdp-research export <step dir> <out dir> [--dtype D] [--shard-size S]: a resume checkpoint as a Hugging Face
 directory, in this process alone (no process group, no GPU)."""
+
 import argparse
 import os
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from omegaconf import OmegaConf
 
@@ -12,12 +13,15 @@ from ..export import export_dtype, load_checkpoint_weights, parse_size, write_hf
 from .common import fail
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-research export", description=__doc__.split(":", 1)[1].strip())
     parser.add_argument("step_dir")
     parser.add_argument("out_dir")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the run's "
-                        "checkpoint.export_dtype, else its training dtype)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="float32, bfloat16 or float16 (default: the run's checkpoint.export_dtype, else its training dtype)",
+    )
     parser.add_argument("--shard-size", default="5GB")
     args = parser.parse_args(argv)
     from transformers import AutoConfig
@@ -32,7 +36,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         dtype, shard_size = export_dtype(train_cfg), parse_size(args.shard_size)
     except ConfigError as err:
         return fail(err)
-    write_hf_dir(load_checkpoint_weights(args.step_dir), AutoConfig.from_pretrained(args.step_dir), args.out_dir,
-                 dtype, shard_size, train_cfg.data.tokenizer)
+    write_hf_dir(
+        load_checkpoint_weights(args.step_dir),
+        AutoConfig.from_pretrained(args.step_dir),
+        args.out_dir,
+        dtype,
+        shard_size,
+        train_cfg.data.tokenizer,
+    )
     print(f"wrote {args.out_dir}")
     return 0

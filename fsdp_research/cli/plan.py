@@ -1,7 +1,8 @@
 """fsdp-research plan <overrides...> [world_size=N] [--compare] [--device cpu|cuda]: per-rank memory and
 per-step communication of a config, without allocating the model; --compare puts every sharding side by side."""
+
 import argparse
-from typing import List, Optional, Sequence, Tuple
+from collections.abc import Sequence
 
 from ..composition import compose
 from ..config import Strategy
@@ -12,7 +13,7 @@ from ..planner.summary import ModelSummary, Run, run_settings, summary_for
 from .common import checked_config, fail, split_launch
 
 
-def _compare_rows(overrides: Sequence[str], world_size: int, device_type: str) -> List[Tuple[ModelSummary, Run]]:
+def _compare_rows(overrides: Sequence[str], world_size: int, device_type: str) -> list[tuple[ModelSummary, Run]]:
     rows = []
     for strategy in Strategy:
         options = [f"sharding={strategy.value}"]
@@ -25,13 +26,17 @@ def _compare_rows(overrides: Sequence[str], world_size: int, device_type: str) -
     return rows
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-research plan", description=__doc__.split(":", 1)[1].strip())
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides as for train.py, and world_size=N "
-                        "(default: as the launch would have)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra overrides as for train.py, and world_size=N (default: as the launch would have)",
+    )
     parser.add_argument("--compare", action="store_true", help="also compare every sharding option")
-    parser.add_argument("--device", choices=("cpu", "cuda"),
-                        help="the device type to plan for (default: the trainer's, trainer.device)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), help="the device type to plan for (default: the trainer's, trainer.device)"
+    )
     args = parser.parse_args(argv)
     try:
         launch, overrides = split_launch(args.overrides)

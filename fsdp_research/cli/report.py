@@ -1,16 +1,16 @@
 """fsdp-research report <sweep dir> [--out <png>]: one row per job of a Hydra multirun sweep or SLURM array (the
 overrides that differ between jobs, final loss and eval loss, throughput per device, peak memory, steps,
 status), and a PNG of the loss curves, throughput and peak memory (default <sweep dir>/report.png)."""
+
 import argparse
 import os
-from typing import List, Optional
 
 from ..report import differing_overrides, format_table, load_job, plot
 from ..sweep import job_dirs
 from .common import fail
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-research report", description=__doc__.split(":", 1)[1].strip())
     parser.add_argument("sweep_dir", help="outputs/multirun/<date>/<time>")
     parser.add_argument("--out", help="PNG path (default: <sweep dir>/report.png)")

@@ -1,19 +1,20 @@
 """fsdp-research submit <override file> [--parallel P] [--partition NAME] [-- <sbatch options>]: one SLURM job
 array, one task per line of overrides (blank lines and # comments skipped); task i runs line i in
 outputs/slurm/<array job id>/<i>/. Every line and the partition are checked before anything is submitted."""
+
 import argparse
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from ..errors import SubmitError
 from ..slurm import read_override_lines, submit
 from .common import fail
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)
-    argv, sbatch_args = argv[:split], argv[split + 1:]
+    argv, sbatch_args = argv[:split], argv[split + 1 :]
     parser = argparse.ArgumentParser(prog="fsdp-research submit", description=__doc__.split(":", 1)[1].strip())
     parser.add_argument("override_file", help="one job per line: overrides as on the command line")
     parser.add_argument("--parallel", type=int, default=16, help="array tasks running at once (default 16)")
@@ -26,6 +27,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         job_id = submit(jobs, args.parallel, args.partition, sbatch_args)
     except SubmitError as err:
         return fail(err, "; nothing submitted")
-    print(f"submitted array job {job_id}: {len(jobs)} task(s), run dirs outputs/slurm/{job_id}/<task>/ "
-          f"(watch: squeue -j {job_id}; sacct -j {job_id}; fsdp-research report outputs/slurm/{job_id})")
+    print(
+        f"submitted array job {job_id}: {len(jobs)} task(s), run dirs outputs/slurm/{job_id}/<task>/ "
+        f"(watch: squeue -j {job_id}; sacct -j {job_id}; fsdp-research report outputs/slurm/{job_id})"
+    )
     return 0

@@ -1,5 +1,6 @@
 """The planner's output: one config's memory and traffic per rank, or every sharding side by side."""
-from typing import List, Sequence, Tuple
+
+from collections.abc import Sequence
 
 from ..config import Strategy
 from .memory import memory, recompute_share, traffic
@@ -28,44 +29,87 @@ def format_plan(m: ModelSummary, run: Run) -> str:
     ]
     rows = [
         ("parameters (fp32)" if replicated else "sharded parameters (fp32)", mem.sharded_params, ""),
-        ("gradients (fp32)" if replicated else "sharded gradients (fp32)", mem.sharded_grads,
-         "param.grad + DDP buckets" if replicated else ""),
+        (
+            "gradients (fp32)" if replicated else "sharded gradients (fp32)",
+            mem.sharded_grads,
+            "param.grad + DDP buckets" if replicated else "",
+        ),
         ("optimizer state (AdamW, 2 x fp32)", mem.optimizer, ""),
-        (f"parameters gathered in flight ({e})", mem.gathered,
-         "autocast weight copies" if replicated else _gathered_note(m)),
-        ("gradients unsharded in flight", mem.unsharded_grads, "" if replicated else
-         f"one unit in {e} + its {run.reduce_dtype} reduce-scatter input"
-         + (" + all accumulated (defer_grad_sync)" if deferring else "")),
+        (
+            f"parameters gathered in flight ({e})",
+            mem.gathered,
+            "autocast weight copies" if replicated else _gathered_note(m),
+        ),
+        (
+            "gradients unsharded in flight",
+            mem.unsharded_grads,
+            ""
+            if replicated
+            else f"one unit in {e} + its {run.reduce_dtype} reduce-scatter input"
+            + (" + all accumulated (defer_grad_sync)" if deferring else ""),
+        ),
     ]
     for ckpt in _activation_variants(m.checkpointed):
-        rows.append((f"activations, {_checkpointing(ckpt)}", memory(m, run, ckpt).activations,
-                     f"+{recompute_share(ckpt):.0%} compute" if any(ckpt) else ""))
-    rows += [("backward and optimizer temporaries", mem.temporaries, ""),
-             ("peak", mem.peak, f"at: {mem.peak_at}")]
+        rows.append(
+            (
+                f"activations, {_checkpointing(ckpt)}",
+                memory(m, run, ckpt).activations,
+                f"+{recompute_share(ckpt):.0%} compute" if any(ckpt) else "",
+            )
+        )
+    rows += [("backward and optimizer temporaries", mem.temporaries, ""), ("peak", mem.peak, f"at: {mem.peak_at}")]
     if mem.host:
         rows.append(("host memory (cpu_offload)", mem.host, "sharded state, off the device"))
     lines += [f"  {label:<44}{_gib(value):>9}   {note}".rstrip() for label, value, note in rows]
     comm = traffic(m, run)
-    lines += ["", "communication per rank per step (GiB received)",
-              f"  {'all-gather':<44}{_gib(comm.all_gather):>9}   {_gib(comm.all_gather_backward)} of it in backward",
-              f"  {'reduce-scatter':<44}{_gib(comm.reduce_scatter):>9}",
-              f"  {'all-reduce':<44}{_gib(comm.all_reduce):>9}"]
+    lines += [
+        "",
+        "communication per rank per step (GiB received)",
+        f"  {'all-gather':<44}{_gib(comm.all_gather):>9}   {_gib(comm.all_gather_backward)} of it in backward",
+        f"  {'reduce-scatter':<44}{_gib(comm.reduce_scatter):>9}",
+        f"  {'all-reduce':<44}{_gib(comm.all_reduce):>9}",
+    ]
     return "\n".join(lines)
 
 
-def format_compare(rows: Sequence[Tuple[ModelSummary, Run]]) -> str:
-    header = ("strategy", "params+grads+optim", "gathered", "unsharded grads", "activations", "peak",
-              "all-gather", "reduce-scatter", "all-reduce")
+def format_compare(rows: Sequence[tuple[ModelSummary, Run]]) -> str:
+    header = (
+        "strategy",
+        "params+grads+optim",
+        "gathered",
+        "unsharded grads",
+        "activations",
+        "peak",
+        "all-gather",
+        "reduce-scatter",
+        "all-reduce",
+    )
     table = [header]
     for m, run in rows:
         mem, comm = memory(m, run), traffic(m, run)
-        table.append((m.strategy.value if run.replicas == 1 else f"hsdp ({run.replicas}x{run.shard_group})",
-                      *map(_gib, (mem.sharded_params + mem.sharded_grads + mem.optimizer, mem.gathered,
-                                  mem.unsharded_grads, mem.activations, mem.peak, comm.all_gather,
-                                  comm.reduce_scatter, comm.all_reduce))))
+        table.append(
+            (
+                m.strategy.value if run.replicas == 1 else f"hsdp ({run.replicas}x{run.shard_group})",
+                *map(
+                    _gib,
+                    (
+                        mem.sharded_params + mem.sharded_grads + mem.optimizer,
+                        mem.gathered,
+                        mem.unsharded_grads,
+                        mem.activations,
+                        mem.peak,
+                        comm.all_gather,
+                        comm.reduce_scatter,
+                        comm.all_reduce,
+                    ),
+                ),
+            )
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-             for row in table]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+        for row in table
+    ]
     return "\n".join(["per rank, GiB (memory) and GiB received per step (communication)", *lines])
 
 
@@ -78,7 +122,7 @@ def _checkpointing(checkpointed: Sequence[bool]) -> str:
     return f"{count} of {len(checkpointed)} blocks checkpointed"
 
 
-def _activation_variants(checkpointed: Tuple[bool, ...]) -> List[Tuple[bool, ...]]:
+def _activation_variants(checkpointed: tuple[bool, ...]) -> list[tuple[bool, ...]]:
     """Without checkpointing, and with it as configured (every block when the config has none)."""
     none = (False,) * len(checkpointed)
     return [none, checkpointed if any(checkpointed) else (True,) * len(checkpointed)]

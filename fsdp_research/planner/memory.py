@@ -46,8 +46,9 @@ unit in forward and every unit that resharded again in backward, per micro-batch
 Reduce-scatter: every unit's gradients in the reduce dtype, once per step with defer_grad_sync (else per
 micro-batch). hsdp adds an all-reduce of the gradient shards across replicas; ddp all-reduces fp32 gradients.
 """
+
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..config import Strategy
 from .summary import ModelSummary, Run, UnitSize
@@ -87,6 +88,7 @@ class Traffic:
 
 # Activations, per token (bytes); see the module docstring.
 
+
 def _norm_bytes(m: ModelSummary, e: int) -> int:
     return FP32 * m.hidden + 2 * e * m.hidden + FP32
 
@@ -100,7 +102,7 @@ def block_activation_bytes(m: ModelSummary, e: int, seq_len: int) -> int:
     return 2 * _norm_bytes(m, e) + attention + 4 * e * m.intermediate + scores
 
 
-def saved_activations(m: ModelSummary, e: int, seq_len: int, checkpointed: Sequence[bool]) -> List[int]:
+def saved_activations(m: ModelSummary, e: int, seq_len: int, checkpointed: Sequence[bool]) -> list[int]:
     """Per token, what each block holds between its forward and its backward."""
     full = block_activation_bytes(m, e, seq_len)
     return [e * m.hidden if ckpt else full for ckpt in checkpointed]
@@ -123,6 +125,7 @@ def _logits_forward(m: ModelSummary, e: int) -> int:
 
 # Memory.
 
+
 @dataclass(frozen=True)
 class _Phases:
     """Activations and backward temporaries (bytes per micro-batch) where memory can peak."""
@@ -133,7 +136,7 @@ class _Phases:
     loss_grads: int  # ...and the fp32 loss gradients
     # Backward of block k: [(moment, activations, temporaries, the block's parameter gradients autograd holds:
     # up to this many elements, all of them (None), or none (0: FSDP took them for its reduce-scatter))].
-    block: List[List[Tuple[str, int, int, Optional[int]]]]
+    block: list[list[tuple[str, int, int, int | None]]]
 
 
 def _phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> _Phases:
@@ -143,22 +146,29 @@ def _phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> _Phases:
     norm = _norm_bytes(m, e) * tok
     incoming = e * h * tok  # the gradient flowing down the residual stream
 
-    def inside(k: int) -> List[Tuple[str, int, int, Optional[int]]]:
+    def inside(k: int) -> list[tuple[str, int, int, int | None]]:
         # A block's own activations are all there as its backward starts (recomputed when checkpointed). The MLP
         # goes first: its peak holds the gradients of gate, up and their product, once the down projection's
         # backward has released its input. Then the norms and attention.
         mlp_peak = full_block - _mlp_saved_bytes(m, e) * tok // 4  # the product: one of the MLP's four
-        return [("MLP", sum(saved[:k]) + mlp_peak, incoming + 3 * e * m.intermediate * tok, h * m.intermediate),
-                ("attention", sum(saved[:k]) + full_block - _mlp_saved_bytes(m, e) * tok,
-                 incoming + max(_norm_backward_bytes(m, e), e * (2 * h + 2 * m.kv_dim)) * tok, None),
-                ("reduction", sum(saved[:k]), incoming, 0)]
+        return [
+            ("MLP", sum(saved[:k]) + mlp_peak, incoming + 3 * e * m.intermediate * tok, h * m.intermediate),
+            (
+                "attention",
+                sum(saved[:k]) + full_block - _mlp_saved_bytes(m, e) * tok,
+                incoming + max(_norm_backward_bytes(m, e), e * (2 * h + 2 * m.kv_dim)) * tok,
+                None,
+            ),
+            ("reduction", sum(saved[:k]), incoming, 0),
+        ]
 
     return _Phases(
         forward_end=sum(saved) + norm + _logits_forward(m, e) * tok,
         root_forward_end=sum(saved) + norm + e * m.vocab * tok,
         backward_start=sum(saved) + norm + FP32 * m.vocab * tok,
         loss_grads=2 * FP32 * m.vocab * tok,
-        block=[inside(k) for k in range(m.n_blocks)])
+        block=[inside(k) for k in range(m.n_blocks)],
+    )
 
 
 def _step_temporaries(units: Sequence[UnitSize], run: Run) -> int:
@@ -167,36 +177,18 @@ def _step_temporaries(units: Sequence[UnitSize], run: Run) -> int:
     return 2 * FP32 * max(-(-rows // run.shard_group) * row for u in units for rows, row in u.shapes)
 
 
-def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> List[Tuple[str, Dict[str, int]]]:
-    e, r, n = run.compute_bytes, run.reduce_bytes, run.shard_group
-    units, every = list(m.units), [*m.units, m.root]
-    phases = _phases(m, run, checkpointed)
-    shards = FP32 * sum(u.shard_numel(n) for u in every)
-    accumulating = run.micro_steps > 1
-    # Earlier micro-batches' gradients: reduced into the shards, or (deferred) kept unsharded in the reduce dtype.
-    sharded_before = accumulating and not run.defer_grad_sync
-    deferred = r * sum(u.numel for u in every) if accumulating and run.defer_grad_sync else 0
-
-    def state(done: Sequence[UnitSize]) -> Dict[str, int]:
-        grads = shards if sharded_before else FP32 * sum(u.shard_numel(n) for u in done)
-        return dict(params=shards, optimizer=2 * shards, grads=grads)
-
-    def resident(before: int) -> int:
-        return e * sum(u.numel for u in units[:before] if not u.reshard_after_forward)
-
-    root, kept = e * m.root.numel, resident(len(units))
-    # The last all-gather's buffer is kept until the root's forward ends: the last unit's, or the root's own.
-    last_gathered = e * (units[-1].numel if units else m.root.numel)
-    moments = [
-        ("end of the root's forward", dict(state([]), gathered=root + kept + last_gathered, unsharded_grads=deferred,
-                                           activations=phases.root_forward_end)),
-        ("end of forward", dict(state([]), gathered=root + kept, unsharded_grads=deferred,
-                                activations=phases.forward_end)),
-        ("start of backward", dict(state([]), gathered=root + kept, unsharded_grads=deferred,
-                                   activations=phases.backward_start, temporaries=phases.loss_grads)),
-    ]
-    # Backward, block by block: the block's largest unit is the one in flight (per_linear: a Linear; root_only:
-    # none, the block's gradients are the root's).
+def _fsdp_backward(
+    m: ModelSummary,
+    run: Run,
+    phases: _Phases,
+    state: Callable[[Sequence[UnitSize]], dict[str, int]],
+    resident: Callable[[int], int],
+    deferred: int,
+) -> list[tuple[str, dict[str, int]]]:
+    """The moments of backward, block by block: the block's largest unit is the one in flight (per_linear: a
+    Linear; root_only: none, the block's gradients are the root's)."""
+    e, r, units, root = run.compute_bytes, run.reduce_bytes, list(m.units), run.compute_bytes * m.root.numel
+    moments = []
     for k in reversed(range(m.n_blocks)):
         inside = [j for j, u in enumerate(units) if u.block == k]
         j = max(inside, key=lambda i: units[i].numel) if inside else None
@@ -211,16 +203,74 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> Li
             reducing = held == 0
             if reducing and j is None:
                 continue
-            moments.append((f"backward of block {k} ({moment})", dict(
-                state(units[j + 1:] if j is not None else []),
-                gathered=root + resident(j or 0) + e * (unit + prefetch),
-                # Autograd holds a unit's gradients until FSDP takes them for its reduce-scatter.
-                unsharded_grads=deferred + ((e + r) * unit if reducing else r * previous),
-                activations=activations,
-                temporaries=temporaries + root_grads + e * (unit if held is None else min(held, unit)))))
-    moments.append(("the root's gradient reduction", dict(
-        state(units), gathered=root,
-        unsharded_grads=deferred + (e + r) * m.root.numel)))
+            moments.append(
+                (
+                    f"backward of block {k} ({moment})",
+                    dict(
+                        state(units[j + 1 :] if j is not None else []),
+                        gathered=root + resident(j or 0) + e * (unit + prefetch),
+                        # Autograd holds a unit's gradients until FSDP takes them for its reduce-scatter.
+                        unsharded_grads=deferred + ((e + r) * unit if reducing else r * previous),
+                        activations=activations,
+                        temporaries=temporaries + root_grads + e * (unit if held is None else min(held, unit)),
+                    ),
+                )
+            )
+    return moments
+
+
+def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> list[tuple[str, dict[str, int]]]:
+    e, r, n = run.compute_bytes, run.reduce_bytes, run.shard_group
+    units, every = list(m.units), [*m.units, m.root]
+    phases = _phases(m, run, checkpointed)
+    shards = FP32 * sum(u.shard_numel(n) for u in every)
+    accumulating = run.micro_steps > 1
+    # Earlier micro-batches' gradients: reduced into the shards, or (deferred) kept unsharded in the reduce dtype.
+    sharded_before = accumulating and not run.defer_grad_sync
+    deferred = r * sum(u.numel for u in every) if accumulating and run.defer_grad_sync else 0
+
+    def state(done: Sequence[UnitSize]) -> dict[str, int]:
+        grads = shards if sharded_before else FP32 * sum(u.shard_numel(n) for u in done)
+        return dict(params=shards, optimizer=2 * shards, grads=grads)
+
+    def resident(before: int) -> int:
+        return e * sum(u.numel for u in units[:before] if not u.reshard_after_forward)
+
+    root, kept = e * m.root.numel, resident(len(units))
+    # The last all-gather's buffer is kept until the root's forward ends: the last unit's, or the root's own.
+    last_gathered = e * (units[-1].numel if units else m.root.numel)
+    moments = [
+        (
+            "end of the root's forward",
+            dict(
+                state([]),
+                gathered=root + kept + last_gathered,
+                unsharded_grads=deferred,
+                activations=phases.root_forward_end,
+            ),
+        ),
+        (
+            "end of forward",
+            dict(state([]), gathered=root + kept, unsharded_grads=deferred, activations=phases.forward_end),
+        ),
+        (
+            "start of backward",
+            dict(
+                state([]),
+                gathered=root + kept,
+                unsharded_grads=deferred,
+                activations=phases.backward_start,
+                temporaries=phases.loss_grads,
+            ),
+        ),
+    ]
+    moments += _fsdp_backward(m, run, phases, state, resident, deferred)
+    moments.append(
+        (
+            "the root's gradient reduction",
+            dict(state(units), gathered=root, unsharded_grads=deferred + (e + r) * m.root.numel),
+        )
+    )
     moments.append(("optimizer step", dict(state(every), temporaries=_step_temporaries(every, run))))
     if run.cpu_offload:
         for _, parts in moments:
@@ -228,7 +278,7 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> Li
     return moments
 
 
-def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> List[Tuple[str, Dict[str, int]]]:
+def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> list[tuple[str, dict[str, int]]]:
     """Replicated fp32 parameters, gradients (param.grad, and DDP's flat buckets for the whole run) and AdamW
     state. Under autocast each weight's compute-dtype copy is saved for backward: a model's worth, held from
     forward to backward."""
@@ -237,41 +287,63 @@ def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> Lis
     casts = m.n_params * run.compute_bytes if run.compute_bytes != FP32 else 0
     before = params if run.micro_steps > 1 else 0
 
-    def state(grads: int) -> Dict[str, int]:
+    def state(grads: int) -> dict[str, int]:
         return dict(params=params, optimizer=2 * params, grads=params + max(before, grads))
 
     top = FP32 * (m.root.numel - sum(m.root_in_block))
-    moments = [("end of forward", dict(state(0), gathered=casts, activations=phases.forward_end)),
-               ("start of backward", dict(state(0), gathered=casts, activations=phases.backward_start,
-                                          temporaries=phases.loss_grads))]
+    moments = [
+        ("end of forward", dict(state(0), gathered=casts, activations=phases.forward_end)),
+        (
+            "start of backward",
+            dict(state(0), gathered=casts, activations=phases.backward_start, temporaries=phases.loss_grads),
+        ),
+    ]
     for k in reversed(range(m.n_blocks)):
         for moment, activations, temporaries, held in phases.block[k]:
             block = m.root_in_block[k] if held is None else min(held, m.root_in_block[k])
-            moments.append((f"backward of block {k} ({moment})", dict(
-                state(top + FP32 * (sum(m.root_in_block[k + 1:]) + block)), gathered=casts,
-                activations=activations, temporaries=temporaries)))
+            moments.append(
+                (
+                    f"backward of block {k} ({moment})",
+                    dict(
+                        state(top + FP32 * (sum(m.root_in_block[k + 1 :]) + block)),
+                        gathered=casts,
+                        activations=activations,
+                        temporaries=temporaries,
+                    ),
+                )
+            )
     moments.append(("optimizer step", dict(state(params), temporaries=_step_temporaries([m.root], run))))
     return moments
 
 
-def step_moments(m: ModelSummary, run: Run,
-                 checkpointed: Optional[Sequence[bool]] = None) -> List[Tuple[str, Dict[str, int]]]:
+def step_moments(
+    m: ModelSummary, run: Run, checkpointed: Sequence[bool] | None = None
+) -> list[tuple[str, dict[str, int]]]:
     """The moments of one step where memory can peak, each as bytes by category (params, optimizer, grads,
     gathered, unsharded_grads, activations, temporaries; host with cpu_offload)."""
     checkpointed = m.checkpointed if checkpointed is None else checkpointed
     return (_ddp_moments if m.strategy is Strategy.ddp else _fsdp_moments)(m, run, checkpointed)
 
 
-def memory(m: ModelSummary, run: Run, checkpointed: Optional[Sequence[bool]] = None) -> Memory:
+def memory(m: ModelSummary, run: Run, checkpointed: Sequence[bool] | None = None) -> Memory:
     """Per-rank memory of the config (activation checkpointing as planned, or as given): each category's
     peak over the step's moments, and the largest total."""
     moments = step_moments(m, run, checkpointed)
     keys = ("params", "optimizer", "grads", "gathered", "unsharded_grads", "activations", "temporaries", "host")
     top = {k: max(parts.get(k, 0) for _, parts in moments) for k in keys}
     peak, peak_at = max((sum(v for k, v in parts.items() if k != "host"), name) for name, parts in moments)
-    return Memory(sharded_params=top["params"], sharded_grads=top["grads"], optimizer=top["optimizer"],
-                  gathered=top["gathered"], unsharded_grads=top["unsharded_grads"], activations=top["activations"],
-                  temporaries=top["temporaries"], peak=peak, peak_at=peak_at, host=top["host"])
+    return Memory(
+        sharded_params=top["params"],
+        sharded_grads=top["grads"],
+        optimizer=top["optimizer"],
+        gathered=top["gathered"],
+        unsharded_grads=top["unsharded_grads"],
+        activations=top["activations"],
+        temporaries=top["temporaries"],
+        peak=peak,
+        peak_at=peak_at,
+        host=top["host"],
+    )
 
 
 def recompute_share(checkpointed: Sequence[bool]) -> float:

@@ -1,8 +1,8 @@
 """What the planner knows of a config: each FSDP unit's parameter shapes (from the sharding plan of the meta-device
 model, built as the trainer builds it), the block's dimensions, and the run's settings (world size, dtypes,
 batch). Everything in fsdp_research.planner.memory is a pure function of these two."""
+
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
 
 import torch.nn as nn
 from omegaconf import DictConfig
@@ -21,10 +21,10 @@ class UnitSize:
     """One FSDP unit: the parameters it owns, as (dim 0, elements per dim-0 row), in forward order."""
 
     path: str
-    shapes: Tuple[Tuple[int, int], ...]
+    shapes: tuple[tuple[int, int], ...]
     reshard_after_forward: bool
     # The block it lies in; None for the root.
-    block: Optional[int]
+    block: int | None
 
     @property
     def numel(self) -> int:
@@ -49,13 +49,13 @@ class ModelSummary:
     n_blocks: int
     sdpa: bool
     strategy: Strategy
-    checkpointed: Tuple[bool, ...]
+    checkpointed: tuple[bool, ...]
     # The units below the root, in forward order (none for root_only and ddp).
-    units: Tuple[UnitSize, ...]
+    units: tuple[UnitSize, ...]
     # What the root unit owns (ddp: the whole model).
     root: UnitSize
     # Root-owned elements inside each block (norms under per_linear, whole blocks under root_only).
-    root_in_block: Tuple[int, ...]
+    root_in_block: tuple[int, ...]
     # The input embedding when untied: its gradient only appears at the very end of backward.
     input_embedding: int
 
@@ -86,16 +86,17 @@ class Run:
 def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) -> ModelSummary:
     """The plan's units with the parameter shapes each one owns (a unit owns what no deeper unit owns)."""
     paths = [u.path for u in plan.units] or [""]
-    owned: Dict[str, List[Tuple[str, Tuple[int, int]]]] = {p: [] for p in paths}
+    owned: dict[str, list[tuple[str, tuple[int, int]]]] = {p: [] for p in paths}
     for name, param in model.named_parameters():
         owned[owner(name, paths)].append((name, (param.shape[0], param[0].numel()) if param.dim() else (1, 1)))
 
-    def block_of(name: str) -> Optional[int]:
+    def block_of(name: str) -> int | None:
         return next((i for i, b in enumerate(plan.blocks) if name == b or name.startswith(b + ".")), None)
 
     flags = {u.path: u.reshard_after_forward for u in plan.units}
-    units = tuple(UnitSize(p, tuple(s for _, s in owned[p]), flags.get(p, False), block_of(p) if p else None)
-                  for p in paths)
+    units = tuple(
+        UnitSize(p, tuple(s for _, s in owned[p]), flags.get(p, False), block_of(p) if p else None) for p in paths
+    )
     root_in_block = [0] * len(plan.blocks)
     for name, (rows, row) in owned[""]:
         if block_of(name) is not None:
@@ -104,24 +105,43 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
     tied = any(p is embedding for p in model.get_output_embeddings().parameters())
     d = dims(hf_config)
     return ModelSummary(
-        name=cfg.model.name, model_type=hf_config.model_type, n_params=sum(p.numel() for p in model.parameters()),
-        hidden=d.hidden, intermediate=d.intermediate, heads=d.heads, kv_dim=d.kv_heads * d.head_dim,
-        vocab=d.vocab, n_blocks=len(plan.blocks), sdpa=model.config._attn_implementation != "eager",
+        name=cfg.model.name,
+        model_type=hf_config.model_type,
+        n_params=sum(p.numel() for p in model.parameters()),
+        hidden=d.hidden,
+        intermediate=d.intermediate,
+        heads=d.heads,
+        kv_dim=d.kv_heads * d.head_dim,
+        vocab=d.vocab,
+        n_blocks=len(plan.blocks),
+        sdpa=model.config._attn_implementation != "eager",
         strategy=plan.strategy,
         checkpointed=tuple(isinstance(model.get_submodule(b), CheckpointWrapper) for b in plan.blocks),
-        units=units[:-1] if plan.units else (), root=units[-1], root_in_block=tuple(root_in_block),
-        input_embedding=0 if tied else embedding.numel())
+        units=units[:-1] if plan.units else (),
+        root=units[-1],
+        root_in_block=tuple(root_in_block),
+        input_embedding=0 if tied else embedding.numel(),
+    )
 
 
 def run_settings(cfg: DictConfig, world_size: int, device_type: str) -> Run:
     steps = layout(cfg, world_size)
     compute, reduce = dtypes(cfg.precision)
-    return Run(world_size=world_size, compute_dtype=cfg.precision.param_dtype,
-               reduce_dtype=cfg.precision.reduce_dtype, shard_group=steps.shard_group, replicas=steps.replicas,
-               compute_bytes=compute.itemsize, reduce_bytes=reduce.itemsize,
-               micro_batch=cfg.trainer.micro_batch_size, seq_len=cfg.data.seq_len, micro_steps=steps.micro_steps,
-               defer_grad_sync=cfg.trainer.defer_grad_sync, cpu_offload=cfg.sharding.cpu_offload,
-               foreach=device_type == "cuda" and not cfg.sharding.cpu_offload)
+    return Run(
+        world_size=world_size,
+        compute_dtype=cfg.precision.param_dtype,
+        reduce_dtype=cfg.precision.reduce_dtype,
+        shard_group=steps.shard_group,
+        replicas=steps.replicas,
+        compute_bytes=compute.itemsize,
+        reduce_bytes=reduce.itemsize,
+        micro_batch=cfg.trainer.micro_batch_size,
+        seq_len=cfg.data.seq_len,
+        micro_steps=steps.micro_steps,
+        defer_grad_sync=cfg.trainer.defer_grad_sync,
+        cpu_offload=cfg.sharding.cpu_offload,
+        foreach=device_type == "cuda" and not cfg.sharding.cpu_offload,
+    )
 
 
 def summary_for(cfg: DictConfig) -> ModelSummary:

@@ -1,14 +1,15 @@
 """Tools for the checkpoint tests: the real CLI in a process group of its own (so a test can SIGKILL the whole
 job, workers included), what a run leaves behind (metrics, checkpoint tensors, file listings), and models
 built in spawned worker processes."""
+
 import hashlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -24,7 +25,7 @@ from tests.helpers.cli import read_metrics, subprocess_env
 from tests.helpers.dist import full_state, run_distributed
 
 
-def with_overrides(base: Sequence[str], *changes: str) -> List[str]:
+def with_overrides(base: Sequence[str], *changes: str) -> list[str]:
     """base with each `key=value` of changes replacing the same key (Hydra refuses a key given twice)."""
     keys = {c.split("=", 1)[0] for c in changes}
     return [o for o in base if o.split("=", 1)[0] not in keys] + list(changes)
@@ -37,10 +38,10 @@ class Run:
     stdout: str
     stderr: str
 
-    def metrics(self) -> List[dict]:
+    def metrics(self) -> list[dict]:
         return read_metrics(self.run_dir)
 
-    def error_lines(self) -> List[str]:
+    def error_lines(self) -> list[str]:
         return [line for line in self.stderr.splitlines() if line.startswith("error:")]
 
 
@@ -48,15 +49,20 @@ class Job:
     """`python train.py <overrides> hydra.run.dir=<run_dir>`, started in a new session; its output goes to
     <logs>.stdout and .stderr (default: beside the run dir), so a run dir holds only what the run wrote."""
 
-    def __init__(self, run_dir: str, overrides: Sequence[str], hf_cache: str, logs: Optional[str] = None):
+    def __init__(self, run_dir: str, overrides: Sequence[str], hf_cache: str, logs: str | None = None):
         self.run_dir = run_dir
         logs = logs or run_dir.rstrip("/")
         self._logs = (logs + ".stdout", logs + ".stderr")
         env = {**subprocess_env(), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "HF_DATASETS_CACHE": hf_cache}
         with open(self._logs[0], "w") as out, open(self._logs[1], "w") as err:
-            self.proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *overrides,
-                                          f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, stdout=out,
-                                         stderr=err, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [sys.executable, os.path.join(ROOT, "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
+                cwd=ROOT,
+                env=env,
+                stdout=out,
+                stderr=err,
+                start_new_session=True,
+            )
 
     def finish(self, timeout: float = 300) -> Run:
         try:
@@ -83,32 +89,30 @@ class Job:
         return self.finish()
 
 
-def train(run_dir: str, overrides: Sequence[str], hf_cache: str, logs: Optional[str] = None) -> Run:
+def train(run_dir: str, overrides: Sequence[str], hf_cache: str, logs: str | None = None) -> Run:
     return Job(run_dir, overrides, hf_cache, logs).finish()
 
 
-def complete_steps(run_dir: str) -> List[int]:
+def complete_steps(run_dir: str) -> list[int]:
     """Steps of the published checkpoints that verify, oldest first."""
-    return sorted(step for step, path in checkpoints_in(os.path.join(run_dir, "checkpoints"))
-                  if verify(path) is None)
+    return sorted(step for step, path in checkpoints_in(os.path.join(run_dir, "checkpoints")) if verify(path) is None)
 
 
-def checkpoint_tensors(step_dir: str) -> Dict[str, torch.Tensor]:
+def checkpoint_tensors(step_dir: str) -> dict[str, torch.Tensor]:
     """Every tensor a resume checkpoint holds (model and optimizer state), read in this process alone."""
     metadata = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
-    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in metadata.items()
-             if hasattr(v, "size")}
+    state = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in metadata.items() if hasattr(v, "size")}
     dcp.load(state, checkpoint_id=step_dir, no_dist=True)
     return state
 
 
-def assert_bitwise_equal(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> None:
+def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     different = [k for k in a if not torch.equal(a[k], b[k])]
     assert not different, f"{len(different)} tensors differ, e.g. {different[:3]}"
 
 
-def snapshot(root: str) -> Dict[str, tuple]:
+def snapshot(root: str) -> dict[str, tuple]:
     """Every file under root: (size, mtime, content hash)."""
     found = {}
     for folder, _, files in os.walk(root):
@@ -120,7 +124,7 @@ def snapshot(root: str) -> Dict[str, tuple]:
     return found
 
 
-def _build_each(configs: Dict[str, dict], batch: torch.Tensor) -> Dict[str, Dict[str, torch.Tensor]]:
+def _build_each(configs: dict[str, dict], batch: torch.Tensor) -> dict[str, dict[str, torch.Tensor]]:
     first = typed(next(iter(configs.values())))
     device = device_for(first.trainer.device, 0)
     init_distributed(first.distributed, device)
@@ -133,13 +137,14 @@ def _build_each(configs: Dict[str, dict], batch: torch.Tensor) -> Dict[str, Dict
     return built
 
 
-def build_distributed(configs: Dict[str, dict], world_size: int,
-                      batch: torch.Tensor) -> Dict[str, Dict[str, torch.Tensor]]:
+def build_distributed(
+    configs: dict[str, dict], world_size: int, batch: torch.Tensor
+) -> dict[str, dict[str, torch.Tensor]]:
     """Build each config's sharded model (build_sharded_model) on `world_size` spawned processes; returns its
     full initial weights and its logits on `batch`."""
     return run_distributed(_build_each, world_size, configs, batch)
 
 
-def newest_complete(run_dir: str) -> Optional[int]:
+def newest_complete(run_dir: str) -> int | None:
     steps = complete_steps(run_dir)
     return steps[-1] if steps else None

@@ -1,12 +1,13 @@
 """The real command line, as a user runs it: `python train.py ...` or torchrun, in subprocesses. Every helper
 starts its process without waiting, so a test can run several at once on a small machine."""
+
 import glob
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Dict, List, Sequence
 
 from tests.conftest import ROOT
 
@@ -24,11 +25,14 @@ class Finished:
         return lines[-1] if lines else ""
 
 
-def subprocess_env() -> Dict[str, str]:
+def subprocess_env() -> dict[str, str]:
     """The tests' environment (offline: see conftest), without any launcher's rank layout."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_DIR")
-           and not k.startswith("SLURM_")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_DIR")
+        and not k.startswith("SLURM_")
+    }
     env["WANDB_SILENT"] = "true"
     return env
 
@@ -38,8 +42,14 @@ def start(overrides: Sequence[str], cwd: str, torchrun_nproc: int = 0) -> subpro
     launcher = [sys.executable]
     if torchrun_nproc:
         launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(torchrun_nproc)]
-    return subprocess.Popen(launcher + [TRAIN, *overrides], cwd=cwd, env=subprocess_env(), text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    return subprocess.Popen(
+        launcher + [TRAIN, *overrides],
+        cwd=cwd,
+        env=subprocess_env(),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> Finished:
@@ -47,12 +57,12 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> Finished:
     return Finished(proc.returncode, stdout, stderr)
 
 
-def read_metrics(run_dir: str) -> List[dict]:
+def read_metrics(run_dir: str) -> list[dict]:
     """The per-step metric rows of metrics.jsonl (one-off records, the doctor's and the profiler's, have no loss)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [row for row in map(json.loads, f) if "loss" in row]
 
 
-def default_run_dirs(cwd: str) -> List[str]:
+def default_run_dirs(cwd: str) -> list[str]:
     """The run dirs Hydra's default, timestamped hydra.run.dir made under cwd."""
     return sorted(glob.glob(os.path.join(cwd, "outputs", "runs", "*", "*")))

@@ -1,11 +1,13 @@
 """Real multi-process runs for tests (as OLMo-core's run_distributed_test): a function on N fresh processes on
 gloo, started the way train.py starts its workers, every log line tagged with its rank; rank 0's return value
 comes back to the test."""
+
 import logging
 import os
 import tempfile
 import traceback
-from typing import Any, Callable, Dict
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -19,8 +21,7 @@ from fsdp_research.trainer import train
 
 def _run_and_keep(fn: Callable, args: tuple, path: str) -> None:
     rank = int(os.environ["RANK"])
-    logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s",
-                        force=True)
+    logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s", force=True)
     result = fn(*args)
     if rank == 0:
         torch.save(result, path)
@@ -37,18 +38,18 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> Any:
         return torch.load(path, weights_only=False)
 
 
-def full_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full, unsharded weights on CPU (a collective: every rank calls it)."""
     model = getattr(model, "module", model)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return {clean_name(k): v for k, v in state.items()}
 
 
-def final_weights(model: torch.nn.Module) -> Dict[str, Any]:
+def final_weights(model: torch.nn.Module) -> dict[str, Any]:
     return {"weights": full_state(model)}
 
 
-def _train_each(configs: Dict[str, Any], out_dir: str, inspect: Callable) -> Dict[str, Any]:
+def _train_each(configs: dict[str, Any], out_dir: str, inspect: Callable) -> dict[str, Any]:
     records = {}
     for name, cfg in configs.items():
         try:
@@ -59,8 +60,12 @@ def _train_each(configs: Dict[str, Any], out_dir: str, inspect: Callable) -> Dic
     return records
 
 
-def train_distributed(configs: Dict[str, Any], world_size: int, out_dir: str,
-                      inspect: Callable[[torch.nn.Module], Dict[str, Any]] = final_weights) -> Dict[str, Any]:
+def train_distributed(
+    configs: dict[str, Any],
+    world_size: int,
+    out_dir: str,
+    inspect: Callable[[torch.nn.Module], dict[str, Any]] = final_weights,
+) -> dict[str, Any]:
     """Train each config in turn on the same `world_size` processes (run dirs <out_dir>/<name>); returns their
     losses and what `inspect(trained model)` found (a module-level function; every rank calls it, so it may
     use collectives), by default the final weights; or {"error": rank 0's traceback} for a config that raised."""
@@ -68,7 +73,7 @@ def train_distributed(configs: Dict[str, Any], world_size: int, out_dir: str,
     return run_distributed(_train_each, world_size, containers, out_dir, inspect)
 
 
-def ok(records: Dict[str, Any], name: str) -> Dict[str, Any]:
+def ok(records: dict[str, Any], name: str) -> dict[str, Any]:
     """The record of one config, failing the test with its traceback if it raised."""
     assert "error" not in records[name], f"{name} raised:\n{records[name]['error']}"
     return records[name]

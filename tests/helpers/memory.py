@@ -1,8 +1,9 @@
 """Per-rank memory of one real training step, by category, as torch's FSDP memory tracker
 (torch.distributed._tools.fsdp2_mem_tracker) measures it: what the planner's prediction is held against."""
+
 import contextlib
 import gc
-from typing import Any, Dict
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ def _step(model, optimizer, batch: torch.Tensor, grad_clip: float) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def _measure_each(configs: Dict[str, Any]) -> Dict[str, Dict[str, int]]:
+def _measure_each(configs: dict[str, Any]) -> dict[str, dict[str, int]]:
     device = torch.device("cpu")
     peaks = {}
     for name, container in configs.items():
@@ -65,8 +66,9 @@ def _measure_each(configs: Dict[str, Any]) -> Dict[str, Dict[str, int]]:
         model, _ = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
         optimizer, _ = build_optimizer(model, cfg.optim, cfg.trainer.max_steps)
         gen = torch.Generator().manual_seed(dist.get_rank())
-        batch = torch.randint(0, hf_config.vocab_size, (cfg.trainer.micro_batch_size, cfg.data.seq_len + 1),
-                              generator=gen)
+        batch = torch.randint(
+            0, hf_config.vocab_size, (cfg.trainer.micro_batch_size, cfg.data.seq_len + 1), generator=gen
+        )
         # The first step creates the optimizer state: the steady state is the second.
         _step(model, optimizer, batch, cfg.optim.grad_clip)
         tracker = _GroupPeaks(model, optimizer)
@@ -79,7 +81,7 @@ def _measure_each(configs: Dict[str, Any]) -> Dict[str, Dict[str, int]]:
     return peaks
 
 
-def measure_step_memory(configs: Dict[str, Any], world_size: int) -> Dict[str, Dict[str, int]]:
+def measure_step_memory(configs: dict[str, Any], world_size: int) -> dict[str, dict[str, int]]:
     """Rank 0's peak bytes per group (and the optimizer state) in one tracked step of each config, all on the same
     `world_size` processes (gloo, CPU); the ranks hold equal shares."""
     containers = {name: OmegaConf.to_container(cfg, resolve=True) for name, cfg in configs.items()}

@@ -1,6 +1,7 @@
 """The single-process plain PyTorch run that every sharded run must reproduce: no FSDP, no DDP, the whole
 global batch in one forward."""
-from typing import Any, Dict, List, Tuple
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,7 @@ from fsdp_research.models import build_hf_config, build_model
 from fsdp_research.optim import build_optimizer
 
 
-def reference_run(cfg: Any) -> Tuple[List[float], Dict[str, torch.Tensor]]:
+def reference_run(cfg: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     cfg = typed(cfg)
     t = cfg.trainer
     hf_config = build_hf_config(cfg.model)

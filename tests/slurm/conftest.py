@@ -1,9 +1,9 @@
 """Tests against a real SLURM cluster (`bash slurm/local_cluster.sh start` makes one); the whole dir is skipped,
 with the reason, where none answers."""
+
 import os
 import shutil
 import subprocess
-from typing import Optional
 
 import pytest
 
@@ -13,7 +13,7 @@ from tests.slurm.cluster import Jobs, tail
 USABLE = {"idle", "mixed", "allocated", "completing"}
 
 
-def _unavailable() -> Optional[str]:
+def _unavailable() -> str | None:
     missing = [tool for tool in ("sbatch", "sinfo", "sacct") if shutil.which(tool) is None]
     if missing:
         return f"{', '.join(missing)} not on PATH (bash slurm/local_cluster.sh start sets up a local cluster)"

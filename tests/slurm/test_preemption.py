@@ -2,6 +2,7 @@
 (scancel --signal=USR2 --batch, which the script forwards) and once straight to its tasks. Each time the ranks
 save a checkpoint at the step they stopped at and requeue the job; it resumes in the same run dir and ends with
 the same weights as an uninterrupted run."""
+
 import os
 import re
 import subprocess
@@ -15,8 +16,13 @@ from tests.slurm.cluster import states, wait_done, wait_for
 
 # Enough steps that the run is still going when signalled; no periodic checkpoint, only the preemption saves.
 STEPS = 150
-OVERRIDES = [*FAST, f"trainer.max_steps={STEPS}", "checkpoint.interval=1000", "checkpoint.export=true",
-             "checkpoint.export_dtype=float32"]
+OVERRIDES = [
+    *FAST,
+    f"trainer.max_steps={STEPS}",
+    "checkpoint.interval=1000",
+    "checkpoint.export=true",
+    "checkpoint.export_dtype=float32",
+]
 SIGNALS = (["--batch"], [])
 
 
@@ -28,8 +34,7 @@ def _logged_steps(run_dir: str) -> int:
 
 
 def test_preempted_run_resumes_to_the_same_weights(jobs, tmp_path):
-    job = jobs.sbatch(["--ntasks-per-node=2", os.path.join(ROOT, "slurm", "train.sbatch"), *OVERRIDES],
-                      str(tmp_path))
+    job = jobs.sbatch(["--ntasks-per-node=2", os.path.join(ROOT, "slurm", "train.sbatch"), *OVERRIDES], str(tmp_path))
     run_dir = str(tmp_path / "outputs" / "slurm" / job)
     jobs.logs.append(f"{run_dir}/slurm.out")
     log = os.path.join(run_dir, "train.log")
@@ -37,17 +42,22 @@ def test_preempted_run_resumes_to_the_same_weights(jobs, tmp_path):
     baseline = None
     for restart, signal_args in enumerate(SIGNALS):
         first = stopped_at[-1] + 3 if stopped_at else 3  # a few steps of this incarnation
-        wait_for(f"step {first} of incarnation {restart}", lambda: _logged_steps(run_dir) >= first, timeout=180,
-                 interval=0.3)
+        wait_for(
+            f"step {first} of incarnation {restart}", lambda: _logged_steps(run_dir) >= first, timeout=180, interval=0.3
+        )
         subprocess.run(["scancel", "--signal=USR2", *signal_args, job], check=True)
-        stop = wait_for("the preemption checkpoint", lambda: re.findall(
-            r"preemption signal: stopped after step (\d+)", open(log).read())[restart:], timeout=60)
+        stop = wait_for(
+            "the preemption checkpoint",
+            lambda: re.findall(r"preemption signal: stopped after step (\d+)", open(log).read())[restart:],
+            timeout=60,
+        )
         stopped_at.append(int(stop[0]))
         assert stopped_at[-1] >= first
         assert os.path.isdir(os.path.join(run_dir, "checkpoints", f"step_{stopped_at[-1]}"))
         if baseline is None:  # the uninterrupted run, locally on 2 processes, while the job waits in the queue
-            baseline = start([*OVERRIDES, "distributed.nproc_per_node=2", f"hydra.run.dir={tmp_path}/baseline"],
-                             str(tmp_path))
+            baseline = start(
+                [*OVERRIDES, "distributed.nproc_per_node=2", f"hydra.run.dir={tmp_path}/baseline"], str(tmp_path)
+            )
     ended = wait_done(job, tasks=1, timeout=240)
     assert ended == {job: "COMPLETED"}
     assert states(job)[job] == ["REQUEUED", "REQUEUED", "COMPLETED"]

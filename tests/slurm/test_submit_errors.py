@@ -1,6 +1,7 @@
 """Bad input to either way of submitting a sweep (the submit script, the Hydra slurm launcher): zero jobs, an
 override with a syntax error, an unknown partition, no sbatch on PATH. Each fails with one line naming the
 problem, and nothing reaches sbatch: a stand-in sbatch first on PATH would record any call."""
+
 import os
 import subprocess
 import sys
@@ -16,8 +17,9 @@ SWEEP = [sys.executable, os.path.join(ROOT, "train.py"), "-m", "hydra/launcher=s
 
 def _fails(command, cwd, path: str) -> str:
     """Runs command with that PATH; checks it failed without calling sbatch; returns its one line of error."""
-    result = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "PATH": path})
+    result = subprocess.run(
+        command, cwd=cwd, capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path}
+    )
     assert not os.path.exists(os.path.join(cwd, "sbatch_ran")), "sbatch was called"
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
@@ -36,22 +38,30 @@ def fake_sbatch(tmp_path) -> str:
     return f"{bin_dir}{os.pathsep}{os.environ['PATH']}"
 
 
-@pytest.mark.parametrize("content, args, expected", [
-    ("# nothing yet\n\n   \n", [], "has no override lines"),
-    (f"{GOOD}\n# a comment\n\ntrainer.seed=[1,\n", [], "line 4: bad override 'trainer.seed=[1,'"),
-    (f"{GOOD} trainer.seed=1,2\n", [], "line 1: 'trainer.seed=1,2' is a sweep"),
-    (f"{GOOD}\n", ["--partition", "nope"], "unknown SLURM partition 'nope'"),
-], ids=["zero_jobs", "syntax", "sweep_in_a_line", "partition"])
+@pytest.mark.parametrize(
+    "content, args, expected",
+    [
+        ("# nothing yet\n\n   \n", [], "has no override lines"),
+        (f"{GOOD}\n# a comment\n\ntrainer.seed=[1,\n", [], "line 4: bad override 'trainer.seed=[1,'"),
+        (f"{GOOD} trainer.seed=1,2\n", [], "line 1: 'trainer.seed=1,2' is a sweep"),
+        (f"{GOOD}\n", ["--partition", "nope"], "unknown SLURM partition 'nope'"),
+    ],
+    ids=["zero_jobs", "syntax", "sweep_in_a_line", "partition"],
+)
 def test_submit_script(tmp_path, fake_sbatch, content, args, expected):
     (tmp_path / "sweep.txt").write_text(content)
     line = _fails([*SUBMIT, *args], str(tmp_path), fake_sbatch)
     assert expected in line and line.endswith("nothing submitted"), line
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (["trainer.seed=range(0,0)"], "a sweep of zero jobs: trainer.seed=range(0,0) has no values"),
-    (["hydra.launcher.partition=nope", "trainer.seed=1,2"], "unknown SLURM partition 'nope'"),
-], ids=["zero_jobs", "partition"])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["trainer.seed=range(0,0)"], "a sweep of zero jobs: trainer.seed=range(0,0) has no values"),
+        (["hydra.launcher.partition=nope", "trainer.seed=1,2"], "unknown SLURM partition 'nope'"),
+    ],
+    ids=["zero_jobs", "partition"],
+)
 def test_hydra_launcher(tmp_path, fake_sbatch, overrides, expected):
     line = _fails([*SWEEP, *overrides], str(tmp_path), fake_sbatch)
     assert expected in line, line

@@ -1,5 +1,6 @@
 """Sweeps on SLURM: a Hydra multirun through the slurm launcher (one job array) and slurm/array.sbatch through
 the submit script. Every job runs a few real training steps."""
+
 import filecmp
 import glob
 import json
@@ -32,9 +33,19 @@ def test_hydra_launcher_array(jobs, tmp_path):
     """3 jobs x 2 tasks: one array, each job's ranks from SLURM, each job in its own dir of the sweep."""
     sweep = tmp_path / "sweep"
     jobs.logs += [f"{sweep}/.submitit/*/*_log.*", f"{sweep}/*/train.log"]
-    proc = start(["-m", "hydra/launcher=slurm", "hydra.launcher.tasks_per_node=2", f"hydra.launcher.name={jobs.name}",
-                  *FAST, f"trainer.max_steps={STEPS}", "trainer.seed=0,1,2", f"hydra.sweep.dir={sweep}"],
-                 str(tmp_path))
+    proc = start(
+        [
+            "-m",
+            "hydra/launcher=slurm",
+            "hydra.launcher.tasks_per_node=2",
+            f"hydra.launcher.name={jobs.name}",
+            *FAST,
+            f"trainer.max_steps={STEPS}",
+            "trainer.seed=0,1,2",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        str(tmp_path),
+    )
     result = finish(proc, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     # submitit names an array task's log dir <array job id>_<task id>.
@@ -47,14 +58,30 @@ def test_hydra_launcher_array(jobs, tmp_path):
 def test_array_script(jobs, tmp_path):
     """slurm/array.sbatch through the submit script: line i (comments and blank lines skipped) runs as task i in
     outputs/slurm/<array job id>/<i>/, with the script copied beside it."""
-    lines = [[*FAST, f"trainer.max_steps={STEPS}", "trainer.seed=0"],
-             [*FAST, f"trainer.max_steps={STEPS}", "sharding=ddp"],
-             # A quoted value with a space must reach the job as one override.
-             [*FAST, f"trainer.max_steps={STEPS}", "logger.name=run three"]]
+    lines = [
+        [*FAST, f"trainer.max_steps={STEPS}", "trainer.seed=0"],
+        [*FAST, f"trainer.max_steps={STEPS}", "sharding=ddp"],
+        # A quoted value with a space must reach the job as one override.
+        [*FAST, f"trainer.max_steps={STEPS}", "logger.name=run three"],
+    ]
     override_file = tmp_path / "sweep.txt"
     override_file.write_text("# three jobs\n\n" + "\n\n# next\n".join(shlex.join(line) for line in lines) + "\n")
-    result = subprocess.run([sys.executable, "-m", "fsdp_research", "submit", str(override_file), "--parallel", "2",
-                             "--", f"--job-name={jobs.name}"], cwd=tmp_path, capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "fsdp_research",
+            "submit",
+            str(override_file),
+            "--parallel",
+            "2",
+            "--",
+            f"--job-name={jobs.name}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode == 0, result.stderr
     array_job = result.stdout.split()[3].rstrip(":")
     sweep = tmp_path / "outputs" / "slurm" / array_job
