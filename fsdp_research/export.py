@@ -7,6 +7,7 @@ converts any resume checkpoint offline, with no process group and no GPU."""
 import json
 import os
 import re
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -102,5 +103,7 @@ def load_checkpoint_weights(step_dir: str) -> dict[str, torch.Tensor]:
         for k, v in metadata.items()
         if k.startswith("model.") and hasattr(v, "size")
     }
-    dcp.load(state, checkpoint_id=step_dir, no_dist=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=step_dir, no_dist=True)
     return {k[len("model.") :]: v for k, v in state.items()}

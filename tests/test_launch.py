@@ -2,6 +2,7 @@
 Each launch is one run dir written by rank 0 only, with the same metrics (and the same losses: one code path)."""
 
 import glob
+import json
 import os
 
 import pytest
@@ -9,7 +10,7 @@ import yaml
 
 from tests.conftest import FAST
 from tests.helpers.cli import default_run_dirs, finish, read_metrics, start
-from tests.helpers.wandb_history import history
+from tests.helpers.wandb_history import exit_codes, history
 
 STEPS, EVAL_INTERVAL, SEQ_LEN, BATCH = 4, 2, 64, 8
 OVERRIDES = FAST + [  # later overrides win
@@ -110,8 +111,25 @@ def test_wandb_offline_run_on_rank0_only(runs, name):
     assert len(offline_runs) == 1, offline_runs
     assert os.path.dirname(offline_runs[0]) == os.path.join(_run_dir(runs, name), "wandb")
     [log_file] = glob.glob(os.path.join(offline_runs[0], "run-*.wandb"))
+    assert exit_codes(log_file) == [0]
     rows = history(log_file)
     metrics = read_metrics(_run_dir(runs, name))
     assert [row["_step"] for row in rows] == [m["step"] for m in metrics]
     for row, m in zip(rows, metrics):
         assert {k: row[k] for k in m if k != "step"} == {k: v for k, v in m.items() if k != "step"}
+
+
+def test_a_run_that_fails_closes_its_wandb_run_as_failed(tmp_path):
+    """The first save fails (a file stands where the checkpoints dir goes): the run ends with a one-line error,
+    status.json says failed, and its W&B run is finished with exit code 1, not left open."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("not a directory")
+    result = finish(
+        start([*OVERRIDES, "logger=wandb", "checkpoint.interval=2", f"hydra.run.dir={run_dir}"], str(tmp_path))
+    )
+    assert result.returncode == 2 and result.last_error_line().startswith("error: saving checkpoint step_2 ")
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "failed"
+    [log_file] = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert exit_codes(log_file) == [1]
+    assert [row["_step"] for row in history(log_file)] == [1, 2]

@@ -16,12 +16,12 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] not in COMMANDS:
-        width = max(map(len, COMMANDS))
-        usage = "\n".join(f"  {name:<{width}}  {what}" for name, what in COMMANDS.items())
-        print(
-            f"usage: fsdp-research <command> [args...]; commands:\n{usage}",
-            file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout,
-        )
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return importlib.import_module(f"{__name__}.{argv[0]}").main(argv[1:]) or 0
+    if argv and argv[0] in COMMANDS:
+        return importlib.import_module(f"{__name__}.{argv[0]}").main(argv[1:]) or 0
+    if argv and argv[0] not in ("-h", "--help"):
+        print(f"error: unknown command {argv[0]!r}; fix: use one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    width = max(map(len, COMMANDS))
+    listing = "\n".join(f"  {name:<{width}}  {what}" for name, what in COMMANDS.items())
+    print(f"usage: fsdp-research <command> [args...]\n\ncommands:\n{listing}")
+    return 0 if argv else 2

@@ -53,3 +53,8 @@ def summary(path: str) -> dict[str, object]:
             for item in record.summary.update:
                 out[item.key or "/".join(item.nested_key)] = json.loads(item.value_json)
     return out
+
+
+def exit_codes(path: str) -> list[int]:
+    """The exit codes the run recorded when it was finished (none while it is still open)."""
+    return [record.exit.exit_code for record in _records(path) if record.WhichOneof("record_type") == "exit"]
