@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 
 from fsdp_research.composition import compose  # noqa: E402
 from fsdp_research.config import typed  # noqa: E402
-from fsdp_research.data import build_data  # noqa: E402
+from fsdp_research.data.pipeline import build_data  # noqa: E402
 from fsdp_research.distributed import spawn  # noqa: E402
 from fsdp_research.initialization import init_weights, materialize  # noqa: E402
 from fsdp_research.models import block_class_name, build_hf_config, build_model, find_blocks  # noqa: E402
@@ -52,7 +52,7 @@ def bare_loop(cfg, steps: int) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
 
     def step(s: int) -> None:
-        batch = data.train.rank_batch(s, t.global_batch_size, rank, world)
+        batch = data.rank_batch(s, t.global_batch_size, rank, world)
         logits = model(input_ids=batch[:, :-1]).logits
         F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
         optimizer.step()

@@ -18,7 +18,7 @@ from overhead import alternate, bare_loop, bench_main, seconds_per_step, trainer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from fsdp_research.config import typed  # noqa: E402
-from fsdp_research.data import build_data  # noqa: E402
+from fsdp_research.data.pipeline import build_data  # noqa: E402
 from fsdp_research.distributed import device_for, init_distributed  # noqa: E402
 from fsdp_research.initialization import init_weights, materialize  # noqa: E402
 from fsdp_research.models import build_hf_config, build_model  # noqa: E402
@@ -42,7 +42,7 @@ def accelerate_loop(cfg, steps: int) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def step(s: int) -> None:
-        batch = data.train.rank_batch(s, t.global_batch_size, rank, world)
+        batch = data.rank_batch(s, t.global_batch_size, rank, world)
         logits = model(input_ids=batch[:, :-1]).logits
         accelerator.backward(F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()))
         accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)

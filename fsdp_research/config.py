@@ -66,12 +66,27 @@ class DataKind(str, Enum):
 
 
 @dataclass
+class SourceConfig:
+    """One source of a mixture."""
+
+    paths: list[str] = field(default_factory=list)
+    text_field: str = "text"
+    # Its share of the samples: weights are normalized over the sources.
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
     kind: DataKind = DataKind.local_text
-    # local_text: files or glob patterns; empty -> the running Python's standard-library sources.
+    # local_text: files, directories written by datasets.save_to_disk, or globs; by name: .txt/.md/... (one document
+    # per file), .jsonl/.json (also .gz/.zst), .parquet, .csv, .arrow. Empty: the running Python's stdlib sources.
     paths: list[str] = field(default_factory=list)
+    # The field (column) that holds each record's text.
+    text_field: str = "text"
+    # A mixture (instead of paths): [{paths, text_field, weight}, ...], sampled by weight.
+    sources: list[SourceConfig] = field(default_factory=list)
     seq_len: int = 128
-    # "byte" (no download) or an HF tokenizer name or local path.
+    # "byte" (no download) or a Hugging Face tokenizer: a local directory, or a name in the local cache.
     tokenizer: str = "byte"
     # hub: datasets.load_dataset(hub_name, hub_config, split=split, streaming=streaming).
     hub_name: str | None = None
@@ -80,12 +95,17 @@ class DataConfig:
     streaming: bool = False
     # With streaming, how many documents to take.
     max_documents: int = 10000
-    text_field: str = "text"
-    # synthetic: how many random sequences.
+    # synthetic: how many random windows.
     num_sequences: int = 4096
-    # Fraction of packed sequences held out for eval.
+    # Fraction of each source's windows held out for eval.
     eval_fraction: float = 0.05
+    # Hugging Face datasets' cache (hub).
     cache_dir: str | None = None
+    # Token stores; null: $FSDP_RESEARCH_CACHE/token_stores, by default ~/.cache/fsdp_research/token_stores. All
+    # nodes of a job must see it.
+    store_dir: str | None = None
+    # Tokenization processes per rank when a store is built; 0: this rank's share of the node's cores.
+    build_workers: int = 0
 
 
 @dataclass

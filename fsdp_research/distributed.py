@@ -90,14 +90,18 @@ def device_for(requested: str, local_rank: int) -> torch.device:
     return torch.device(requested)
 
 
-def _limit_cpu_threads() -> None:
-    """Ranks sharing a node's cores split them: torch's default (every core per process) oversubscribes the
-    node as soon as two ranks run on it. An explicit OMP_NUM_THREADS wins (torchrun sets 1)."""
-    if "OMP_NUM_THREADS" in os.environ:
-        return
+def cores_per_rank() -> int:
+    """This rank's share of the node's cores: ranks sharing a node split them."""
     env = os.environ
     local = int(env.get("LOCAL_WORLD_SIZE") or env.get("SLURM_STEP_TASKS_PER_NODE", "1").split("(")[0].split(",")[0])
-    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local))
+    return max(1, len(os.sched_getaffinity(0)) // local)
+
+
+def _limit_cpu_threads() -> None:
+    """torch's default (every core per process) oversubscribes the node as soon as two ranks run on it. An
+    explicit OMP_NUM_THREADS wins (torchrun sets 1)."""
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(cores_per_rank())
 
 
 def init_distributed(cfg: DistributedConfig, device: torch.device) -> None:

@@ -19,3 +19,7 @@ class CheckpointError(RuntimeError):
 
 class SubmitError(Exception):
     """Why nothing was submitted to SLURM, in one line."""
+
+
+class DataError(RuntimeError):
+    """A token store cannot be built or read: one line, what and where."""

@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from .data.tokenizer import load_tokenizer
 from .errors import ConfigError
 from .models import clean_name
 from .precision import parse_dtype
@@ -78,10 +79,8 @@ def write_hf_dir(
     hf_config = hf_config.__class__.from_dict(hf_config.to_dict())
     hf_config.dtype = dtype
     hf_config.save_pretrained(out_dir)
-    if tokenizer and tokenizer != "byte":
-        from transformers import AutoTokenizer
-
-        AutoTokenizer.from_pretrained(tokenizer).save_pretrained(out_dir)
+    if tokenizer:
+        load_tokenizer(tokenizer).save(out_dir)
 
 
 def export_model(

@@ -1,7 +1,9 @@
 """Throughput, MFU and peak memory, computed in one place and handed to whichever sinks are on."""
 
+import contextlib
 import resource
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -74,15 +76,30 @@ class Throughput:
     ):
         self.tokens_per_step, self.samples_per_step, self.world_size = tokens_per_step, samples_per_step, world_size
         self.flops_per_token, self.peak_tflops, self.device = flops_per_token, peak_tflops, device
-        self._start = 0.0
+        self._start = self._paused = 0.0
 
     def start(self) -> None:
         self._start = time.perf_counter()
+        self._paused = 0.0
 
-    def stop(self, steps: int) -> dict[str, float]:
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time that is not training (eval, a checkpoint save) is left out of the window."""
+        self._sync()
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self._paused += time.perf_counter() - started
+
+    def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        dt = (time.perf_counter() - self._start) / steps
+
+    def stop(self, steps: int) -> dict[str, float]:
+        self._sync()
+        dt = (time.perf_counter() - self._start - self._paused) / steps
         tokens_per_s = self.tokens_per_step / dt
         out = {
             "step_time_s": dt,

@@ -7,7 +7,7 @@ import statistics
 from typing import Any
 
 from .rundir import read_status
-from .sinks import step_metrics
+from .sinks import read_records
 from .sweep import job_overrides
 
 # CUDA runs log allocated and reserved peaks, CPU runs the RSS. Reserved comes first: it is what the caching
@@ -36,9 +36,9 @@ def _median_after_warmup(rows: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """The table's numbers from a job's metrics.jsonl rows (None where the job logged nothing)."""
-    eval_losses = [row["eval_loss"] for row in rows if "eval_loss" in row]
+def summarize(rows: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[str, Any]:
+    """The table's numbers from a job's per-step metric rows and eval records (None where it logged nothing)."""
+    eval_losses = [row["eval_loss"] for row in evals]
     memory_key = next((key for key in MEMORY_KEYS if any(key in row for row in rows)), None)
     return {
         "final_loss": rows[-1]["loss"] if rows else None,
@@ -53,15 +53,17 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def load_job(job_dir: str) -> dict[str, Any]:
     """One job dir: its number, overrides, metrics rows, summary and status; missing files give empty values."""
     status = read_status(job_dir)
-    rows = step_metrics(job_dir)
+    records = read_records(job_dir)
+    rows, evals = [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
     # Without status.json the job may still be running or may have died without a word: we cannot tell.
     return {
         "num": int(os.path.basename(os.path.normpath(job_dir))),
         "overrides": job_overrides(job_dir),
         "rows": rows,
+        "evals": evals,
         "status": status.get("status", "unknown"),
         "error": status.get("error"),
-        **summarize(rows),
+        **summarize(rows, evals),
     }
 
 
@@ -106,10 +108,10 @@ def plot(jobs: list[dict[str, Any]], path: str) -> None:
         rows = job["rows"]
         if rows:
             ax_loss.plot([r["step"] for r in rows], [r["loss"] for r in rows], color=color, label=name)
-        evals = [r for r in rows if "eval_loss" in r]
+        evals = job["evals"]
         if evals:
             ax_loss.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o", color=color, mfc="none")
-    if any("eval_loss" in r for job in jobs for r in job["rows"]):
+    if any(job["evals"] for job in jobs):
         ax_loss.plot([], [], "o", color="gray", mfc="none", label="eval loss")
     ax_loss.set(xlabel="step", ylabel="loss", title="loss")
     ax_loss.grid(alpha=0.3)

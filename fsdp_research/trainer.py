@@ -5,6 +5,7 @@ step -> metrics -> maybe checkpoint} -> export. Starting the processes that run 
 import contextlib
 import logging
 import os
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -13,18 +14,26 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from . import rundir
 from .build import planned_model, shard_model
 from .checkpoint import Checkpointer, config_files
 from .config import Strategy, typed
-from .data import Data, build_data
-from .distributed import broadcast_object, device_for, init_distributed, launch_env, on_rank0, planned_nodes
+from .data.pipeline import Build, Data, Prefetcher, build_data
+from .distributed import (
+    broadcast_object,
+    cores_per_rank,
+    device_for,
+    init_distributed,
+    launch_env,
+    on_rank0,
+    planned_nodes,
+)
 from .doctor import diagnose, report
 from .export import export_dtype, export_model, parse_size
 from .layout import Layout, layout
+from .losses import held_out_loss, loss_of
 from .metrics import Throughput, flops_per_token, peak_memory, peak_tflops
 from .models import build_hf_config, dims
 from .optim import build_optimizer, clip_grad_norm
@@ -88,6 +97,7 @@ class Run:
     optimizer: torch.optim.Optimizer
     state: TrainState
     data: Data
+    batches: Prefetcher
     amp: Any
     checkpointer: Checkpointer
     sinks: Sinks
@@ -96,13 +106,6 @@ class Run:
     preemption: Preemption
     save_times: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
-
-
-def loss_of(model: nn.Module, batch: torch.Tensor, amp) -> torch.Tensor:
-    """Next-token cross-entropy of a batch of seq_len + 1 tokens."""
-    with amp:
-        logits = model(input_ids=batch[:, :-1]).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -156,28 +159,37 @@ def _prepare(cfg: DictConfig, run_dir: str) -> tuple[torch.device, str, Any, nn.
     return device, run_dir, hf_config, model, plan, resume_dir
 
 
-def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: contextlib.ExitStack) -> Run:
-    device, run_dir, hf_config, model, plan, resume_dir = _prepare(cfg, run_dir)
-    rank, world, t = dist.get_rank(), dist.get_world_size(), cfg.trainer
-    data = build_data(cfg.data, hf_config.vocab_size, t.seed)
-    model = shard_model(model, plan, cfg, device, world)
-    optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
-    state = TrainState(scheduler, LossScaler(cfg.precision))
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
-    _close_on_exit(resources, checkpointer.close)
-    if resume_dir:
-        state.load_state_dict(checkpointer.load(resume_dir, model, optimizer))
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info(
-        f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {len(plan.blocks)} blocks, "
-        f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
-        f"starting at step {state.step}"
+def _data(cfg: DictConfig, vocab_size: int) -> Data:
+    """The run's data. Where a token store is missing every rank builds its share with its share of the node's
+    cores (rank 0 logs the progress); opening existing stores takes milliseconds."""
+    rank, started = dist.get_rank(), time.perf_counter()
+
+    def progress(done: int, total: int, seconds: float) -> None:
+        log.info(f"tokenizing: {done}/{total} parts of the token store done after {seconds:.0f} s")
+
+    build = Build(
+        rank=rank,
+        world=dist.get_world_size(),
+        workers=cfg.data.build_workers or cores_per_rank(),
+        name=on_rank0(lambda: secrets.token_hex(8)),
+        report=progress if rank == 0 else None,
     )
+    data = build_data(cfg.data, vocab_size, cfg.trainer.seed, build)
+    log.info(f"data: {data.describe()}; ready in {time.perf_counter() - started:.2f} s")
+    return data
+
+
+def _observe(
+    cfg: DictConfig, run_dir: str, device: torch.device, plan: ShardingPlan, state: TrainState, resources
+) -> tuple[Sinks, StepProfiler]:
+    """The sinks (rank 0's console, metrics.jsonl, W&B), status.json, the doctor's start-up findings, and the
+    profiler; closed when the run ends."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     sinks = build_sinks(
         cfg.logger,
         run_dir,
         rank,
-        t.max_steps,
+        cfg.trainer.max_steps,
         OmegaConf.to_container(cfg, resolve=True),
         state.wandb_run_id,
         state.step,
@@ -186,8 +198,36 @@ def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: con
     if rank == 0:
         rundir.write_status(run_dir, "running")
         report(diagnose(cfg, plan, world, planned_nodes()), sinks, state.step)
-    profiler = StepProfiler(t.profile_steps, run_dir, rank, device, sinks)
+    profiler = StepProfiler(cfg.trainer.profile_steps, run_dir, rank, device, sinks)
     _close_on_exit(resources, lambda failed: profiler.close())
+    return sinks, profiler
+
+
+def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: contextlib.ExitStack) -> Run:
+    device, run_dir, hf_config, model, plan, resume_dir = _prepare(cfg, run_dir)
+    rank, world, t = dist.get_rank(), dist.get_world_size(), cfg.trainer
+    model = shard_model(model, plan, cfg, device, world)
+    optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
+    state = TrainState(scheduler, LossScaler(cfg.precision))
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
+    _close_on_exit(resources, checkpointer.close)
+    if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
+        state.load_state_dict(checkpointer.load(resume_dir, model, optimizer))
+    data = _data(cfg, hf_config.vocab_size)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info(
+        f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {len(plan.blocks)} blocks, "
+        f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
+        f"starting at step {state.step}"
+    )
+    sinks, profiler = _observe(cfg, run_dir, device, plan, state, resources)
+    batches = Prefetcher(
+        lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
+        state.step,
+        t.max_steps,
+        pin=device.type == "cuda",
+    )
+    _close_on_exit(resources, batches.close)
     throughput = Throughput(
         t.global_batch_size * cfg.data.seq_len,
         t.global_batch_size,
@@ -196,6 +236,7 @@ def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: con
         peak_tflops(device, t.peak_tflops),
         device,
     )
+    amp = autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp)
     return Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -208,7 +249,8 @@ def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: con
         optimizer=optimizer,
         state=state,
         data=data,
-        amp=autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp),
+        batches=batches,
+        amp=amp,
         checkpointer=checkpointer,
         sinks=sinks,
         profiler=profiler,
@@ -223,8 +265,7 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     Returns this rank's loss, the global gradient norm and the learning rate the step used."""
     t, scaler, micro_steps = run.cfg.trainer, run.state.scaler, run.layout.micro_steps
     with region("data"):
-        batch = run.data.train.rank_batch(step, t.global_batch_size, run.rank, run.layout.world_size)
-        batch = batch.to(run.device)
+        batch = run.batches.get(step).to(run.device, non_blocking=True)
     loss_sum = torch.zeros((), device=run.device)
     for i, micro in enumerate(batch.split(t.micro_batch_size)):
         with grad_sync(run.model, i == micro_steps - 1 or not t.defer_grad_sync):
@@ -248,6 +289,8 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
 
 
 def _loop(run: Run, result: TrainResult) -> None:
+    """Steps until max_steps or a preemption signal. Throughput windows run from one log to the next, without
+    the time of eval and checkpoint saves."""
     t = run.cfg.trainer
     run.throughput.start()
     last_logged = run.state.step
@@ -257,24 +300,27 @@ def _loop(run: Run, result: TrainResult) -> None:
         if done % t.log_interval == 0 or done == t.max_steps:
             _log_step(run, result, done - last_logged, loss, grad_norm, lr)
             last_logged = done
+            run.throughput.start()
+        if t.eval_interval and (done % t.eval_interval == 0 or done == t.max_steps):
+            with run.throughput.paused():
+                run.sinks.log({"step": done, **evaluate(run)})
         # Before the checkpoint, so that the run's final save stays out of the profiled window (the summary
         # times saves on their own).
         run.profiler.step(done)
         result.preempted = run.preemption.requested()
         if run.checkpointer.due(done, t.max_steps) or result.preempted:
-            _save(run)
+            with run.throughput.paused():
+                _save(run)
         if result.preempted:
             log.info(f"preemption signal: stopped after step {done} with a resume checkpoint")
             return
-        if last_logged == done:
-            run.throughput.start()
 
 
 def _log_step(
     run: Run, result: TrainResult, steps: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float
 ) -> None:
     """The metrics of the `steps` steps since the last log, to every sink."""
-    t, done, scaler = run.cfg.trainer, run.state.step, run.state.scaler
+    done, scaler = run.state.step, run.state.scaler
     metrics = {
         "step": done,
         "loss": _mean_over_ranks(loss),
@@ -285,26 +331,16 @@ def _log_step(
     }
     if scaler.enabled:
         metrics.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps)
-    if t.eval_interval and (done % t.eval_interval == 0 or done == t.max_steps):
-        metrics["eval_loss"] = evaluate(run)
     result.losses.append(metrics["loss"])
     run.rates.append(metrics["tokens_per_s"])
     run.sinks.log(metrics)
 
 
-@torch.no_grad()
-def evaluate(run: Run) -> float:
-    """Mean loss over trainer.eval_batches micro-batches of held-out sequences per rank."""
-    t, world = run.cfg.trainer, run.layout.world_size
-    held_out, per_rank = run.data.eval, t.micro_batch_size
-    total = torch.zeros((), device=run.device)
-    run.model.eval()
-    for i in range(t.eval_batches):
-        start = (i * world + run.rank) * per_rank
-        index = torch.arange(start, start + per_rank) % len(held_out)
-        total += loss_of(run.model, held_out[index].to(run.device), run.amp)
-    run.model.train()
-    return _mean_over_ranks(total) / t.eval_batches
+def evaluate(run: Run) -> dict[str, float]:
+    t = run.cfg.trainer
+    return held_out_loss(
+        run.model, run.data, t.eval_batches * t.micro_batch_size, t.micro_batch_size, run.device, run.amp
+    )
 
 
 def _save(run: Run) -> None:

@@ -16,7 +16,8 @@ from .config import (
     Strategy,
     TrainerConfig,
 )
-from .data import check_vocab, resolve_paths
+from .data.parts import probe, resolve_files
+from .data.pipeline import check_tokenizer, sources
 from .errors import ConfigError
 from .export import parse_size
 from .models import ModelDims, dims
@@ -39,22 +40,41 @@ def check_trainer(t: TrainerConfig, world_size: int) -> None:
         )
 
 
+def check_sources(cfg: DataConfig) -> None:
+    """The data's sources and how their stores are built: what `fsdp-research tokenize` needs of a config."""
+    if cfg.kind is DataKind.local_text:
+        if cfg.sources and cfg.paths:
+            raise ConfigError("data.sources", "a mixture is given and data.paths too", "give one of them")
+        weights = [s.weight for s in sources(cfg)]
+        if any(w < 0 for w in weights) or not any(w > 0 for w in weights):
+            raise ConfigError(
+                "data.sources",
+                f"weights {weights}: each must be 0 or more, one at least above 0",
+                "set each source's weight to its share of the samples",
+            )
+        for source in sources(cfg):
+            probe(resolve_files(source.paths, source.key), source.text_field)
+    if cfg.build_workers < 0:
+        raise ConfigError("data.build_workers", f"{cfg.build_workers} is negative", "use 0 (all cores) or N")
+
+
 def check_data(cfg: DataConfig, t: TrainerConfig, model: ModelDims) -> None:
-    if model.max_positions and cfg.seq_len > model.max_positions:
+    if cfg.seq_len < 1 or (model.max_positions and cfg.seq_len > model.max_positions):
         raise ConfigError(
             "data.seq_len",
-            f"{cfg.seq_len} exceeds the model's {model.max_positions} positions",
+            f"{cfg.seq_len} is not within the model's 1..{model.max_positions} positions",
             f"set data.seq_len to at most {model.max_positions}",
         )
-    if cfg.kind is DataKind.local_text:
-        resolve_paths(cfg)
+    check_sources(cfg)
+    if not 0 <= cfg.eval_fraction < 1:
+        raise ConfigError("data.eval_fraction", f"{cfg.eval_fraction} is not in [0, 1)", "use e.g. 0.05")
     if t.eval_interval and cfg.eval_fraction <= 0:
         raise ConfigError(
             "trainer.eval_interval",
             "eval needs held-out data but data.eval_fraction is 0",
             "set data.eval_fraction above 0, or trainer.eval_interval=0",
         )
-    check_vocab(cfg, model.vocab)
+    check_tokenizer(cfg, model.vocab)
 
 
 def check_sharding(cfg: ShardingConfig, world_size: int) -> None:

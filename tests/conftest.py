@@ -31,4 +31,6 @@ def _offline(tmp_path_factory):
         patch.setenv("HF_HUB_OFFLINE", "1")
         patch.setenv("WANDB_MODE", "offline")
         patch.setenv("HF_DATASETS_CACHE", str(tmp_path_factory.getbasetemp() / "hf_datasets"))
+        # Token stores of this session's own, not the user's.
+        patch.setenv("FSDP_RESEARCH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
         yield

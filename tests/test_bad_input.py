@@ -1,12 +1,14 @@
 """Every bad input fails fast: one line on stderr naming the key and the fix, a non-zero exit, no compute, and
 nothing written into the run dir. Composition errors (unknown key or option, wrong type) are Hydra's own."""
 
+import functools
 import json
 import os
 
 import pytest
 
 from tests.helpers.cli import finish, start
+from tests.helpers.corpora import bpe_tokenizer, write
 
 SMALL = ["logger=none", "trainer.max_steps=2"]
 APP_ERRORS = {
@@ -20,6 +22,13 @@ APP_ERRORS = {
     "paths": ("data.paths", ["data.paths=[/no/such/dir/*.txt]"]),
     "dtype": ("precision.param_dtype", ["precision.param_dtype=float8"]),
     "no_eval_data": ("trainer.eval_interval", ["data.eval_fraction=0", "trainer.eval_interval=1"]),
+    # CORPUS: a JSON Lines corpus the fixture writes, whose records hold "text" and "id".
+    "text_field": ("data.text_field", ["data.paths=[CORPUS]", "data.text_field=body"]),
+    "weights": ("data.sources", ["data.sources=[{paths:[CORPUS],weight:0}]"]),
+    "tokenizer_vocab": (
+        "data.tokenizer",
+        ["data.paths=[CORPUS]", "data.tokenizer=TOKENIZER", "model.config.vocab_size=260"],
+    ),
 }
 HYDRA_ERRORS = {
     "unknown_key": ("Key 'max_stepz' not in 'TrainerConfig'", ["trainer.max_stepz=3"]),
@@ -45,8 +54,10 @@ def _contents(run_dir):
 def failed(tmp_path_factory):
     """Every case at once: each is mostly interpreter start-up."""
     cwd = tmp_path_factory.mktemp("bad_input")
+    files = {"CORPUS": write("jsonl", str(cwd / "corpus")), "TOKENIZER": bpe_tokenizer(str(cwd / "tokenizer"))}
     procs = {}
     for name, (_, overrides) in {**APP_ERRORS, **HYDRA_ERRORS}.items():
+        overrides = [functools.reduce(lambda o, kv: o.replace(*kv), files.items(), o) for o in overrides]
         if name in INTO_EXISTING:
             (cwd / name).mkdir()
             for file, text in EXISTING.items():

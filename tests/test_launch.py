@@ -52,6 +52,11 @@ def runs(tmp_path_factory):
     return {name: (cwds[name], results[name]) for name in LAUNCHES}
 
 
+def _eval_records(run_dir) -> list:
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        return [r for r in map(json.loads, f) if "eval_loss" in r]
+
+
 def _run_dir(runs, name) -> str:
     cwd, _ = runs[name]
     if name == "single":
@@ -75,7 +80,7 @@ def test_run_dir_and_metrics(runs, name):
     assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))  # log_interval=1: every step, once
     for m in metrics:
         assert REQUIRED <= m.keys(), REQUIRED - m.keys()
-        assert ("eval_loss" in m) == (m["step"] % EVAL_INTERVAL == 0)
+        assert "eval_loss" not in m
         assert m["samples_per_s"] == pytest.approx(BATCH / m["step_time_s"])
         assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * SEQ_LEN)
         assert m["samples_per_s_per_device"] == pytest.approx(m["samples_per_s"] / world)
@@ -83,7 +88,9 @@ def test_run_dir_and_metrics(runs, name):
         assert m["peak_rss_gib"] > 0 and m["grad_norm"] > 0
     assert metrics[0]["lr"] == pytest.approx(3e-3 / 10)  # first warmup step
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3
-    assert metrics[-1]["eval_loss"] < metrics[EVAL_INTERVAL - 1]["eval_loss"]
+    evals = _eval_records(run_dir)
+    assert [e["step"] for e in evals] == list(range(EVAL_INTERVAL, STEPS + 1, EVAL_INTERVAL))
+    assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
 
 
 @pytest.mark.parametrize("name", ["spawn", "torchrun"])
@@ -115,8 +122,11 @@ def test_wandb_offline_run_on_rank0_only(runs, name):
     rows = history(log_file)
     metrics = read_metrics(_run_dir(runs, name))
     assert [row["_step"] for row in rows] == [m["step"] for m in metrics]
+    # W&B keeps one row per step: an eval record joins its step's metrics.
+    evals = {e["step"]: e for e in _eval_records(_run_dir(runs, name))}
     for row, m in zip(rows, metrics):
-        assert {k: row[k] for k in m if k != "step"} == {k: v for k, v in m.items() if k != "step"}
+        expected = {k: v for k, v in {**m, **evals.get(m["step"], {})}.items() if k != "step"}
+        assert {k: row[k] for k in expected} == expected
 
 
 def test_a_run_that_fails_closes_its_wandb_run_as_failed(tmp_path):

@@ -11,6 +11,7 @@ COMMANDS = {
     "report": "one row per job of a sweep, and a PNG of its curves",
     "scaling": "samples/s at 1..N devices for a sharding and for DDP, and the abandon verdict",
     "submit": "submit a file of override lines as one SLURM job array",
+    "tokenize": "build the token stores of a data config ahead of training",
 }
 
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_research.config import typed
-from fsdp_research.data import build_data
+from fsdp_research.data.pipeline import build_data
 from fsdp_research.initialization import init_weights, materialize
 from fsdp_research.models import build_hf_config, build_model
 from fsdp_research.optim import build_optimizer
@@ -24,7 +24,7 @@ def reference_run(cfg: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
     losses = []
     for step in range(t.max_steps):
-        batch = data.train.global_batch(step, t.global_batch_size)
+        batch = data.global_batch(step, t.global_batch_size)
         logits = model(input_ids=batch[:, :-1]).logits
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()

@@ -1,0 +1,64 @@
+"""fsdp-research tokenize <data overrides...>: the config's token stores built ahead of training, with every core
+of this node (data.build_workers), e.g. in a CPU-only SLURM job, where each srun task takes its share of the parts;
+a progress bar while it runs, and the rate at the end. A store that exists is only opened."""
+
+import argparse
+import os
+import secrets
+import sys
+import time
+from collections.abc import Sequence
+
+from ..composition import compose
+from ..data.pipeline import Build, open_stores, store_root, store_specs
+from ..data.store import verify
+from ..distributed import cores_per_rank, launch_env
+from ..errors import ConfigError, DataError
+from ..validation import check_sources
+from .common import fail
+
+
+def _bar(done: int, total: int, seconds: float) -> None:
+    filled = int(30 * done / max(total, 1))
+    line = f"[{'#' * filled:<30}] {done}/{total} parts, {seconds:.0f} s"
+    if sys.stdout.isatty():
+        print(f"\r{line}", end="", flush=True)
+    else:
+        print(line, flush=True)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fsdp-research tokenize", description=__doc__.split(":", 1)[1].strip())
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides as for train.py (data.*)")
+    args = parser.parse_args(argv)
+    env = launch_env()
+    rank, world = (env.rank, env.world_size) if env else (0, 1)
+    # Every task of one srun step names the same build; alone, any name will do.
+    name = f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', 0)}" if env else secrets.token_hex(8)
+    try:
+        cfg = compose(args.overrides)
+        check_sources(cfg.data)
+        root = store_root(cfg.data)
+        existed = {
+            s.fingerprint
+            for s in store_specs(cfg.data)
+            if verify(os.path.join(root, s.fingerprint), s.fingerprint) is None
+        }
+        started = time.perf_counter()
+        build = Build(rank, world, cfg.data.build_workers or cores_per_rank(), name, _bar if rank == 0 else None, 1.0)
+        stores = open_stores(cfg.data, build)
+    except (ConfigError, DataError) as err:
+        return fail(err)
+    seconds = time.perf_counter() - started
+    if sys.stdout.isatty():
+        print()
+    for store in stores:
+        m = store.manifest
+        print(
+            f"token store {store.path}: {m['tokens']:,} tokens ({m['dtype']}), {m['documents']:,} documents, "
+            f"{m['text_bytes'] / 1e6:,.1f} MB of text" + (" (already built)" if m["fingerprint"] in existed else "")
+        )
+    built = [s.manifest["text_bytes"] for s in stores if s.manifest["fingerprint"] not in existed]
+    if built:
+        print(f"built in {seconds:.1f} s: {sum(built) / 1e6 / seconds:,.1f} MB/s of text")
+    return 0

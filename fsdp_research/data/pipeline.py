@@ -1,0 +1,203 @@
+"""From the data config to batches: the sources (local files, a mixture of them, a hub dataset, or synthetic
+tokens) -> their token stores (built once, opened by every rank) -> a Stream of windows by global sample index
+-> this rank's slice of each step's global batch, read ahead in a background thread."""
+
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..config import DataConfig, DataKind
+from ..errors import ConfigError
+from .parts import default_paths, hub_parts, identity, plan_parts, resolve_files
+from .sampling import StoreWindows, Stream, SyntheticWindows
+from .store import Report, StoreSpec, TokenStore, ensure_store, store_spec
+from .tokenizer import load_tokenizer
+
+
+def store_root(cfg: DataConfig) -> str:
+    """data.store_dir, else $FSDP_RESEARCH_CACHE/token_stores (default ~/.cache/fsdp_research/token_stores): a
+    directory every node of a job sees."""
+    if cfg.store_dir:
+        return os.path.abspath(os.path.expanduser(cfg.store_dir))
+    cache = os.environ.get("FSDP_RESEARCH_CACHE") or os.path.join("~", ".cache", "fsdp_research")
+    return os.path.join(os.path.abspath(os.path.expanduser(cache)), "token_stores")
+
+
+@dataclass(frozen=True)
+class Source:
+    paths: tuple[str, ...]
+    text_field: str
+    weight: float
+    key: str  # the config key that names it, for errors
+
+
+def sources(cfg: DataConfig) -> list[Source]:
+    """The local sources: data.sources (a mixture), else data.paths (empty: the standard library's sources)."""
+    if cfg.sources:
+        return [
+            Source(tuple(s.paths), s.text_field, s.weight, f"data.sources[{i}].paths")
+            for i, s in enumerate(cfg.sources)
+        ]
+    return [Source(tuple(cfg.paths) or tuple(default_paths()), cfg.text_field, 1.0, "data.paths")]
+
+
+def store_specs(cfg: DataConfig) -> list[StoreSpec]:
+    """Each source's store spec (the files are listed and stat'ed; nothing is read)."""
+    if cfg.kind is DataKind.hub:
+        hub = {
+            "path": cfg.hub_name,
+            "name": cfg.hub_config,
+            "split": cfg.split,
+            "streaming": cfg.streaming,
+            "cache_dir": cfg.cache_dir,
+            "max_documents": cfg.max_documents,
+        }
+        parts = hub_parts(hub, cfg.text_field)
+        return [store_spec(parts, {k: v for k, v in hub.items() if k != "cache_dir"}, cfg.tokenizer)]
+    specs = []
+    for source in sources(cfg):
+        files = resolve_files(source.paths, source.key)
+        specs.append(store_spec(plan_parts(files, source.text_field), identity(files), cfg.tokenizer))
+    return specs
+
+
+@dataclass(frozen=True)
+class Build:
+    """How this process takes part in building stores: its rank among the builders, their number, its worker
+    processes, the name of the build (the same on every rank), and where progress goes."""
+
+    rank: int = 0
+    world: int = 1
+    workers: int = 1
+    name: str = "local"
+    report: Report | None = None
+    every_s: float = 10.0
+
+
+def open_stores(cfg: DataConfig, build: Build = Build()) -> list[TokenStore]:
+    """Every source's store, built first where there is none (see fsdp_research.data.store)."""
+    root = store_root(cfg)
+    b = build
+    return [
+        ensure_store(spec, root, b.rank, b.world, b.workers, b.name, b.report, b.every_s) for spec in store_specs(cfg)
+    ]
+
+
+def _check_size(windows, cfg: DataConfig, key: str) -> None:
+    held_out = max(1, int(windows.count * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
+    if windows.count - held_out < 1:
+        raise ConfigError(
+            key,
+            f"{windows.count} window(s) of data.seq_len + 1 = {windows.length} tokens, {held_out} held out for "
+            "eval: none left to train on",
+            "add text, or lower data.seq_len or data.eval_fraction",
+        )
+
+
+@dataclass
+class Data:
+    stream: Stream
+    seq_len: int
+
+    def batch(self, index: np.ndarray, held_out: bool = False) -> torch.Tensor:
+        samples = self.stream.held_out(index) if held_out else self.stream.train(index)
+        return torch.from_numpy(samples)
+
+    def rank_batch(self, step: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
+        """This rank's slice of the global batch of `step` (0-based): samples step * batch_size + [0, batch_size)."""
+        per_rank = batch_size // world_size
+        return self.batch(step * batch_size + rank * per_rank + np.arange(per_rank))
+
+    def global_batch(self, step: int, batch_size: int) -> torch.Tensor:
+        return self.rank_batch(step, batch_size, 0, 1)
+
+    def describe(self) -> str:
+        out = []
+        for windows, split in zip(self.stream.windows, self.stream.splits):
+            store = getattr(windows, "store", None)
+            where = (
+                f"token store {store.path} ({store.n_tokens:,} tokens, {store.n_documents:,} documents)"
+                if store
+                else "synthetic tokens"
+            )
+            out.append(
+                f"{split.train:,} training + {split.held_out:,} held-out windows of {windows.length} tokens "
+                f"from {where}"
+            )
+        return "; ".join(out)
+
+
+def build_data(cfg: DataConfig, vocab_size: int, seed: int, build: Build = Build()) -> Data:
+    """The data of a run: every rank calls it (where a store is missing, all of them build it)."""
+    length = cfg.seq_len + 1
+    if cfg.kind is DataKind.synthetic:
+        windows, weights, keys = [SyntheticWindows(cfg.num_sequences, length, vocab_size, seed)], [1.0], ["data"]
+    else:
+        stores = open_stores(cfg, build)
+        windows = [StoreWindows(store, length) for store in stores]
+        weights = [s.weight for s in sources(cfg)] if cfg.kind is DataKind.local_text else [1.0]
+        keys = [s.key for s in sources(cfg)] if cfg.kind is DataKind.local_text else ["data.hub_name"]
+    for w, key, weight in zip(windows, keys, weights):
+        if weight > 0:
+            _check_size(w, cfg, key)
+    return Data(Stream(windows, weights, seed, cfg.eval_fraction), cfg.seq_len)
+
+
+def check_tokenizer(cfg: DataConfig, model_vocab: int) -> None:
+    if cfg.kind is DataKind.synthetic:
+        return
+    tok = load_tokenizer(cfg.tokenizer)
+    if tok.vocab_size > model_vocab:
+        raise ConfigError(
+            "data.tokenizer",
+            f"{cfg.tokenizer!r} has {tok.vocab_size} tokens, the model only {model_vocab}",
+            "use a model with a larger vocab_size or a smaller tokenizer",
+        )
+
+
+class Prefetcher:
+    """The batch of each next step read in a background thread while the current step runs (pinned on CUDA, so
+    that its copy to the device can overlap): fetch(step) for first, first + 1, ... up to `ahead` steps ahead."""
+
+    def __init__(self, fetch: Callable[[int], torch.Tensor], first: int, last: int, pin: bool, ahead: int = 2):
+        self.fetch, self.pin = fetch, pin
+        self.wait_s = 0.0
+        self._queue: queue.Queue = queue.Queue(maxsize=ahead)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(first, last), daemon=True)
+        self._thread.start()
+
+    def _run(self, first: int, last: int) -> None:
+        for step in range(first, last):
+            try:
+                batch = self.fetch(step)
+                item = (step, batch.pin_memory() if self.pin else batch, None)
+            except Exception as err:  # raised in the training thread, where it is asked for
+                item = (step, None, err)
+            while not self._stop.is_set():
+                try:
+                    self._queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if self._stop.is_set() or item[2] is not None:
+                return
+
+    def get(self, step: int) -> torch.Tensor:
+        started = time.perf_counter()
+        got, batch, error = self._queue.get()
+        self.wait_s += time.perf_counter() - started
+        if error is not None:
+            raise error
+        assert got == step, f"prefetched step {got}, asked for {step}"
+        return batch
+
+    def close(self, failed: bool = False) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,359 @@
+"""The token store: a source tokenized once into flat token files (uint16 while the vocabulary fits, else
+uint32) and a document index, memory-mapped by every rank, so that no rank's memory grows with the corpus.
+
+A store lives in <store root>/<fingerprint>/: the fingerprint is of the source (every file's path, size and
+modification time, or the hub dataset), the text field, the tokenizer (what it does, not its name) and the
+end-of-document token. Sequence length is not in it: windows are cut when read. A build writes parts into
+<store root>/.build-<fingerprint>/ (each part published there by rename, with a marker that says it is
+complete, so an interrupted build resumes where it stopped) and the store appears by renaming that directory
+once its manifest (every file and its size) is written: a killed or failed build never leaves a store that a
+later run would read.
+
+Every rank of a job builds its own share of the parts (each with this rank's share of the node's cores, in
+worker processes); rank 0 publishes. Ranks wait for parts and for the manifest on the file system, never inside
+a collective, so an hour of tokenization cannot time a job out. A part that fails leaves an error marker that
+the waiting ranks raise too."""
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, DataError
+from .parts import Part, batches, read_part
+from .tokenizer import load_tokenizer
+
+log = logging.getLogger("fsdp_research")
+
+VERSION = 1
+MANIFEST = "manifest.json"
+POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """What a store is built from: its parts, in document order, and the key its fingerprint is taken of."""
+
+    parts: tuple[Part, ...]
+    key: str  # JSON
+    tokenizer: str
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(self.key.encode()).hexdigest()[:24]
+
+
+def store_spec(parts: Sequence[Part], identity: Any, tokenizer_name: str) -> StoreSpec:
+    """The spec of a source's store: identity names the source's content (its files, or the hub dataset)."""
+    tok = load_tokenizer(tokenizer_name)
+    key = {
+        "version": VERSION,
+        "source": identity,
+        "text_field": sorted({p.text_field for p in parts}),
+        "tokenizer": tok.fingerprint,
+        "eos": tok.eos_id,
+        "dtype": tok.dtype.name,
+    }
+    return StoreSpec(tuple(parts), json.dumps(key, sort_keys=True), tokenizer_name)
+
+
+def _name(index: int) -> str:
+    return f"part_{index:05d}"
+
+
+def verify(path: str, fingerprint: str) -> str | None:
+    """None when the store at path is complete and is the one asked for; otherwise what is wrong with it."""
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            manifest = json.load(f)
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError) as err:
+        return f"no valid {MANIFEST} ({type(err).__name__})"
+    if manifest.get("fingerprint") != fingerprint:
+        return "its manifest is of another source or tokenizer"
+    for name, size in files.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"missing {name}"
+        if os.path.getsize(file) != size:
+            return f"{name} has {os.path.getsize(file)} bytes, the manifest says {size}"
+    return None
+
+
+class TokenStore:
+    """A published store, read through memory maps: tokens by global position, documents by index."""
+
+    def __init__(self, path: str):
+        self.path = path
+        with open(os.path.join(path, MANIFEST)) as f:
+            self.manifest = json.load(f)
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self.offsets = np.concatenate([[0], np.cumsum([p["tokens"] for p in self.manifest["parts"]])]).astype(np.int64)
+        self.n_tokens = int(self.offsets[-1])
+        self.n_documents = int(self.manifest["documents"])
+        self._maps: dict[int, np.ndarray] = {}
+
+    def _part(self, i: int) -> np.ndarray:
+        if i not in self._maps:
+            file = os.path.join(self.path, f"{_name(i)}.tokens")
+            tokens = np.memmap(file, dtype=self.dtype, mode="r") if os.path.getsize(file) else np.empty(0, self.dtype)
+            # Windows are read at random: no read-ahead of pages that will not be used.
+            if isinstance(tokens, np.memmap) and hasattr(tokens._mmap, "madvise"):
+                import mmap
+
+                tokens._mmap.madvise(mmap.MADV_RANDOM)
+            self._maps[i] = tokens
+        return self._maps[i]
+
+    def tokens(self, start: int, stop: int) -> np.ndarray:
+        """Tokens [start, stop) of the concatenated parts, as int64."""
+        out = np.empty(stop - start, dtype=np.int64)
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        pos, part = start, first
+        while pos < stop:
+            end = min(stop, int(self.offsets[part + 1]))
+            lo = pos - int(self.offsets[part])
+            out[pos - start : end - start] = self._part(part)[lo : lo + end - pos]
+            pos, part = end, part + 1
+        return out
+
+    def document_ends(self) -> np.ndarray:
+        """Where each document ends (exclusive), in global token positions (the document index; loaded whole)."""
+        ends = [
+            np.load(os.path.join(self.path, f"{_name(i)}.docs.npy")) + self.offsets[i]
+            for i in range(len(self.manifest["parts"]))
+        ]
+        return np.concatenate(ends) if ends else np.empty(0, np.int64)
+
+
+# Building.
+
+
+def _write_atomic(path: str, write: Callable[[Any], None], mode: str = "w") -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _error_record(err: BaseException, build: str) -> dict[str, Any]:
+    if isinstance(err, ConfigError):
+        return {"build": build, "kind": "config", "key": err.key, "problem": err.problem, "fix": err.fix}
+    return {"build": build, "kind": "data", "message": str(err)}
+
+
+def _raise_recorded(record: dict[str, Any]) -> None:
+    if record["kind"] == "config":
+        raise ConfigError(record["key"], record["problem"], record["fix"])
+    raise DataError(record["message"])
+
+
+def build_part(part: Part, index: int, build_dir: str, tokenizer_name: str) -> dict[str, int]:
+    """Tokenize one part into build_dir: its tokens, its document index, then its completion marker."""
+    tok = load_tokenizer(tokenizer_name)
+    prefix = os.path.join(build_dir, _name(index))
+    ends: list[int] = []
+    counts = {"tokens": 0, "documents": 0, "text_bytes": 0}
+
+    def write_tokens(f) -> None:
+        for texts in batches(read_part(part)):
+            ids = tok.encode(texts)
+            f.write(np.concatenate(ids).astype(tok.dtype).tobytes())
+            for doc in ids:
+                counts["tokens"] += len(doc)
+                ends.append(counts["tokens"])
+            counts["documents"] += len(texts)
+            counts["text_bytes"] += sum(len(t) for t in texts)
+
+    _write_atomic(prefix + ".tokens", write_tokens, "wb")
+    _write_atomic(prefix + ".docs.npy", lambda f: np.save(f, np.asarray(ends, np.int64)), "wb")
+    files = {os.path.basename(prefix) + s: os.path.getsize(prefix + s) for s in (".tokens", ".docs.npy")}
+    _write_atomic(prefix + ".json", lambda f: json.dump({**counts, "files": files}, f))
+    return counts
+
+
+def build_parts(jobs: Sequence[tuple[int, Part]], build_dir: str, tokenizer_name: str, build: str) -> Iterator[dict]:
+    """Build each (index, part), yielding {"index", "text_bytes", ...} as each is done; a part that fails leaves
+    an error marker for the ranks that wait on it, and raises."""
+    for index, part in jobs:
+        try:
+            yield {"index": index, **build_part(part, index, build_dir, tokenizer_name)}
+        except (ConfigError, OSError) as err:
+            error = err
+            if isinstance(err, OSError):
+                free = shutil.disk_usage(build_dir).free / 2**20
+                error = DataError(
+                    f"writing token store part {index} in {build_dir} failed ({type(err).__name__}: {err}; "
+                    f"{free:.1f} MiB free there); no store was published, earlier stores are intact"
+                )
+            marker = os.path.join(build_dir, f"{_name(index)}.error")
+            try:
+                _write_atomic(marker, lambda f: json.dump(_error_record(error, build), f))
+            except OSError:
+                pass  # a full disk may refuse even this: the launcher stops the waiting ranks when this one exits
+            raise error from None
+
+
+def _done(build_dir: str, index: int) -> dict | None:
+    try:
+        with open(os.path.join(build_dir, f"{_name(index)}.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _done_count(build_dir: str) -> int:
+    """Complete parts in the build dir (one directory listing, however many parts)."""
+    return sum(name.startswith("part_") and name.endswith(".json") for name in os.listdir(build_dir))
+
+
+def _recorded_error(build_dir: str, build: str) -> None:
+    """Raise the first error a part of this build recorded (markers of earlier builds are ignored)."""
+    for name in sorted(os.listdir(build_dir)) if os.path.isdir(build_dir) else []:
+        if name.endswith(".error"):
+            try:
+                with open(os.path.join(build_dir, name)) as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if record.get("build") == build:
+                _raise_recorded(record)
+
+
+def _run_workers(
+    jobs: list[tuple[int, Part]], build_dir: str, spec: StoreSpec, build: str, workers: int, tick: Callable[[], None]
+) -> None:
+    """This rank's parts on `workers` processes (in this one for a single worker or part), tick() now and then."""
+    if workers <= 1 or len(jobs) <= 1:
+        for _ in build_parts(jobs, build_dir, spec.tokenizer, build):
+            tick()
+        return
+    # One thread each: the processes are the parallelism.
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    procs = []
+    try:
+        for w in range(min(workers, len(jobs))):
+            job = {
+                "parts": [[i, asdict(p)] for i, p in jobs[w::workers]],
+                "dir": build_dir,
+                "tokenizer": spec.tokenizer,
+                "build": build,
+            }
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "fsdp_research.data.worker"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                env=env,
+                text=True,
+            )
+            proc.stdin.write(json.dumps(job))
+            proc.stdin.close()
+            procs.append(proc)
+        while any(proc.poll() is None for proc in procs):
+            tick()
+            time.sleep(POLL_S)
+        if any(proc.returncode for proc in procs):
+            _recorded_error(build_dir, build)
+            codes = sorted({proc.returncode for proc in procs})
+            raise DataError(f"a tokenization worker failed (exit codes {codes}; its error is on stderr)")
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+Report = Callable[[int, int, float], None]
+
+
+class _Progress:
+    """report(parts done, parts, seconds) now and then while a store is built."""
+
+    def __init__(self, total_parts: int, report: Report | None, every_s: float):
+        self.total, self.report, self.every_s = total_parts, report, every_s
+        self.started = self._last = time.monotonic()
+
+    def update(self, build_dir: str) -> None:
+        now = time.monotonic()
+        if self.report is not None and now - self._last >= self.every_s:
+            self._last = now
+            self.report(_done_count(build_dir), self.total, now - self.started)
+
+
+def _publish(build_dir: str, path: str, spec: StoreSpec) -> None:
+    done = [_done(build_dir, i) for i in range(len(spec.parts))]
+    files = {name: size for d in done for name, size in d["files"].items()}
+    tok = load_tokenizer(spec.tokenizer)
+    manifest = {
+        "version": VERSION,
+        "fingerprint": spec.fingerprint,
+        "key": json.loads(spec.key),
+        "dtype": tok.dtype.name,
+        "eos_id": tok.eos_id,
+        "vocab_size": tok.vocab_size,
+        "tokens": sum(d["tokens"] for d in done),
+        "documents": sum(d["documents"] for d in done),
+        "text_bytes": sum(d["text_bytes"] for d in done),
+        "parts": [{"tokens": d["tokens"], "documents": d["documents"]} for d in done],
+        "files": files,
+    }
+    try:
+        _write_atomic(os.path.join(build_dir, MANIFEST), lambda f: json.dump(manifest, f, indent=1))
+        if os.path.exists(path):  # a broken store of this fingerprint: replaced
+            shutil.rmtree(path)
+        os.rename(build_dir, path)
+    except OSError as err:
+        if verify(path, spec.fingerprint) is None:  # another job published the same store first
+            return
+        raise DataError(f"publishing token store {path} failed ({type(err).__name__}: {err})") from None
+
+
+def ensure_store(
+    spec: StoreSpec,
+    root: str,
+    rank: int = 0,
+    world: int = 1,
+    workers: int = 1,
+    build: str = "local",
+    report: Report | None = None,
+    every_s: float = 10.0,
+) -> TokenStore:
+    """The store of spec under root: opened when it exists and verifies, else built by every rank of the job
+    (rank r takes parts r, r + world, ...) and published by rank 0. `build` names this build (the same on every
+    rank of the job); report(parts done, parts, seconds) is called every every_s seconds while it is built."""
+    path = os.path.join(root, spec.fingerprint)
+    if os.path.isdir(path):
+        problem = verify(path, spec.fingerprint)
+        if problem is None:
+            return TokenStore(path)
+        if rank == 0:
+            log.warning(f"token store {path}: {problem}; rebuilding it")
+    build_dir = os.path.join(root, f".build-{spec.fingerprint}")
+    os.makedirs(build_dir, exist_ok=True)
+    progress = _Progress(len(spec.parts), report, every_s)
+    mine = [(i, p) for i, p in enumerate(spec.parts) if i % world == rank and _done(build_dir, i) is None]
+    _run_workers(mine, build_dir, spec, build, workers, lambda: progress.update(build_dir))
+    if rank == 0:
+        while _done_count(build_dir) < len(spec.parts):
+            _recorded_error(build_dir, build)
+            progress.update(build_dir)
+            time.sleep(POLL_S)
+        _publish(build_dir, path, spec)
+    else:
+        while verify(path, spec.fingerprint) is not None:
+            _recorded_error(build_dir, build)
+            time.sleep(POLL_S)
+    return TokenStore(path)

@@ -1,0 +1,165 @@
+"""The token store (issue 9): every format a researcher has, read as documents (the text field, not the JSON
+syntax) and tokenized as the tokenizer itself tokenizes them; one store per source, tokenizer and end-of-document
+handling, reused at another sequence length; the same store however many workers or ranks built it; and a build
+that is killed publishes nothing and resumes where it stopped."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from fsdp_research.composition import compose
+from fsdp_research.data import parts
+from fsdp_research.data.pipeline import Build, build_data, open_stores, store_specs
+from fsdp_research.data.store import MANIFEST, ensure_store
+from tests.conftest import ROOT
+from tests.helpers.corpora import DOCS, bpe_tokenizer, write
+
+FORMATS = ["txt", "md", "jsonl", "json", "jsonl.gz", "jsonl.zst", "parquet", "csv", "arrow", "saved"]
+
+
+def _cfg(tmp_path, paths, *overrides):
+    return compose([f"data.paths=[{','.join(paths)}]", f"data.store_dir={tmp_path / 'stores'}", *overrides]).data
+
+
+def _byte_tokens(docs):
+    """The byte tokenizer's definition, written out: UTF-8 bytes, then 256, per non-empty document."""
+    return np.concatenate([np.array([*d.encode("utf-8"), 256]) for d in docs if d])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_each_format_is_read_as_its_documents(tmp_path, fmt):
+    [store] = open_stores(_cfg(tmp_path, [write(fmt, str(tmp_path / "corpus"))]))
+    np.testing.assert_array_equal(store.tokens(0, store.n_tokens), _byte_tokens(DOCS))
+    assert store.n_documents == sum(1 for d in DOCS if d)
+    assert store.dtype == np.uint16  # 257 tokens fit
+    ends = store.document_ends()
+    assert ends[-1] == store.n_tokens and (store.tokens(0, store.n_tokens)[ends - 1] == 256).all()
+
+
+def test_text_field_names_the_column(tmp_path):
+    path = write("jsonl", str(tmp_path / "corpus"), field="content")
+    [store] = open_stores(_cfg(tmp_path, [path], "data.text_field=content"))
+    np.testing.assert_array_equal(store.tokens(0, store.n_tokens), _byte_tokens(DOCS))
+
+
+def test_a_local_hf_tokenizer_tokenizes_as_itself(tmp_path):
+    from transformers import AutoTokenizer
+
+    tok_dir = bpe_tokenizer(str(tmp_path / "tok"))
+    [store] = open_stores(_cfg(tmp_path, [write("parquet", str(tmp_path / "corpus"))], f"data.tokenizer={tok_dir}"))
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    expected = [t for d in DOCS if d for t in tok(d, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    np.testing.assert_array_equal(store.tokens(0, store.n_tokens), expected)
+
+
+def test_windows_cover_every_token_but_the_last_partial_window(tmp_path):
+    cfg = _cfg(tmp_path, [write("jsonl", str(tmp_path / "corpus"))], "data.seq_len=31", "data.eval_fraction=0")
+    data = build_data(cfg, 512, seed=0)
+    [windows] = data.stream.windows
+    store, length = windows.store, 32
+    assert windows.count == store.n_tokens // length
+    got = windows.read(np.arange(windows.count)).reshape(-1)
+    np.testing.assert_array_equal(got, store.tokens(0, windows.count * length))
+
+
+def test_the_key_is_source_tokenizer_and_field_not_seq_len(tmp_path):
+    corpus = write("jsonl", str(tmp_path / "corpus"))
+    base = _cfg(tmp_path, [corpus])
+    path = open_stores(base)[0].path
+    assert open_stores(_cfg(tmp_path, [corpus], "data.seq_len=64"))[0].path == path
+    assert open_stores(_cfg(tmp_path, [corpus], f"data.tokenizer={bpe_tokenizer(str(tmp_path / 't'))}"))[0].path != path
+    os.utime(corpus, ns=(time.time_ns(), time.time_ns() + 10**9))  # the file changed (its modification time)
+    assert open_stores(base)[0].path != path
+    with open(corpus, "a") as f:
+        f.write(json.dumps({"text": "one more"}) + "\n")
+    assert open_stores(base)[0].path != path
+
+
+def _many_parts(tmp_path, monkeypatch):
+    """A corpus of several files and a big JSON Lines file, cut into many parts (small parts for the test)."""
+    monkeypatch.setattr(parts, "PART_BYTES", 2048)
+    corpus = str(tmp_path / "corpus")
+    return [write("txt", corpus), write("jsonl", corpus)]
+
+
+def test_workers_and_ranks_build_the_same_store(tmp_path, monkeypatch):
+    paths = _many_parts(tmp_path, monkeypatch)
+    serial = open_stores(_cfg(tmp_path / "serial", paths))[0]
+    [spec] = store_specs(_cfg(tmp_path, paths))
+    assert len(spec.parts) > 4
+    workers = open_stores(_cfg(tmp_path / "workers", paths), Build(workers=2))[0]
+    # Two ranks, as two builders that share only the file system.
+    root = str(tmp_path / "ranks" / "stores")
+    stores = {}
+    threads = [
+        threading.Thread(target=lambda r=r: stores.setdefault(r, ensure_store(spec, root, r, 2, 1, "b")))
+        for r in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for store in (workers, stores[0], stores[1]):
+        assert store.manifest["parts"] == serial.manifest["parts"]
+        np.testing.assert_array_equal(store.tokens(0, store.n_tokens), serial.tokens(0, serial.n_tokens))
+    assert stores[0].path == stores[1].path
+
+
+def test_a_store_that_does_not_match_its_manifest_is_rebuilt(tmp_path, caplog):
+    cfg = _cfg(tmp_path, [write("jsonl", str(tmp_path / "corpus"))])
+    [store] = open_stores(cfg)
+    expected = store.tokens(0, store.n_tokens)
+    with open(os.path.join(store.path, "part_00000.tokens"), "r+b") as f:
+        f.truncate(10)
+    [again] = open_stores(cfg)
+    assert "part_00000.tokens has 10 bytes, the manifest says" in caplog.text and "rebuilding it" in caplog.text
+    np.testing.assert_array_equal(again.tokens(0, again.n_tokens), expected)
+    os.remove(os.path.join(store.path, MANIFEST))
+    [again] = open_stores(cfg)
+    assert "no valid manifest.json" in caplog.text
+    np.testing.assert_array_equal(again.tokens(0, again.n_tokens), expected)
+
+
+def _tokenize(args, cwd, env):
+    return subprocess.Popen(
+        [sys.executable, "-m", "fsdp_research", "tokenize", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_killed_build_publishes_nothing_and_resumes(tmp_path):
+    """`fsdp-research tokenize` killed once its first part is done: no store, only the build's parts; run again,
+    it finishes from there (the first part kept as it was) and equals an uninterrupted build."""
+    corpus = str(tmp_path / "corpus.jsonl")
+    line = json.dumps({"text": "x" * 4000}) + "\n"
+    with open(corpus, "w") as f:
+        f.write(line * (3 * parts.PART_BYTES // len(line) + 1))  # four parts
+    stores = tmp_path / "stores"
+    args = [f"data.paths=[{corpus}]", f"data.store_dir={stores}", "data.build_workers=1"]
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    proc = _tokenize(args, str(tmp_path), env)
+    deadline = time.monotonic() + 120
+    while not list(stores.glob(".build-*/part_00000.json")):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.01)
+    proc.kill()
+    proc.wait()
+    [build] = list(stores.glob(".build-*"))
+    assert [p.name for p in stores.iterdir()] == [build.name], "a killed build publishes no store"
+    first = (build / "part_00000.tokens").stat().st_mtime_ns
+    out, err = _tokenize(args, str(tmp_path), env).communicate(timeout=300)
+    assert "token store" in out and "MB/s" in out, out + err
+    [store_dir] = [p for p in stores.iterdir() if not p.name.startswith(".")]
+    assert (store_dir / "part_00000.tokens").stat().st_mtime_ns == first
+    fresh = open_stores(compose(args[:1] + [f"data.store_dir={tmp_path / 'fresh'}"]).data)[0]
+    assert json.loads((store_dir / MANIFEST).read_text())["files"] == fresh.manifest["files"]
