@@ -15,6 +15,7 @@ import pytest
 
 from fsdp_research.composition import compose
 from fsdp_research.data import parts
+from fsdp_research.data import store as store_module
 from fsdp_research.data.pipeline import Build, build_data, open_stores, store_specs
 from fsdp_research.data.store import MANIFEST, ensure_store
 from tests.conftest import ROOT
@@ -83,7 +84,8 @@ def test_the_key_is_source_tokenizer_and_field_not_seq_len(tmp_path):
 
 def _many_parts(tmp_path, monkeypatch):
     """A corpus of several files and a big JSON Lines file, cut into many parts (small parts for the test)."""
-    monkeypatch.setattr(parts, "PART_BYTES", 2048)
+    monkeypatch.setattr(parts, "MIN_PART_BYTES", 2048)
+    monkeypatch.setattr(store_module, "WORKER_BYTES", {"byte": 1, "other": 1})
     corpus = str(tmp_path / "corpus")
     return [write("txt", corpus), write("jsonl", corpus)]
 
@@ -143,7 +145,7 @@ def test_a_killed_build_publishes_nothing_and_resumes(tmp_path):
     corpus = str(tmp_path / "corpus.jsonl")
     line = json.dumps({"text": "x" * 4000}) + "\n"
     with open(corpus, "w") as f:
-        f.write(line * (3 * parts.PART_BYTES // len(line) + 1))  # four parts
+        f.write(line * (3 * parts.MIN_PART_BYTES // len(line) + 1))  # four parts
     stores = tmp_path / "stores"
     args = [f"data.paths=[{corpus}]", f"data.store_dir={stores}", "data.build_workers=1"]
     env = {**os.environ, "PYTHONPATH": ROOT}

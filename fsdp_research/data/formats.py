@@ -1,6 +1,8 @@
 """How each kind of file is read: plain text (one document per file), JSON Lines and JSON (also .gz and .zst),
 Parquet, CSV, Arrow, directories written by `datasets.save_to_disk`, and Hugging Face hub datasets. Every reader
-yields texts in order and names the file and the line or row it cannot read."""
+yields its texts in order, one by one (str, or None for a null) or as Arrow string arrays where the format is
+columnar (the byte tokenizer then takes the UTF-8 bytes as they are, no Python string made); and names the file and
+the line or row it cannot read."""
 
 import csv
 import gzip
@@ -11,6 +13,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ..errors import ConfigError
+
+# JSON Lines are parsed this much at a time.
+CHUNK_BYTES = 4 * 2**20
 
 _COMPRESSION = (".gz", ".zst")
 _FORMATS = {
@@ -100,7 +105,9 @@ def _read_text(path: str, _field: str) -> Iterator[str | None]:
         raise _bad_file(path, f"line {line}", "not UTF-8 text") from None
 
 
-def _read_jsonl(path: str, field: str, start: int = 0, stop: int | None = None) -> Iterator[str | None]:
+def _jsonl_chunks(path: str, start: int, stop: int | None) -> Iterator[tuple[int, bytes]]:
+    """Whole lines, about CHUNK_BYTES at a time, of the lines that start in bytes [start, stop): (the offset of the
+    chunk's first line, the chunk)."""
     with _open_binary(path) as f:
         pos = 0
         if start:
@@ -108,20 +115,60 @@ def _read_jsonl(path: str, field: str, start: int = 0, stop: int | None = None) 
             f.seek(start - 1)
             pos = start - 1 + len(f.readline())
         while stop is None or pos < stop:
-            line = f.readline()
-            if not line:
+            data = f.read(CHUNK_BYTES if stop is None else min(CHUNK_BYTES, stop - pos))
+            if not data:
                 return
-            if line.strip():
+            if not data.endswith(b"\n"):
+                data += f.readline()  # the last line started in the range: all of it
+            yield pos, data
+            pos += len(data)
 
-                def where(at: int = pos) -> str:
-                    return f"line {_line_number(path, at)}"
 
-                try:
-                    record = json.loads(line)
-                except ValueError as err:
-                    raise _bad_file(path, where(), f"not JSON ({err})") from None
-                yield _text_of(record, field, path, where)
-            pos += len(line)
+def _fast_texts(chunk: bytes, field: str):
+    """The chunk's texts parsed by Arrow's JSON reader (C++, one thread) as one string array, or None for anything
+    it does not take as plain records with a text in `field` (a bad line, a missing field, a null): the line by
+    line reader then says what and where, or skips the nulls."""
+    import pyarrow as pa
+    import pyarrow.json as pj
+
+    try:
+        table = pj.read_json(
+            io.BytesIO(chunk),
+            read_options=pj.ReadOptions(use_threads=False, block_size=len(chunk) + 1),
+            parse_options=pj.ParseOptions(
+                explicit_schema=pa.schema([(field, pa.string())]), unexpected_field_behavior="ignore"
+            ),
+        )
+    except (pa.ArrowException, ValueError):
+        return None
+    column = table.column(0)
+    return None if column.null_count else column.combine_chunks()
+
+
+def _read_jsonl(path: str, field: str, start: int = 0, stop: int | None = None) -> Iterator[Any]:
+    for offset, chunk in _jsonl_chunks(path, start, stop):
+        texts = _fast_texts(chunk, field)
+        if texts is None:
+            yield from _jsonl_lines(path, chunk, offset, field)
+        else:
+            yield texts
+
+
+def _jsonl_lines(path: str, chunk: bytes, offset: int, field: str) -> Iterator[str | None]:
+    """Line by line, naming the line of anything wrong."""
+    pos = offset
+    for line in chunk.split(b"\n"):
+        if line.strip():
+
+            def where(at: int = pos) -> str:
+                return f"line {_line_number(path, at)}"
+
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise _bad_file(path, where(), f"not JSON ({err})") from None
+            yield _text_of(record, field, path, where)
+        pos += len(line) + 1
 
 
 def _read_json(path: str, field: str) -> Iterator[str | None]:
@@ -165,11 +212,13 @@ def _column(table_names: Sequence[str], field: str, path: str) -> None:
         )
 
 
-def _strings(column, path: str, first_row: int) -> Iterator[str | None]:
-    for i, value in enumerate(column.to_pylist()):
-        if value is not None and not isinstance(value, str):
-            raise _bad_file(path, f"row {first_row + i}", f"holds a {type(value).__name__}, not text")
-        yield value
+def _strings(column, path: str, first_row: int):
+    """A column of strings, as one Arrow array."""
+    import pyarrow as pa
+
+    if not (pa.types.is_string(column.type) or pa.types.is_large_string(column.type)):
+        raise _bad_file(path, f"rows {first_row}..{first_row + len(column) - 1}", f"hold {column.type}, not text")
+    return column.combine_chunks() if isinstance(column, pa.ChunkedArray) else column
 
 
 def _read_parquet(path: str, field: str, start: int = 0, stop: int | None = None) -> Iterator[str | None]:
@@ -184,7 +233,7 @@ def _read_parquet(path: str, field: str, start: int = 0, stop: int | None = None
     row = sum(pf.metadata.row_group(i).num_rows for i in range(start))
     for group in range(start, stop):
         column = pf.read_row_group(group, columns=[field]).column(0)
-        yield from _strings(column, path, row)
+        yield _strings(column, path, row)
         row += len(column)
 
 
@@ -199,7 +248,7 @@ def _read_arrow(path: str, field: str) -> Iterator[str | None]:
     except Exception as err:
         raise _bad_file(path, "(the whole file)", f"not Arrow ({err})") from None
     _column(table.column_names, field, path)
-    yield from _strings(table.column(field), path, 0)
+    yield _strings(table.column(field), path, 0)
 
 
 def _load_saved(path: str):
@@ -225,7 +274,7 @@ def _read_rows(ds, path: str, field: str, start: int, stop: int | None) -> Itera
     ds = ds.select_columns([field]).with_format("arrow")
     stop = ds.num_rows if stop is None else stop
     for a in range(start, stop, 10_000):
-        yield from _strings(ds[a : min(a + 10_000, stop)].column(0), path, a)
+        yield _strings(ds[a : min(a + 10_000, stop)].column(0), path, a)
 
 
 def read(fmt: str, source: str, field: str, start: int = 0, stop: int | None = None) -> Iterator[str | None]:

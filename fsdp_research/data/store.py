@@ -1,5 +1,6 @@
 """The token store: a source tokenized once into flat token files (uint16 while the vocabulary fits, else
-uint32) and a document index, memory-mapped by every rank, so that no rank's memory grows with the corpus.
+uint32) and a document index, read by every rank at the positions it needs, so that no rank's memory grows with the
+corpus.
 
 A store lives in <store root>/<fingerprint>/: the fingerprint is of the source (every file's path, size and
 modification time, or the hub dataset), the text field, the tokenizer (what it does, not its name) and the
@@ -18,6 +19,7 @@ import hashlib
 import json
 import logging
 import os
+import selectors
 import shutil
 import subprocess
 import sys
@@ -29,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError, DataError
-from .parts import Part, batches, read_part
+from .parts import Part, batches, read_part, text_bytes
 from .tokenizer import load_tokenizer
 
 log = logging.getLogger("fsdp_research")
@@ -37,6 +39,8 @@ log = logging.getLogger("fsdp_research")
 VERSION = 1
 MANIFEST = "manifest.json"
 POLL_S = 0.2
+# About a second of one core's work: the text a worker process is worth starting for.
+WORKER_BYTES = {"byte": 100 * 2**20, "other": 4 * 2**20}
 
 
 @dataclass(frozen=True)
@@ -90,41 +94,40 @@ def verify(path: str, fingerprint: str) -> str | None:
 
 
 class TokenStore:
-    """A published store, read through memory maps: tokens by global position, documents by index."""
+    """A published store: tokens by global position, documents by index."""
 
     def __init__(self, path: str):
         self.path = path
+        self._fds: dict[int, int] = {}
         with open(os.path.join(path, MANIFEST)) as f:
             self.manifest = json.load(f)
         self.dtype = np.dtype(self.manifest["dtype"])
         self.offsets = np.concatenate([[0], np.cumsum([p["tokens"] for p in self.manifest["parts"]])]).astype(np.int64)
         self.n_tokens = int(self.offsets[-1])
         self.n_documents = int(self.manifest["documents"])
-        self._maps: dict[int, np.ndarray] = {}
 
-    def _part(self, i: int) -> np.ndarray:
-        if i not in self._maps:
-            file = os.path.join(self.path, f"{_name(i)}.tokens")
-            tokens = np.memmap(file, dtype=self.dtype, mode="r") if os.path.getsize(file) else np.empty(0, self.dtype)
-            # Windows are read at random: no read-ahead of pages that will not be used.
-            if isinstance(tokens, np.memmap) and hasattr(tokens._mmap, "madvise"):
-                import mmap
-
-                tokens._mmap.madvise(mmap.MADV_RANDOM)
-            self._maps[i] = tokens
-        return self._maps[i]
+    def _fd(self, i: int) -> int:
+        if i not in self._fds:
+            self._fds[i] = os.open(os.path.join(self.path, f"{_name(i)}.tokens"), os.O_RDONLY)
+        return self._fds[i]
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
-        """Tokens [start, stop) of the concatenated parts, as int64."""
+        """Tokens [start, stop) of the concatenated parts, as int64. Positioned reads (pread), not a memory map:
+        mapped pages count toward every rank's resident memory (2 MB per window touched, with large folios),
+        while the page cache the two share holds the data either way."""
         out = np.empty(stop - start, dtype=np.int64)
-        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
-        pos, part = start, first
+        part = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        pos, size = start, self.dtype.itemsize
         while pos < stop:
             end = min(stop, int(self.offsets[part + 1]))
-            lo = pos - int(self.offsets[part])
-            out[pos - start : end - start] = self._part(part)[lo : lo + end - pos]
+            data = os.pread(self._fd(part), (end - pos) * size, (pos - int(self.offsets[part])) * size)
+            out[pos - start : end - start] = np.frombuffer(data, self.dtype)
             pos, part = end, part + 1
         return out
+
+    def __del__(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
 
     def document_ends(self) -> np.ndarray:
         """Where each document ends (exclusive), in global token positions (the document index; loaded whole)."""
@@ -167,29 +170,28 @@ def build_part(part: Part, index: int, build_dir: str, tokenizer_name: str) -> d
     """Tokenize one part into build_dir: its tokens, its document index, then its completion marker."""
     tok = load_tokenizer(tokenizer_name)
     prefix = os.path.join(build_dir, _name(index))
-    ends: list[int] = []
+    ends: list[np.ndarray] = []
     counts = {"tokens": 0, "documents": 0, "text_bytes": 0}
 
     def write_tokens(f) -> None:
         for texts in batches(read_part(part)):
-            ids = tok.encode(texts)
-            f.write(np.concatenate(ids).astype(tok.dtype).tobytes())
-            for doc in ids:
-                counts["tokens"] += len(doc)
-                ends.append(counts["tokens"])
+            tokens, lengths = tok.encode(texts)
+            f.write(tokens.tobytes())
+            ends.append(counts["tokens"] + np.cumsum(lengths))
+            counts["tokens"] += len(tokens)
             counts["documents"] += len(texts)
-            counts["text_bytes"] += sum(len(t) for t in texts)
+            counts["text_bytes"] += text_bytes(texts)
 
     _write_atomic(prefix + ".tokens", write_tokens, "wb")
-    _write_atomic(prefix + ".docs.npy", lambda f: np.save(f, np.asarray(ends, np.int64)), "wb")
+    _write_atomic(prefix + ".docs.npy", lambda f: np.save(f, np.concatenate([np.zeros(0, np.int64), *ends])), "wb")
     files = {os.path.basename(prefix) + s: os.path.getsize(prefix + s) for s in (".tokens", ".docs.npy")}
     _write_atomic(prefix + ".json", lambda f: json.dump({**counts, "files": files}, f))
     return counts
 
 
 def build_parts(jobs: Sequence[tuple[int, Part]], build_dir: str, tokenizer_name: str, build: str) -> Iterator[dict]:
-    """Build each (index, part), yielding {"index", "text_bytes", ...} as each is done; a part that fails leaves
-    an error marker for the ranks that wait on it, and raises."""
+    """Build each (index, part), yielding {"index", "tokens", "documents", "text_bytes"} as each is done; a part
+    that fails leaves an error marker for the ranks that wait on it, and raises."""
     for index, part in jobs:
         try:
             yield {"index": index, **build_part(part, index, build_dir, tokenizer_name)}
@@ -235,39 +237,54 @@ def _recorded_error(build_dir: str, build: str) -> None:
                 _raise_recorded(record)
 
 
+def _worker_count(jobs: Sequence[tuple[int, Part]], tokenizer_name: str, workers: int) -> int:
+    """Worker processes worth starting: each costs about a second, so only for about a second of work each."""
+    per_worker = WORKER_BYTES["byte" if tokenizer_name == "byte" else "other"]
+    text = sum(os.path.getsize(f) for _, part in jobs for f in part.files if os.path.isfile(f))
+    return max(1, min(workers, len(jobs), -(-text // per_worker)))
+
+
 def _run_workers(
     jobs: list[tuple[int, Part]], build_dir: str, spec: StoreSpec, build: str, workers: int, tick: Callable[[], None]
 ) -> None:
-    """This rank's parts on `workers` processes (in this one for a single worker or part), tick() now and then."""
-    if workers <= 1 or len(jobs) <= 1:
+    """This rank's parts on `workers` processes (in this one when one is enough), each taking the next part when
+    it is done with one; tick() now and then."""
+    workers = _worker_count(jobs, spec.tokenizer, workers)
+    if workers == 1:
         for _ in build_parts(jobs, build_dir, spec.tokenizer, build):
             tick()
         return
     # One thread each: the processes are the parallelism.
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    procs = []
-    try:
-        for w in range(min(workers, len(jobs))):
-            job = {
-                "parts": [[i, asdict(p)] for i, p in jobs[w::workers]],
-                "dir": build_dir,
-                "tokenizer": spec.tokenizer,
-                "build": build,
-            }
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "fsdp_research.data.worker"],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                env=env,
-                text=True,
-            )
-            proc.stdin.write(json.dumps(job))
+    command = [sys.executable, "-m", "fsdp_research.data.worker", build_dir, spec.tokenizer, build]
+    procs = [
+        subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        for _ in range(workers)
+    ]
+    pending = list(jobs)
+
+    def feed(proc) -> None:
+        """The next part to this worker, or the end of its work."""
+        if pending:
+            index, part = pending.pop(0)
+            proc.stdin.write(json.dumps([index, asdict(part)]) + "\n")
+            proc.stdin.flush()
+        else:
             proc.stdin.close()
-            procs.append(proc)
-        while any(proc.poll() is None for proc in procs):
-            tick()
-            time.sleep(POLL_S)
-        if any(proc.returncode for proc in procs):
+
+    try:
+        with selectors.DefaultSelector() as selector:
+            for proc in procs:
+                feed(proc)
+                selector.register(proc.stdout, selectors.EVENT_READ, proc)
+            while selector.get_map():
+                for key, _ in selector.select(POLL_S):
+                    if key.data.stdout.readline():  # a part done
+                        feed(key.data)
+                    else:  # the worker has ended
+                        selector.unregister(key.fileobj)
+                tick()
+        if any(proc.wait() for proc in procs):
             _recorded_error(build_dir, build)
             codes = sorted({proc.returncode for proc in procs})
             raise DataError(f"a tokenization worker failed (exit codes {codes}; its error is on stderr)")

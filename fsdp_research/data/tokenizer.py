@@ -4,6 +4,7 @@ end-of-document token, and has a fingerprint of what it does (its vocabulary, me
 tokens, not only its name), so that a token store is never read with another tokenizer's ids."""
 
 import hashlib
+import itertools
 import os
 from functools import cache
 
@@ -39,21 +40,59 @@ class Tokenizer:
         """The token store's dtype: uint16 while the vocabulary fits, else uint32."""
         return np.dtype(np.uint16 if self.vocab_size <= 2**16 else np.uint32)
 
-    def encode(self, texts: list[str]) -> list[np.ndarray]:
-        """Each document's token ids, the end-of-document token last."""
+    def encode(self, texts) -> tuple[np.ndarray, np.ndarray]:
+        """The documents' token ids concatenated (in the store's dtype), each document ending with the
+        end-of-document token; and each document's length in tokens. texts: a list of str, or an Arrow string
+        array without nulls."""
+        if not isinstance(texts, list):
+            if self._hf is None:
+                return self._with_eos(*_utf8_buffers(texts))
+            texts = texts.to_pylist()
         if self._hf is None:
-            return [np.append(np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.uint32), BYTE_EOS) for t in texts]
-        backend = getattr(self._hf, "backend_tokenizer", None)
-        if backend is not None:
-            ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+            encoded = [t.encode("utf-8") for t in texts]
+            pieces = np.frombuffer(b"".join(encoded), np.uint8)
+            lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
         else:
-            ids = self._hf(texts, add_special_tokens=False)["input_ids"]
-        return [np.array([*doc, self.eos_id], dtype=np.uint32) for doc in ids]
+            backend = getattr(self._hf, "backend_tokenizer", None)
+            if backend is not None:
+                ids = [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+            else:
+                ids = self._hf(texts, add_special_tokens=False)["input_ids"]
+            lengths = np.fromiter(map(len, ids), np.int64, len(ids))
+            pieces = np.fromiter(itertools.chain.from_iterable(ids), self.dtype, int(lengths.sum()))
+        return self._with_eos(pieces, lengths)
+
+    def _with_eos(self, pieces: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Documents whose tokens are `pieces`, `lengths` each, with the end-of-document token after each."""
+        ends = np.cumsum(lengths + 1)
+        tokens = np.empty(int(ends[-1]) if len(ends) else 0, self.dtype)
+        if len(lengths) and len(pieces) > 256 * len(lengths):
+            # Long documents: one copy each is faster than a mask over every token.
+            for start, src, n in zip(
+                (ends - lengths - 1).tolist(), (np.cumsum(lengths) - lengths).tolist(), lengths.tolist()
+            ):
+                tokens[start : start + n] = pieces[src : src + n]
+        else:
+            text = np.ones(len(tokens), bool)
+            text[ends - 1] = False
+            tokens[text] = pieces
+        tokens[ends - 1] = self.eos_id
+        return tokens, lengths + 1
 
     def save(self, out_dir: str) -> None:
         """Into an export: the Hugging Face tokenizer's files (the byte tokenizer has none)."""
         if self._hf is not None:
             self._hf.save_pretrained(out_dir)
+
+
+def _utf8_buffers(array) -> tuple[np.ndarray, np.ndarray]:
+    """An Arrow string array's UTF-8 bytes and each string's length in bytes, without a copy."""
+    import pyarrow as pa
+
+    width = np.int64 if pa.types.is_large_string(array.type) else np.int32
+    offsets = np.frombuffer(array.buffers()[1], width)[array.offset : array.offset + len(array) + 1]
+    data = np.frombuffer(array.buffers()[2], np.uint8) if len(array) else np.zeros(0, np.uint8)
+    return data[offsets[0] : offsets[-1]], np.diff(offsets).astype(np.int64)
 
 
 def _load_hf(name: str):

@@ -1,6 +1,7 @@
-"""A tokenization worker process (started by fsdp_research.data.store for a rank's share of a store's parts):
-reads its job as JSON on stdin, builds each part; a part it cannot build is recorded in the build dir and ends it
-with exit code 2. It imports no torch: a worker starts in a fraction of a second."""
+"""A tokenization worker process, started by fsdp_research.data.store with the build dir, the tokenizer and the
+build's name as arguments: it builds each part it is sent (a JSON line [index, part] on stdin) and answers each with
+a line on stdout, until stdin closes; a part it cannot build is recorded in the build dir and ends it with exit
+code 2. It imports no torch: a worker starts in a fraction of a second."""
 
 import json
 import os
@@ -22,11 +23,13 @@ def _exit_with_parent(parent: int) -> None:
 
 def main() -> None:
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
-    job = json.load(sys.stdin)
-    parts = [(index, Part(**{**part, "files": tuple(part["files"])})) for index, part in job["parts"]]
+    build_dir, tokenizer, build = sys.argv[1:4]
     try:
-        for _ in build_parts(parts, job["dir"], job["tokenizer"], job["build"]):
-            pass
+        for line in sys.stdin:
+            index, part = json.loads(line)
+            job = [(index, Part(**{**part, "files": tuple(part["files"])}))]
+            for done in build_parts(job, build_dir, tokenizer, build):
+                print(json.dumps(done), flush=True)
     except (ConfigError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
