@@ -48,7 +48,7 @@ def bare_loop(cfg, steps: int) -> float:
         fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mp_policy=mp)
     materialize(model, torch.device("cpu"))
-    init_weights(model, t.seed)
+    init_weights(model, [], t.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
 
     def step(s: int) -> None:

@@ -36,7 +36,7 @@ def accelerate_loop(cfg, steps: int) -> float:
     data = build_data(cfg.data, hf_config.vocab_size, t.seed)
     model = build_model(hf_config)
     materialize(model, torch.device("cpu"))
-    init_weights(model, t.seed)
+    init_weights(model, [], t.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
     rank, world = dist.get_rank(), dist.get_world_size()

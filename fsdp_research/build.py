@@ -37,9 +37,9 @@ def shard_model(
     )
     materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device)
     if cfg.model.load_weights:
-        load_pretrained(model, pretrained_dir(cfg.model.name_or_path), device)
+        load_pretrained(model, pretrained_dir(cfg.model.name_or_path))
     else:
-        init_weights(model, cfg.trainer.seed)
+        init_weights(model, plan.blocks, cfg.trainer.seed)
     return apply_ddp(model, device) if plan.strategy is Strategy.ddp else model
 
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from omegaconf import DictConfig
 
 from .layout import Layout, layout
+from .models import ModelDims
 from .sharding import ShardingPlan
 
 log = logging.getLogger("fsdp_research")
@@ -174,8 +175,9 @@ def diagnose(
     ]
 
 
-def explain(cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int) -> str:
-    """Why a config with no findings is fine, in one phrase: what the plan does."""
+def explain(cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int, model: ModelDims | None = None) -> str:
+    """Why a config with no findings is fine, in one phrase: what the plan does (and, for a mixture of experts,
+    that its communication is of all the experts while its compute is of the active ones)."""
     if not plan.units:
         shape = "no FSDP units (plain DDP)"
     else:
@@ -187,6 +189,12 @@ def explain(cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int) ->
         f"{plan.strategy.value} on {world_size} rank(s), {nodes} node(s): {shape}; "
         f"CPU offload {'on' if cfg.sharding.cpu_offload else 'off'}; "
         f"{layout(cfg, world_size, nodes).micro_steps} micro-batch(es) per step"
+        + (
+            f"; a mixture of experts, {model.experts_per_token} of {model.experts} per token: each block's all-gather "
+            "moves every expert, its compute uses the active ones"
+            if model and model.experts
+            else ""
+        )
     )
 
 

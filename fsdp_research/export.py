@@ -4,8 +4,6 @@ size, the tokenizer when one is used) that AutoModelForCausalLM.from_pretrained 
 At the end of training the full weights are gathered once; `fsdp-research export <step dir> <out dir>`
 converts any resume checkpoint offline, with no process group and no GPU."""
 
-import json
-import os
 import re
 import warnings
 
@@ -13,12 +11,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
-from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from .data.tokenizer import load_tokenizer
 from .errors import ConfigError
-from .models import clean_name
+from .models import build_model, clean_name
 from .precision import parse_dtype
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -36,15 +33,6 @@ def export_dtype(cfg: DictConfig) -> torch.dtype:
     return parse_dtype(cfg.checkpoint.export_dtype or cfg.precision.param_dtype, "checkpoint.export_dtype")
 
 
-def _tied_keys(hf_config) -> set:
-    """Keys that alias another tensor (tied output embeddings): written once, as HF does."""
-    if not getattr(hf_config, "tie_word_embeddings", False):
-        return set()
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    return set(getattr(MODEL_FOR_CAUSAL_LM_MAPPING[type(hf_config)], "_tied_weights_keys", None) or {})
-
-
 def write_hf_dir(
     state: dict[str, torch.Tensor],
     hf_config,
@@ -53,32 +41,17 @@ def write_hf_dir(
     shard_size: int,
     tokenizer: str | None = None,
 ) -> None:
-    """Write full weights as a Hugging Face model directory."""
-    os.makedirs(out_dir, exist_ok=True)
-    tied = _tied_keys(hf_config)
+    """Write full weights as the family's save_pretrained writes them: its on-disk key names and layout (the
+    reverse of its load-time conversions, experts one by one where the checkpoint format has them so), tied
+    weights once, sharded with an index above shard_size; and the tokenizer."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    twin = build_model(hf_config)  # on the meta device: save_pretrained only needs the family's conventions
+    twin.config.dtype = dtype
+    tied = set(getattr(twin, "all_tied_weights_keys", None) or {})
     tensors = {clean_name(k): v.to(dtype).contiguous() for k, v in state.items() if clean_name(k) not in tied}
-    shards, current, size = [], {}, 0
-    for key in sorted(tensors):
-        nbytes = tensors[key].numel() * tensors[key].element_size()
-        if current and size + nbytes > shard_size:
-            shards.append(current)
-            current, size = {}, 0
-        current[key], size = tensors[key], size + nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(out_dir, name), metadata={"format": "pt"})
-            weight_map.update({key: name for key in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    hf_config = hf_config.__class__.from_dict(hf_config.to_dict())
-    hf_config.dtype = dtype
-    hf_config.save_pretrained(out_dir)
+    twin.save_pretrained(out_dir, state_dict=tensors, max_shard_size=shard_size)
     if tokenizer:
         load_tokenizer(tokenizer).save(out_dir)
 

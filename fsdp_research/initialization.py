@@ -1,23 +1,20 @@
-"""Materialize a meta-device model shard by shard, with initial weights that do not depend on the world size."""
+"""Materialize a meta-device model shard by shard, and initialise it as its family does (its `_init_weights`:
+Gemma's zero-centred norm scales, GPT-2's scaled residual projections, padding rows, routers, ...), identically at
+any world size and never holding more than one block's full parameters at a time.
+
+A group is one repeating block, or what lies outside the blocks (embeddings, final norm, head). Each group's
+parameters get full-size stand-ins on the CPU, the family's init runs over the group's modules as transformers
+runs it (children first, each sub-model with its own `_init_weights`), from a generator seeded by (seed, group),
+and each rank keeps its slice of the result."""
 
 import zlib
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .models import clean_name
-
-
-def _initial_value(name: str, shape: torch.Size, std: float, seed: int) -> torch.Tensor:
-    """The full initial tensor of one parameter: a function of (its name, the seed) only, so every world
-    size starts from identical weights. Matrices ~ N(0, std) as HF initialises them; biases 0; norm scales 1."""
-    if name.endswith("bias"):
-        return torch.zeros(shape)
-    if len(shape) == 1:
-        return torch.ones(shape)
-    gen = torch.Generator().manual_seed(seed * 2**32 + zlib.crc32(name.encode()))
-    return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
@@ -31,13 +28,70 @@ def materialize(model: nn.Module, device: torch.device) -> None:
             buf.copy_(buffers[name])
 
 
+def _modules(root: nn.Module, path: str, skip: set[int]) -> Iterator[tuple[str, nn.Module]]:
+    """root's modules with their paths in the model, without the subtrees rooted at `skip` (modules by id)."""
+    yield path, root
+    for name, child in root.named_children():
+        if id(child) not in skip:
+            yield from _modules(child, f"{path}.{name}" if path else name, skip)
+
+
+def _init(module: nn.Module, init_fn, skip: set[int]) -> None:
+    """transformers' order: children first, each sub-model (a PreTrainedModel) with its own _init_weights."""
+    from transformers import PreTrainedModel
+
+    for child in module.children():
+        if id(child) not in skip:
+            _init(child, child._init_weights if isinstance(child, PreTrainedModel) else init_fn, skip)
+    init_fn(module)
+
+
+def _keep_shard(target: nn.Parameter, full: torch.Tensor) -> None:
+    if isinstance(target, DTensor):
+        # src_data_rank=None: every rank has the same full tensor; each slices its own, no communication.
+        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)
+
+
+def _init_fn(model: nn.Module, path: str):
+    """The _init_weights of the innermost sub-model (PreTrainedModel) that holds the module at path."""
+    from transformers import PreTrainedModel
+
+    parts = path.split(".") if path else []
+    owners = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
+    return [m for m in owners if isinstance(m, PreTrainedModel)][-1]._init_weights
+
+
 @torch.no_grad()
-def init_weights(model: nn.Module, seed: int) -> None:
-    """Fill this rank's shards. One full parameter exists at a time, never the full model."""
-    std = getattr(model.config, "initializer_range", 0.02)
-    for name, param in model.named_parameters():
-        full = _initial_value(clean_name(name), param.shape, std, seed).to(param.device, param.dtype)
-        if isinstance(param, DTensor):
-            param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements).to_local())
-        else:
-            param.copy_(full)
+def _init_group(model: nn.Module, path: str, skip: set[int], seed: int) -> None:
+    """Every place a parameter is registered gets a stand-in of its own, as in transformers, where weights are tied
+    only after they are initialised: a parameter shared by several places (tied embeddings) keeps the value of
+    the place that is not a tie's target."""
+    tie_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
+    places, kept = [], {}
+    for module_path, module in _modules(model.get_submodule(path), path, skip):
+        for name, param in module._parameters.items():
+            if param is not None:
+                stand_in = nn.Parameter(torch.empty(param.shape), param.requires_grad)
+                places.append((module, name, param))
+                module._parameters[name] = stand_in
+                if clean_name(f"{module_path}.{name}".lstrip(".")) not in tie_targets or id(param) not in kept:
+                    kept[id(param)] = (param, stand_in)
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63)
+            _init(model.get_submodule(path), _init_fn(model, path), skip)
+        for original, full in kept.values():
+            _keep_shard(original, full.detach().to(original.device, original.dtype))
+    finally:
+        for module, name, original in places:
+            module._parameters[name] = original
+
+
+def init_weights(model: nn.Module, blocks: Sequence[str], seed: int) -> None:
+    """Initialise the materialized (possibly sharded) model: each block in turn, then everything outside them."""
+    for path in blocks:
+        _init_group(model, path, set(), seed)
+    _init_group(model, "", {id(model.get_submodule(path)) for path in blocks}, seed)

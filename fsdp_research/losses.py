@@ -1,4 +1,7 @@
-"""The losses: next-token cross-entropy of a training batch, and the token-weighted mean over the held-out set."""
+"""The losses: a training batch's next-token cross-entropy (plus a mixture of experts' load-balancing loss where
+its config asks for it), and the token-weighted mean over the held-out set."""
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -9,11 +12,35 @@ import torch.nn.functional as F
 from .data.pipeline import Data
 
 
-def loss_of(model: nn.Module, batch: torch.Tensor, amp) -> torch.Tensor:
-    """Next-token cross-entropy of a batch of seq_len + 1 tokens."""
+@dataclass(frozen=True)
+class Router:
+    """A mixture of experts' routing, as the family's config sets it."""
+
+    experts: int
+    top_k: int
+    # The load-balancing loss's weight in the training loss: 0 unless the config asks for it (output_router_logits).
+    aux_coef: float
+
+
+def router_of(hf_config, experts: int, top_k: int) -> Router | None:
+    if not experts:
+        return None
+    asks = getattr(hf_config, "output_router_logits", False)
+    return Router(experts, top_k, float(getattr(hf_config, "router_aux_loss_coef", 0.0)) if asks else 0.0)
+
+
+def train_loss(model: nn.Module, batch: torch.Tensor, amp, router: Router | None = None):
+    """(loss, to log) of a batch of seq_len + 1 tokens: next-token cross-entropy, plus the router's weighted
+    load-balancing loss; for a mixture of experts, its aux loss and the tokens routed to each expert (summed over
+    its MoE layers) to log."""
     with amp:
-        logits = model(input_ids=batch[:, :-1]).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten())
+        out = model(input_ids=batch[:, :-1], **({"output_router_logits": True} if router else {}))
+    loss = F.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    if router is None:
+        return loss, {}
+    chosen = torch.cat([logits.topk(router.top_k, dim=-1).indices.flatten() for logits in out.router_logits])
+    counts = torch.bincount(chosen, minlength=router.experts).float()
+    return loss + router.aux_coef * out.aux_loss, {"aux_loss": out.aux_loss.detach().float(), "expert_tokens": counts}
 
 
 def token_losses(model: nn.Module, batch: torch.Tensor, amp) -> torch.Tensor:

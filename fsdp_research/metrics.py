@@ -44,6 +44,33 @@ def flops_per_token(model: ModelDims, n_params: int, seq_len: int) -> float:
     return 6.0 * n_params + 12.0 * model.layers * model.hidden * seq_len
 
 
+def active_parameters(model: torch.nn.Module, d: ModelDims) -> int:
+    """The parameters a token passes through: all of a dense model's; of a mixture of experts, its experts' in
+    the proportion top-k / experts (the fused experts modules: MixtralExperts, Qwen3MoeExperts, ...)."""
+    total = sum(p.numel() for p in model.parameters())
+    if not d.experts:
+        return total
+    experts = sum(
+        p.numel() for m in model.modules() if type(m).__name__.endswith("Experts") for p in m.parameters(recurse=False)
+    )
+    return total - experts + experts * d.experts_per_token // d.experts
+
+
+def router_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """A mixture of experts' load-balancing loss (mean over ranks) and the share of the routed tokens that the least
+    and the most loaded expert got (1 / experts when balanced). A collective; nothing for a dense model."""
+    if not stats:
+        return {}
+    values = torch.cat([stats["aux_loss"].reshape(1), stats["expert_tokens"]])
+    dist.all_reduce(values)
+    share = values[1:] / values[1:].sum()
+    return {
+        "aux_loss": values[0].item() / dist.get_world_size(),
+        "expert_fraction_min": share.min().item(),
+        "expert_fraction_max": share.max().item(),
+    }
+
+
 def peak_memory(device: torch.device) -> dict[str, float]:
     """Peak memory of this process in GiB, the maximum over ranks."""
     if device.type == "cuda":

@@ -3,6 +3,7 @@ blocks, and its dimensions read once from the config (each family names them its
 
 import contextlib
 import os
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -16,15 +17,23 @@ from .errors import ConfigError
 def build_hf_config(cfg: ModelConfig):
     from transformers import AutoConfig
 
-    if cfg.name_or_path:
-        return AutoConfig.from_pretrained(cfg.name_or_path, **cfg.config)
-    if not cfg.model_type:
+    if not (cfg.name_or_path or cfg.model_type):
         raise ConfigError(
             "model.model_type",
             "neither model.name_or_path nor model.model_type is set",
             "pick a model option (model=llama_tiny) or set model.name_or_path",
         )
-    return AutoConfig.for_model(cfg.model_type, **cfg.config)
+    try:
+        if cfg.name_or_path:
+            return AutoConfig.from_pretrained(cfg.name_or_path, **cfg.config)
+        return AutoConfig.for_model(cfg.model_type, **cfg.config)
+    except (OSError, ValueError, KeyError) as err:
+        key = "model.name_or_path" if cfg.name_or_path else "model.model_type"
+        raise ConfigError(
+            key,
+            f"transformers has no config for it ({_first_line(err)})",
+            "use a local directory written by save_pretrained, or a model_type transformers knows",
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -38,12 +47,18 @@ class ModelDims:
     vocab: int
     # None where the family has no fixed limit.
     max_positions: int | None
+    # Mixture of experts: experts per MoE layer and how many each token is routed to (0 and 0 for a dense model).
+    experts: int = 0
+    experts_per_token: int = 0
 
 
 def dims(hf_config) -> ModelDims:
     """The dimensions every consumer needs (validation, MFU, the planner), with each family's defaults."""
     hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0
     return ModelDims(
+        experts=experts,
+        experts_per_token=getattr(hf_config, "num_experts_per_tok", 0) if experts else 0,
         hidden=hidden,
         layers=hf_config.num_hidden_layers,
         heads=heads,
@@ -78,24 +93,34 @@ def build_model(hf_config) -> nn.Module:
     """The model with every parameter on the meta device: nothing is allocated or initialised yet."""
     from transformers import AutoModelForCausalLM
 
-    with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    try:
+        with _parameters_on_meta():
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    except (ValueError, TypeError, AttributeError, RuntimeError) as err:
+        raise ConfigError(
+            "model.config",
+            f"transformers cannot build a causal LM of type {hf_config.model_type!r} from it ({_first_line(err)})",
+            "fix the model.config values (the family's own config class lists them)",
+        ) from None
     # A fixed, deterministic attention kernel (no padding here, so no mask is needed).
     model.config.use_cache = False
     return model
 
 
 def block_class_name(model: nn.Module, override: str | None) -> str:
+    """model.block_class, else the class of _no_split_modules the model repeats most: the decoder's layer where
+    a family lists several (a vision tower's, an encoder's)."""
     if override:
         return override
-    names = list(getattr(model, "_no_split_modules", None) or [])
-    if not names:
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    counts = Counter(type(m).__name__ for m in model.modules() if type(m).__name__ in names)
+    if not counts:
         raise ConfigError(
             "model.block_class",
             f"{type(model).__name__} declares no repeating block (_no_split_modules is empty)",
             "set model.block_class=<its block class name>",
         )
-    return names[0]
+    return max(sorted(counts), key=counts.__getitem__)
 
 
 def find_blocks(model: nn.Module, class_name: str) -> list[nn.Module]:
@@ -109,6 +134,11 @@ def find_blocks(model: nn.Module, class_name: str) -> list[nn.Module]:
             f"use one of its classes: {', '.join(present)}",
         )
     return blocks
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def clean_name(name: str) -> str:

@@ -33,53 +33,19 @@ from .distributed import (
 from .doctor import diagnose, report
 from .export import export_dtype, export_model, parse_size
 from .layout import Layout, layout
-from .losses import held_out_loss, loss_of
-from .metrics import Throughput, flops_per_token, peak_memory, peak_tflops
+from .losses import Router, held_out_loss, router_of, train_loss
+from .metrics import Throughput, active_parameters, flops_per_token, peak_memory, peak_tflops, router_metrics
 from .models import build_hf_config, dims
 from .optim import build_optimizer, clip_grad_norm
 from .precision import LossScaler, autocast
 from .preemption import Preemption
 from .profiling import StepProfiler, region
 from .sharding import ShardingPlan, grad_sync
-from .sinks import Sinks, build_sinks, new_run_id, setup_logging
+from .sinks import Sinks, build_sinks, setup_logging
+from .state import TrainResult, TrainState
 from .validation import check_config
 
 log = logging.getLogger("fsdp_research")
-
-
-@dataclass
-class TrainState:
-    """What a resume restores besides the model, the optimizer and each rank's RNG (the checkpointer's)."""
-
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    scaler: LossScaler
-    step: int = 0
-    tokens_seen: int = 0
-    wandb_run_id: str = field(default_factory=new_run_id)
-
-    def state_dict(self, world_size: int) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "wandb_run_id": self.wandb_run_id,
-            "world_size": world_size,
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.tokens_seen, self.wandb_run_id = state["step"], state["tokens_seen"], state["wandb_run_id"]
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-
-
-@dataclass
-class TrainResult:
-    model: nn.Module
-    losses: list[float] = field(default_factory=list)
-    # Stopped early by the preemption signal, after saving a resume checkpoint.
-    preempted: bool = False
-    summary: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -99,6 +65,7 @@ class Run:
     data: Data
     batches: Prefetcher
     amp: Any
+    router: Router | None
     checkpointer: Checkpointer
     sinks: Sinks
     profiler: StepProfiler
@@ -203,6 +170,29 @@ def _observe(
     return sinks, profiler
 
 
+def _throughput(
+    cfg: DictConfig, hf_config, model: nn.Module, plan: ShardingPlan, device: torch.device, start: int
+) -> Throughput:
+    """Throughput and MFU (from the parameters a token passes through: a mixture of experts' active ones)."""
+    t, world, d = cfg.trainer, dist.get_world_size(), dims(hf_config)
+    n_params, active = sum(p.numel() for p in model.parameters()), active_parameters(model, d)
+    moe = f" ({active / 1e6:.2f}M active per token)" if active != n_params else ""
+    log.info(
+        f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters{moe}, {len(plan.blocks)} blocks, "
+        f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
+        f"starting at step {start}"
+    )
+    tokens = t.global_batch_size * cfg.data.seq_len
+    return Throughput(
+        tokens,
+        t.global_batch_size,
+        world,
+        flops_per_token(d, active, cfg.data.seq_len),
+        peak_tflops(device, t.peak_tflops),
+        device,
+    )
+
+
 def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: contextlib.ExitStack) -> Run:
     device, run_dir, hf_config, model, plan, resume_dir = _prepare(cfg, run_dir)
     rank, world, t = dist.get_rank(), dist.get_world_size(), cfg.trainer
@@ -214,12 +204,7 @@ def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: con
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
         state.load_state_dict(checkpointer.load(resume_dir, model, optimizer))
     data = _data(cfg, hf_config.vocab_size)
-    n_params = sum(p.numel() for p in model.parameters())
-    log.info(
-        f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters, {len(plan.blocks)} blocks, "
-        f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
-        f"starting at step {state.step}"
-    )
+    throughput = _throughput(cfg, hf_config, model, plan, device, state.step)
     sinks, profiler = _observe(cfg, run_dir, device, plan, state, resources)
     batches = Prefetcher(
         lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
@@ -228,14 +213,6 @@ def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: con
         pin=device.type == "cuda",
     )
     _close_on_exit(resources, batches.close)
-    throughput = Throughput(
-        t.global_batch_size * cfg.data.seq_len,
-        t.global_batch_size,
-        world,
-        flops_per_token(dims(hf_config), n_params, cfg.data.seq_len),
-        peak_tflops(device, t.peak_tflops),
-        device,
-    )
     amp = autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp)
     return Run(
         cfg=cfg,
@@ -251,6 +228,7 @@ def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: con
         data=data,
         batches=batches,
         amp=amp,
+        router=router_of(hf_config, dims(hf_config).experts, dims(hf_config).experts_per_token),
         checkpointer=checkpointer,
         sinks=sinks,
         profiler=profiler,
@@ -259,21 +237,32 @@ def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: con
     )
 
 
-def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # this rank's, over its micro-batches
+    grad_norm: torch.Tensor  # global
+    lr: float  # the one the step used
+    router: dict[str, torch.Tensor]  # a mixture of experts': aux loss, tokens routed to each expert
+
+
+def train_step(run: Run, step: int) -> StepResult:
     """One optimizer step on the global batch of `step`: this rank's micro-batches, each forward and backward,
-    the gradient reduction (only after the last micro-batch with trainer.defer_grad_sync), clip, step.
-    Returns this rank's loss, the global gradient norm and the learning rate the step used."""
+    the gradient reduction (only after the last micro-batch with trainer.defer_grad_sync), clip, step."""
     t, scaler, micro_steps = run.cfg.trainer, run.state.scaler, run.layout.micro_steps
     with region("data"):
         batch = run.batches.get(step).to(run.device, non_blocking=True)
     loss_sum = torch.zeros((), device=run.device)
+    router: dict[str, torch.Tensor] = {}
     for i, micro in enumerate(batch.split(t.micro_batch_size)):
         with grad_sync(run.model, i == micro_steps - 1 or not t.defer_grad_sync):
             with region("forward"):
-                loss = loss_of(run.model, micro, run.amp) / micro_steps
+                loss, stats = train_loss(run.model, micro, run.amp, run.router)
+                loss = loss / micro_steps
             with region("backward"):
                 scaler.scale_loss(loss).backward()
         loss_sum += loss.detach()
+        for k, v in stats.items():
+            router[k] = router.get(k, 0) + (v / micro_steps if k == "aux_loss" else v)
     with region("optimizer"):
         finite = scaler.unscale_and_check(run.model.parameters())
         grad_norm = clip_grad_norm(run.model, run.cfg.optim.grad_clip)
@@ -285,7 +274,7 @@ def train_step(run: Run, step: int) -> tuple[torch.Tensor, torch.Tensor, float]:
     run.state.scheduler.step()
     run.state.step = step + 1
     run.state.tokens_seen += t.global_batch_size * run.cfg.data.seq_len
-    return loss_sum, grad_norm, lr
+    return StepResult(loss_sum, grad_norm, lr, router)
 
 
 def _loop(run: Run, result: TrainResult) -> None:
@@ -295,10 +284,10 @@ def _loop(run: Run, result: TrainResult) -> None:
     run.throughput.start()
     last_logged = run.state.step
     for step in range(run.state.step, t.max_steps):
-        loss, grad_norm, lr = train_step(run, step)
+        out = train_step(run, step)
         done = step + 1
         if done % t.log_interval == 0 or done == t.max_steps:
-            _log_step(run, result, done - last_logged, loss, grad_norm, lr)
+            _log_step(run, result, done - last_logged, out)
             last_logged = done
             run.throughput.start()
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.max_steps):
@@ -316,16 +305,15 @@ def _loop(run: Run, result: TrainResult) -> None:
             return
 
 
-def _log_step(
-    run: Run, result: TrainResult, steps: int, loss: torch.Tensor, grad_norm: torch.Tensor, lr: float
-) -> None:
+def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> None:
     """The metrics of the `steps` steps since the last log, to every sink."""
     done, scaler = run.state.step, run.state.scaler
     metrics = {
         "step": done,
-        "loss": _mean_over_ranks(loss),
-        "lr": lr,
-        "grad_norm": grad_norm.item(),
+        "loss": _mean_over_ranks(out.loss),
+        "lr": out.lr,
+        "grad_norm": out.grad_norm.item(),
+        **router_metrics(out.router),
         **run.throughput.stop(steps),
         **peak_memory(run.device),
     }

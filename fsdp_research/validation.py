@@ -10,6 +10,7 @@ from .config import (
     CheckpointConfig,
     DataConfig,
     DataKind,
+    ModelConfig,
     OptimConfig,
     PrecisionConfig,
     ShardingConfig,
@@ -20,8 +21,9 @@ from .data.parts import probe, resolve_files
 from .data.pipeline import check_tokenizer, sources
 from .errors import ConfigError
 from .export import parse_size
-from .models import ModelDims, dims
+from .models import ModelDims, dims, pretrained_dir
 from .precision import dtypes, parse_dtype
+from .pretrained import check_weights
 
 
 def check_trainer(t: TrainerConfig, world_size: int) -> None:
@@ -116,10 +118,17 @@ def check_checkpoint(cfg: CheckpointConfig) -> None:
         parse_dtype(cfg.export_dtype, "checkpoint.export_dtype")
 
 
+def check_model(cfg: ModelConfig, hf_config) -> None:
+    """A checkpoint to load must fit the model the config builds: every tensor there, of the same shape."""
+    if cfg.load_weights:
+        check_weights(hf_config, pretrained_dir(cfg.name_or_path))
+
+
 def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.device) -> None:
     """The whole config, for a launch of world_size ranks on `device` (the model's block class is checked when
     the model is planned: fsdp_research.build.planned_model)."""
     check_trainer(cfg.trainer, world_size)
+    check_model(cfg.model, hf_config)
     check_data(cfg.data, cfg.trainer, dims(hf_config))
     check_sharding(cfg.sharding, world_size)
     check_precision(cfg.precision, device)

@@ -4,11 +4,13 @@ nothing written into the run dir. Composition errors (unknown key or option, wro
 import functools
 import json
 import os
+import shutil
 
 import pytest
 
 from tests.helpers.cli import finish, start
 from tests.helpers.corpora import bpe_tokenizer, write
+from tests.helpers.zoo import hf_config, initial_weights
 
 SMALL = ["logger=none", "trainer.max_steps=2"]
 APP_ERRORS = {
@@ -29,6 +31,20 @@ APP_ERRORS = {
         "data.tokenizer",
         ["data.paths=[CORPUS]", "data.tokenizer=TOKENIZER", "model.config.vocab_size=260"],
     ),
+    # LLAMA: a save_pretrained llama; MIXED: its config with a gpt2's weights; SHARDED: a llama whose index lists a
+    # shard that is not there.
+    "other_architecture": ("model.name_or_path", ["model=pretrained", "model.name_or_path=MIXED"]),
+    "missing_shard": ("model.name_or_path", ["model=pretrained", "model.name_or_path=SHARDED"]),
+    "reshaped": ("model.config", ["model=pretrained", "model.name_or_path=LLAMA", "model.config.intermediate_size=96"]),
+    "unknown_family": ("model.model_type", ["model=custom", "model.model_type=nope"]),
+    "not_a_causal_lm": ("model.config", ["model=custom", "model.model_type=t5"]),
+}
+MESSAGES = {
+    "other_architecture": "does not fit LlamaForCausalLM: missing lm_head.weight, model.embed_tokens.weight",
+    "missing_shard": "index lists model-00002-of-",
+    "reshaped": "model.layers.0.mlp.down_proj.weight is [64, 96] in the model, [64, 128] in the checkpoint",
+    "unknown_family": "transformers has no config for it",
+    "not_a_causal_lm": "transformers cannot build a causal LM of type 't5'",
 }
 HYDRA_ERRORS = {
     "unknown_key": ("Key 'max_stepz' not in 'TrainerConfig'", ["trainer.max_stepz=3"]),
@@ -54,7 +70,11 @@ def _contents(run_dir):
 def failed(tmp_path_factory):
     """Every case at once: each is mostly interpreter start-up."""
     cwd = tmp_path_factory.mktemp("bad_input")
-    files = {"CORPUS": write("jsonl", str(cwd / "corpus")), "TOKENIZER": bpe_tokenizer(str(cwd / "tokenizer"))}
+    files = {
+        "CORPUS": write("jsonl", str(cwd / "corpus")),
+        "TOKENIZER": bpe_tokenizer(str(cwd / "tokenizer")),
+        **_checkpoints(cwd),
+    }
     procs = {}
     for name, (_, overrides) in {**APP_ERRORS, **HYDRA_ERRORS}.items():
         overrides = [functools.reduce(lambda o, kv: o.replace(*kv), files.items(), o) for o in overrides]
@@ -63,7 +83,21 @@ def failed(tmp_path_factory):
             for file, text in EXISTING.items():
                 (cwd / name / file).write_text(text)
         procs[name] = start(SMALL + overrides + [f"hydra.run.dir={cwd / name}"], str(cwd))
-    return cwd, {name: finish(proc, timeout=120) for name, proc in procs.items()}
+    return cwd, {name: finish(proc, timeout=300) for name, proc in procs.items()}
+
+
+def _checkpoints(cwd) -> dict:
+    llama = initial_weights("llama", str(cwd / "llama"))
+    mixed = str(cwd / "mixed")
+    shutil.copytree(llama, mixed)
+    shutil.copy(os.path.join(initial_weights("gpt2", str(cwd / "gpt2")), "model.safetensors"), mixed)
+    sharded = str(cwd / "sharded")
+    hf_config("llama").save_pretrained(sharded)
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(llama).save_pretrained(sharded, max_shard_size="100KB")
+    os.remove(os.path.join(sharded, sorted(f for f in os.listdir(sharded) if f.startswith("model-0"))[1]))
+    return {"LLAMA": llama, "MIXED": mixed, "SHARDED": sharded}
 
 
 @pytest.mark.parametrize("name", list(APP_ERRORS))
@@ -74,6 +108,7 @@ def test_app_error_is_one_line_naming_key_and_fix(failed, name):
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     line = result.last_error_line()
     assert line.startswith(f"error: {APP_ERRORS[name][0]}: ") and "; fix: " in line, result.stderr[-3000:]
+    assert MESSAGES.get(name, "") in line, line
     assert "step 1/" not in result.stdout  # no step ran
     # An existing run is left as it was, its status too; a fresh dir holds only the failed status.
     if name in INTO_EXISTING:

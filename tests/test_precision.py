@@ -6,13 +6,14 @@ import os
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from fsdp_research.composition import compose
 from tests.conftest import FAST
 from tests.helpers.cli import read_metrics
 from tests.helpers.dist import ok, train_distributed
 from tests.helpers.fsdp_units import precision_state
-from tests.helpers.reference import reference_run
+from tests.helpers.reference import reference_run, save_initial
 
 STEPS = 12
 BASE = FAST + [f"trainer.max_steps={STEPS}", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"]
@@ -22,15 +23,27 @@ RUNS = {
     "bf16": ["precision=bf16"],
     "bf16_reduce": ["precision=bf16_reduce", "trainer.max_steps=3"],
     "fp16": ["precision=fp16", f"precision.init_scale={INIT_SCALE}"],
-    "gpt2_bf16": ["model=gpt2_tiny", "precision=bf16"],
-    "gpt2_fp32": ["model=gpt2_tiny", "trainer.max_steps=6"],
+    "gpt2_bf16": ["GPT2", "precision=bf16"],
+    "gpt2_fp32": ["GPT2", "trainer.max_steps=6"],
 }
 
 
+def _gpt2(initial: str) -> list[str]:
+    """gpt2_tiny, from initial weights transformers made (what the reference starts from too)."""
+    return ["model=pretrained", f"model.name_or_path={initial}"]
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def initial(tmp_path_factory):
+    hf_config = AutoConfig.for_model("gpt2", **compose(["model=gpt2_tiny"]).model.config)
+    return save_initial(hf_config, str(tmp_path_factory.mktemp("gpt2_initial")))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, initial):
     out = str(tmp_path_factory.mktemp("precision"))
-    configs = {name: compose(BASE + extra) for name, extra in RUNS.items()}
+    expand = {"GPT2": _gpt2(initial)}
+    configs = {name: compose(BASE + [o for e in extra for o in expand.get(e, [e])]) for name, extra in RUNS.items()}
     results = train_distributed(configs, 2, out, inspect=precision_state)
     return {name: {**ok(results, name), "metrics": read_metrics(os.path.join(out, name))} for name in RUNS}
 
@@ -66,22 +79,24 @@ def test_bf16_computes_in_bf16(runs):
 
 def test_fp16_skips_and_counts_overflowing_steps(runs):
     metrics = runs["fp16"]["metrics"]
-    skipped = metrics[-1]["skipped_steps"]
-    assert 0 < skipped < STEPS // 2
+    skipped = [m["skipped_steps"] for m in metrics]
+    assert 0 < skipped[-1] < STEPS // 2
+    # Each overflow is counted and halves the scale (at most one per step); no growth (growth_interval is 200).
+    assert all(b - a in (0, 1) for a, b in zip([0, *skipped], skipped))
     for m in metrics:
-        # Each overflow halves the scale and is counted; then no step overflows (growth_interval is 200).
-        overflowed = min(m["step"], skipped)
-        assert m["skipped_steps"] == overflowed
-        assert m["loss_scale"] == INIT_SCALE / 2**overflowed
+        assert m["loss_scale"] == INIT_SCALE / 2 ** m["skipped_steps"]
+    # The first steps overflow one after another, until the scale has come down to what fp16 holds.
+    first = next(i for i, m in enumerate(metrics) if m["skipped_steps"] < m["step"])
+    assert first > 0
     losses = [m["loss"] for m in metrics]
     # Skipped steps leave the weights as they were: the loss only moves with the batch until a step is taken.
-    assert max(abs(loss - losses[0]) for loss in losses[: skipped + 1]) < 0.1
-    assert losses[-1] < losses[skipped] - 1.0  # trains once the scale fits
+    assert max(abs(loss - losses[0]) for loss in losses[: first + 1]) < 0.1
+    assert losses[-1] < losses[first] - 1.0  # trains once the scale fits
 
 
-def test_gpt2_keeps_tied_embeddings_and_matches_plain_pytorch(runs):
+def test_gpt2_keeps_tied_embeddings_and_matches_plain_pytorch(runs, initial):
     assert runs["gpt2_fp32"]["tied"] and runs["gpt2_bf16"]["tied"]
-    ref_losses, ref_weights = reference_run(compose(BASE + RUNS["gpt2_fp32"]))
+    ref_losses, ref_weights = reference_run(compose(BASE + _gpt2(initial) + RUNS["gpt2_fp32"][1:]), initial)
     losses, weights = runs["gpt2_fp32"]["losses"], runs["gpt2_fp32"]["weights"]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     assert weights.keys() == ref_weights.keys()

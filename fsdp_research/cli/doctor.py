@@ -16,6 +16,7 @@ from ..distributed import planned_nodes
 from ..doctor import CHECKS, diagnose, explain
 from ..errors import ConfigError
 from ..launch import run_spawned
+from ..models import dims
 from ..profiling import format_breakdown
 from ..sinks import read_records
 from .common import checked_config, fail, split_launch
@@ -78,5 +79,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     for finding in findings:
         print(finding)
     if not findings:
-        print(f"no findings: {explain(cfg, plan, world_size, nodes)}; all {len(CHECKS)} checks pass")
+        print(f"no findings: {explain(cfg, plan, world_size, nodes, dims(hf_config))}; all {len(CHECKS)} checks pass")
     return 0

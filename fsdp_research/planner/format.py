@@ -9,6 +9,17 @@ from .summary import ModelSummary, Run
 GIB = 2**30
 
 
+def _experts_note(m: ModelSummary) -> str:
+    if not m.experts:
+        return ""
+    active = f"{_count(m.active_params)} active per token: {m.experts_per_token} of {m.experts} experts"
+    return f" ({active}; all-gathers move every expert)"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def _gib(value: float) -> str:
     value /= GIB
     return f"{value:.2f}" if value >= 1 else f"{value:.3g}"
@@ -17,11 +28,11 @@ def _gib(value: float) -> str:
 def format_plan(m: ModelSummary, run: Run) -> str:
     e, mem = run.compute_dtype, memory(m, run)
     replicated = m.strategy is Strategy.ddp
-    size = f"{m.n_params / 1e9:.2f}B" if m.n_params >= 1e9 else f"{m.n_params / 1e6:.2f}M"
+    size = f"{_count(m.n_params)} parameters" + _experts_note(m)
     layout = "replicated" if replicated else f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units"
     deferring = run.micro_steps > 1 and run.defer_grad_sync
     lines = [
-        f"{m.name}: {size} parameters, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {layout}",
+        f"{m.name}: {size}, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {layout}",
         f"compute {e}, reduce {run.reduce_dtype}; micro-batch {run.micro_batch} x {run.seq_len} tokens, "
         f"{run.micro_steps} micro-batch(es) per step; {_checkpointing(m.checkpointed)}",
         "",

@@ -11,6 +11,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from ..build import planned_model
 from ..config import Strategy
 from ..layout import layout
+from ..metrics import active_parameters
 from ..models import build_hf_config, dims
 from ..precision import dtypes
 from ..sharding import ShardingPlan, owner
@@ -41,6 +42,10 @@ class ModelSummary:
     name: str
     model_type: str
     n_params: int
+    # The parameters a token passes through (a mixture of experts: top-k of its experts'); n_params if dense.
+    active_params: int
+    experts: int
+    experts_per_token: int
     hidden: int
     intermediate: int
     heads: int
@@ -108,6 +113,9 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         name=cfg.model.name,
         model_type=hf_config.model_type,
         n_params=sum(p.numel() for p in model.parameters()),
+        active_params=active_parameters(model, d),
+        experts=d.experts,
+        experts_per_token=d.experts_per_token,
         hidden=d.hidden,
         intermediate=d.intermediate,
         heads=d.heads,

@@ -13,9 +13,9 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from fsdp_research.build import build_sharded_model
 from fsdp_research.config import typed
 from fsdp_research.distributed import init_distributed
+from fsdp_research.losses import train_loss
 from fsdp_research.models import build_hf_config
 from fsdp_research.optim import build_optimizer, clip_grad_norm
-from fsdp_research.trainer import loss_of
 from tests.helpers.dist import run_distributed
 
 # The planner's categories as sums of the tracker's.
@@ -50,7 +50,7 @@ class _GroupPeaks(FSDPMemTracker):
 
 def _step(model, optimizer, batch: torch.Tensor, grad_clip: float) -> None:
     """One step as the trainer takes it (one micro-batch)."""
-    loss_of(model, batch, contextlib.nullcontext()).backward()
+    train_loss(model, batch, contextlib.nullcontext())[0].backward()
     clip_grad_norm(model, grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -1,36 +1,107 @@
-"""The single-process plain PyTorch run that every sharded run must reproduce: no FSDP, no DDP, the whole
-global batch in one forward."""
+"""The single-process run every sharded run must reproduce, built from what we did not write: transformers'
+from_pretrained of the initial weights, torch.optim.AdamW, the schedule written out here, and each step's batch
+read from the token store's files with numpy (synthetic data: from its generator's definition). Only the order of
+the windows is taken from fsdp_research.data.sampling (its properties are tests/test_data.py's)."""
 
-from typing import Any
+import json
+import math
+import os
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from omegaconf import DictConfig
 
 from fsdp_research.config import typed
-from fsdp_research.data.pipeline import build_data
-from fsdp_research.initialization import init_weights, materialize
-from fsdp_research.models import build_hf_config, build_model
-from fsdp_research.optim import build_optimizer
+from fsdp_research.data.pipeline import store_root, store_specs
+from fsdp_research.data.sampling import Stream
 
 
-def reference_run(cfg: Any) -> tuple[list[float], dict[str, torch.Tensor]]:
+class _Positions:
+    """A source of `count` windows whose contents are their own indices: what Stream returns is the order."""
+
+    def __init__(self, count: int, length: int):
+        self.count, self.length = count, length
+
+    def read(self, index: np.ndarray) -> np.ndarray:
+        return np.repeat(index[:, None], self.length, axis=1)
+
+
+def _store_tokens(cfg: DictConfig) -> np.ndarray:
+    """The one source's tokens, concatenated from its part files as the manifest lists them."""
+    [spec] = store_specs(cfg.data)
+    path = os.path.join(store_root(cfg.data), spec.fingerprint)
+    with open(os.path.join(path, "manifest.json")) as f:
+        manifest = json.load(f)
+    parts = [np.fromfile(os.path.join(path, f"part_{i:05d}.tokens"), dtype=manifest["dtype"])
+             for i in range(len(manifest["parts"]))]  # fmt: skip
+    return np.concatenate(parts).astype(np.int64)
+
+
+def batches(cfg: DictConfig, vocab_size: int):
+    """batch(step): the global batch of a step, [global_batch_size, seq_len + 1]."""
+    t, length = cfg.trainer, cfg.data.seq_len + 1
+    if cfg.data.kind.value == "synthetic":
+
+        def window(i: int) -> np.ndarray:
+            return np.random.default_rng([t.seed, i]).integers(0, vocab_size, length)
+
+        count = cfg.data.num_sequences
+    else:
+        tokens = _store_tokens(cfg)
+
+        def window(i: int) -> np.ndarray:
+            return tokens[i * length : (i + 1) * length]
+
+        count = len(tokens) // length
+    order = Stream([_Positions(count, length)], [1.0], t.seed, cfg.data.eval_fraction)
+
+    def batch(step: int) -> torch.Tensor:
+        index = order.train(step * t.global_batch_size + np.arange(t.global_batch_size))[:, 0]
+        return torch.from_numpy(np.stack([window(int(i)) for i in index]))
+
+    return batch
+
+
+def lr_at(cfg: DictConfig, step: int) -> float:
+    """Linear warmup over warmup_steps, then cosine decay to lr * min_lr_ratio at max_steps."""
+    o, total = cfg.optim, cfg.trainer.max_steps
+    if step < o.warmup_steps:
+        return o.lr * (step + 1) / o.warmup_steps
+    progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
+    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def reference_run(cfg, initial: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Per-step losses and final weights of the whole global batch in one forward, from the weights in `initial`
+    (a directory written by save_pretrained)."""
+    from transformers import AutoModelForCausalLM
+
     cfg = typed(cfg)
-    t = cfg.trainer
-    hf_config = build_hf_config(cfg.model)
-    model = build_model(hf_config)
-    materialize(model, torch.device("cpu"))
-    init_weights(model, t.seed)
-    data = build_data(cfg.data, hf_config.vocab_size, t.seed)
-    optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
+    model = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                  weight_decay=o.weight_decay)  # fmt: skip
+    batch = batches(cfg, model.config.vocab_size)
     losses = []
-    for step in range(t.max_steps):
-        batch = data.global_batch(step, t.global_batch_size)
-        logits = model(input_ids=batch[:, :-1]).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+    for step in range(cfg.trainer.max_steps):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(cfg, step)
+        tokens = batch(step)
+        logits = model(input_ids=tokens[:, :-1]).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
-        scheduler.step()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def save_initial(hf_config, out_dir: str, seed: int = 0) -> str:
+    """Initial weights as transformers makes them (from_config), written by save_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(hf_config).save_pretrained(out_dir)
+    return out_dir

@@ -1,0 +1,45 @@
+"""What a run carries besides the model and the optimizer: the state a resume restores, and what train() returns."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .precision import LossScaler
+from .sinks import new_run_id
+
+
+@dataclass
+class TrainState:
+    """What a resume restores besides the model, the optimizer and each rank's RNG (the checkpointer's)."""
+
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: LossScaler
+    step: int = 0
+    tokens_seen: int = 0
+    wandb_run_id: str = field(default_factory=new_run_id)
+
+    def state_dict(self, world_size: int) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "wandb_run_id": self.wandb_run_id,
+            "world_size": world_size,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.tokens_seen, self.wandb_run_id = state["step"], state["tokens_seen"], state["wandb_run_id"]
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+@dataclass
+class TrainResult:
+    model: nn.Module
+    losses: list[float] = field(default_factory=list)
+    # Stopped early by the preemption signal, after saving a resume checkpoint.
+    preempted: bool = False
+    summary: dict[str, Any] = field(default_factory=dict)
