@@ -15,6 +15,10 @@ from .distributed import launch_env
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
 
+def _run_dir(resume: str, default: str) -> str:
+    return rundir.resolve(resume, rundir.this_launch(default))
+
+
 def _rank0_only(value: Any) -> Any:
     env = launch_env()
     return value if env is None or env.rank == 0 else None
@@ -23,7 +27,7 @@ def _rank0_only(value: Any) -> Any:
 def register_configs() -> None:
     ConfigStore.instance().store(name="train_schema", node=schema())
     # hydra.run.dir: resuming from a path continues in that run's directory.
-    OmegaConf.register_new_resolver("run_dir", rundir.resolve, replace=True)
+    OmegaConf.register_new_resolver("run_dir", _run_dir, replace=True)
     OmegaConf.register_new_resolver("rank0_only", _rank0_only, replace=True)
 
 

@@ -150,8 +150,9 @@ class TrainerConfig:
     peak_tflops: float | None = None
     # auto: cuda if available, else cpu.
     device: str = "auto"
-    # SLURM's warning before a time limit or preemption (sbatch --signal=USR2@<s>): save, requeue, exit.
-    preemption_signal: str | None = "SIGUSR2"
+    # Signals that mean: finish the step, save a resume checkpoint, exit. SIGTERM: what schedulers send before they
+    # kill; others (SLURM's warning before a time limit, sbatch --signal=USR2@<s>): the same, requeued under SLURM.
+    preemption_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR2"])
     # >0: profile that many steps after a warm-up step (trace and time breakdown in <run dir>/profile/).
     profile_steps: int = 0
 

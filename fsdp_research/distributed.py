@@ -3,8 +3,10 @@
 
 import datetime
 import os
+import signal
 import socket
 import subprocess
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -86,7 +88,8 @@ def device_for(requested: str, local_rank: int) -> torch.device:
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":
-        return torch.device("cuda", local_rank)
+        # Where SLURM binds one GPU per task, every task sees one device (cuda:0), whatever its local rank.
+        return torch.device("cuda", local_rank % max(1, torch.cuda.device_count()))
     return torch.device(requested)
 
 
@@ -114,14 +117,67 @@ def init_distributed(cfg: DistributedConfig, device: torch.device) -> None:
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        rendezvous = {"store": _attempt_store(env, timeout)}
+    else:
+        rendezvous = {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{env.master_addr}:{env.master_port}",
         rank=env.rank,
         world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=cfg.timeout_s),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
+        **rendezvous,
     )
+    global _members
+    _members = [None] * env.world_size
+    dist.all_gather_object(_members, (_node(), os.getpid()))
+
+
+def _attempt_store(env: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's store, under a prefix of this attempt's own: the store outlives a failed attempt, and a group
+    torchrun restarts would otherwise find the dead group's addresses there ("Gloo connectFullMesh failed")."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0 and not agent, timeout=timeout
+    )
+    return dist.PrefixStore(f"fsdp_research/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+
+
+# (node, pid) of every rank of the group this process joined: what names a rank that died.
+_members: list | None = None
+
+
+def _node() -> str:
+    """This process's node: SLURM's name for it in a job step (several nodes may share a host), else the host."""
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def members() -> list:
+    """[node, pid] of each rank, in rank order."""
+    return [list(m) for m in _members or []]
+
+
+def dead_ranks() -> list[int]:
+    """The ranks on this node whose process has gone (others' nodes cannot be asked)."""
+    node = _node()
+    return [rank for rank, (n, pid) in enumerate(_members or []) if n == node and not _alive(pid)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def restarted() -> bool:
+    """Whether this process belongs to a group its launcher restarted (torchrun after a failure, a requeued
+    SLURM job): its run goes on in the run dir it had."""
+    env = os.environ
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", 0) or 0) > 0 or int(env.get("SLURM_RESTART_COUNT", 0) or 0) > 0
 
 
 def broadcast_object(obj: Any) -> Any:
@@ -158,6 +214,28 @@ def _worker(local_rank: int, fn: Callable, nprocs: int, port: int, args: tuple) 
     fn(*args)
 
 
+# What this app's own launcher passes on to its workers, as torchrun and srun do.
+FORWARDED = (signal.SIGTERM, signal.SIGUSR2, signal.SIGUSR1, signal.SIGINT)
+
+
 def spawn(fn: Callable, nprocs: int, *args: Any) -> None:
-    """Run fn(*args) in nprocs fresh worker processes on this node, as torchrun would; raises if any fails."""
-    mp.start_processes(_worker, args=(fn, nprocs, _free_port(), args), nprocs=nprocs, start_method="spawn")
+    """Run fn(*args) in nprocs fresh worker processes on this node, as torchrun would: a signal this process gets
+    is passed on to them; raises ProcessExitedException if any fails (the others are stopped)."""
+    context = mp.start_processes(
+        _worker, args=(fn, nprocs, _free_port(), args), nprocs=nprocs, start_method="spawn", join=False
+    )
+
+    def forward(signum, frame) -> None:
+        for process in context.processes:
+            if process.is_alive():
+                os.kill(process.pid, signum)
+
+    # Signals reach the main thread only (a caller on another thread, e.g. a test's pool, forwards nothing).
+    main = threading.current_thread() is threading.main_thread()
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED} if main else {}
+    try:
+        while not context.join():
+            pass
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)

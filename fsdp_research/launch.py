@@ -16,14 +16,17 @@ from torch.multiprocessing import ProcessExitedException
 from . import rundir
 from .build import planned_model
 from .config import typed
-from .distributed import device_for, launch_env, spawn
+from .distributed import dead_ranks, device_for, launch_env, members, spawn
 from .errors import CheckpointError, ConfigError
 from .models import build_hf_config
-from .preemption import requeue
+from .preemption import REQUEUE, requeue
 from .trainer import train
 from .validation import check_config
 
 log = logging.getLogger("fsdp_research")
+
+# Exit codes, as shells report a process a signal ended: Ctrl-C (SIGINT), SIGTERM.
+INTERRUPTED, TERMINATED = 130, 143
 
 
 def one_line(err: BaseException) -> str:
@@ -31,19 +34,33 @@ def one_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
-def run_worker(cfg: Any, run_dir: str) -> str:
-    """Train on this process's rank in run_dir; rank 0 records the outcome in status.json. Returns the status."""
+def _failure(err: BaseException) -> str:
+    """Why a run failed, in one line: the error, after the ranks on this node whose process is gone, if any
+    (a rank that died makes the others fail in their next collective)."""
+    dead = dead_ranks() if dist.is_initialized() else []
+    return (f"rank(s) {', '.join(map(str, dead))} died; then " if dead else "") + one_line(err)
+
+
+def run_worker(cfg: Any, run_dir: str) -> dict[str, Any]:
+    """Train on this process's rank in run_dir; rank 0 records the outcome in status.json. Returns the outcome:
+    {"status": completed or preempted, "requeue": whether the signal asks for it}."""
     env = launch_env()
-    status, error = "failed", None
+    outcome: dict[str, Any] = {"status": "failed"}
+    error = None
     try:
-        status = "preempted" if train(cfg, run_dir).preempted else "completed"
-        return status
+        result = train(cfg, run_dir)
+        outcome = {"status": "preempted", "requeue": result.stop == REQUEUE} if result.stop else {"status": "completed"}
+        return outcome
+    except KeyboardInterrupt:
+        outcome = {"status": "interrupted"}
+        raise
     except BaseException as err:
-        error = one_line(err)
+        error = _failure(err)
         raise
     finally:
         if env is None or env.rank == 0:
-            rundir.write_status(run_dir, status, error)
+            details = {key: value for key, value in outcome.items() if key != "status"}
+            rundir.write_status(run_dir, outcome["status"], error, **details, ranks=members())
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -57,12 +74,23 @@ def _spawned_worker(cfg: Any, run_dir: str) -> None:
         if launch_env().rank == 0:
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(INTERRUPTED)
     # Everything is written and closed: leave without the interpreter's teardown, where gloo's threads can
     # abort the process ("terminate called without an active exception") and fail a finished run.
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _record_death(run_dir: str, err: ProcessExitedException) -> None:
+    """A worker that crashed or was killed is named in status.json (a config error or a Ctrl-C has said why)."""
+    if err.exit_code in (2, INTERRUPTED):
+        return
+    how = f"was killed by {err.signal_name}" if err.signal_name else f"exited with code {err.exit_code}"
+    before = rundir.read_status(run_dir).get("error")
+    rundir.write_status(run_dir, "failed", f"rank {err.error_index} {how}" + (f"; {before}" if before else ""))
 
 
 def run_spawned(cfg: DictConfig, world_size: int, run_dir: str) -> None:
@@ -89,12 +117,16 @@ def _name_sweep_job(cfg: DictConfig) -> None:
     cfg.logger.name = cfg.logger.name or hydra.job.override_dirname or f"job{hydra.job.num}"
 
 
-def _run(cfg: DictConfig, run_dir: str) -> str:
-    """Train here, or in nproc_per_node workers when no launcher started this process; returns the status."""
+def _run(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
+    """Train here, or in nproc_per_node workers when no launcher started this process; returns the outcome."""
     if launch_env() is None and cfg.distributed.nproc_per_node > 1:
         _check_before_spawning(cfg, run_dir)
-        run_spawned(cfg, cfg.distributed.nproc_per_node, run_dir)
-        return rundir.read_status(run_dir)["status"]
+        try:
+            run_spawned(cfg, cfg.distributed.nproc_per_node, run_dir)
+        except ProcessExitedException as err:
+            _record_death(run_dir, err)
+            raise
+        return rundir.read_status(run_dir)
     return run_worker(OmegaConf.to_container(cfg, resolve=True), run_dir)
 
 
@@ -106,7 +138,10 @@ def launch(cfg: DictConfig, output_dir: str) -> None:
     if multirun:
         _name_sweep_job(cfg)
     try:
-        status = _run(cfg, rundir.resolve(cfg.checkpoint.resume, output_dir))
+        outcome = _run(cfg, rundir.resolve(cfg.checkpoint.resume, output_dir))
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         if not multirun:
@@ -121,8 +156,12 @@ def launch(cfg: DictConfig, output_dir: str) -> None:
             raise
         log.exception("job failed")
         return
+    if outcome.get("status") != "preempted" or multirun:
+        return
     env = launch_env()
-    if status == "preempted" and (requeue() if env is None or env.rank == 0 else "SLURM_JOB_ID" in os.environ):
+    if not outcome.get("requeue"):
+        sys.exit(TERMINATED)  # stopped by SIGTERM, resumable: the scheduler that sent it decides what comes next
+    if requeue() if env is None or env.rank == 0 else "SLURM_JOB_ID" in os.environ:
         # Requeued: end without returning a result, so a launcher waiting on this job (submitit) keeps
         # waiting for the requeued run instead of taking this one as its result.
         sys.exit(0)

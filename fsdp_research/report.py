@@ -6,7 +6,7 @@ import os
 import statistics
 from typing import Any
 
-from .rundir import read_status
+from .rundir import outcome
 from .sinks import read_records
 from .sweep import job_overrides
 
@@ -52,7 +52,7 @@ def summarize(rows: list[dict[str, Any]], evals: list[dict[str, Any]]) -> dict[s
 
 def load_job(job_dir: str) -> dict[str, Any]:
     """One job dir: its number, overrides, metrics rows, summary and status; missing files give empty values."""
-    status = read_status(job_dir)
+    status = outcome(job_dir)
     records = read_records(job_dir)
     rows, evals = [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
     # Without status.json the job may still be running or may have died without a word: we cannot tell.

@@ -1,17 +1,46 @@
 """The run directory, decided here and nowhere else: where a run lives (checkpoint.resume=<path> continues in
-that run's dir), which checkpoint it resumes from, whether a fresh start may use it, and its status.json."""
+that run's dir; a group torchrun restarts finds the dir its first attempt chose), which checkpoint it resumes from,
+whether a fresh start may use it, and its status.json."""
 
 import json
 import logging
 import os
+import socket
+import tempfile
 from typing import Any
 
 from .checkpoint import checkpoints_in, is_step_dir, verify
+from .distributed import restarted
 from .errors import ConfigError
 
 log = logging.getLogger("fsdp_research")
 
 STATUS = "status.json"
+
+
+def _torchrun_record() -> str | None:
+    """Where rank 0 of a torchrun group records its run dir: keyed by the host, the torchrun agent (this process's
+    parent) and the rendezvous run id, so that the group torchrun starts again after a failure finds it."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    key = f"{socket.gethostname()}-{os.getppid()}-{os.environ['TORCHELASTIC_RUN_ID']}"
+    return os.path.join(tempfile.gettempdir(), "fsdp_research", f"torchrun-{key}.json")
+
+
+def this_launch(default: str) -> str:
+    """The run dir of this launch when nothing names one: under torchrun, the one its first attempt chose (a
+    restarted group goes on with that run), else default. Called once, by rank 0, when Hydra makes the run dir."""
+    record = _torchrun_record()
+    if record is None:
+        return default
+    if restarted() and os.path.exists(record):
+        with open(record) as f:
+            return json.load(f)["run_dir"]
+    os.makedirs(os.path.dirname(record), exist_ok=True)
+    with open(record + ".tmp", "w") as f:
+        json.dump({"run_dir": os.path.abspath(default)}, f)
+    os.replace(record + ".tmp", record)
+    return default
 
 
 def resolve(resume: str, default: str) -> str:
@@ -24,7 +53,10 @@ def resolve(resume: str, default: str) -> str:
 
 def resume_point(resume: str, run_dir: str) -> str | None:
     """The step dir to resume from: the newest complete one (skipping broken ones, with a warning), or None.
-    resume=never refuses a run dir that already holds checkpoints: they belong to another run."""
+    resume=never refuses a run dir that already holds checkpoints: they belong to another run (unless this is a
+    restart of the run, by torchrun or a SLURM requeue: they are its own)."""
+    if resume == "never" and restarted():
+        resume = "auto"
     if resume == "never":
         if checkpoints_in(os.path.join(run_dir, "checkpoints")):
             raise ConfigError(
@@ -56,7 +88,7 @@ def resume_point(resume: str, run_dir: str) -> str | None:
 
 
 def read_status(run_dir: str) -> dict[str, Any]:
-    """The run's status.json ({"status", "error"}); empty when absent or unreadable."""
+    """The run's status.json ({"status", "error", ...}); empty when absent or unreadable."""
     try:
         with open(os.path.join(run_dir, STATUS)) as f:
             return json.load(f)
@@ -64,14 +96,27 @@ def read_status(run_dir: str) -> dict[str, Any]:
         return {}
 
 
-def write_status(run_dir: str, status: str, error: str | None = None) -> None:
-    """<run dir>/status.json: running, completed, preempted or failed (with the one-line reason), for sweeps
-    and the report; written whole (temp + rename), so a reader never sees half of it. A command refused
-    before it trained leaves an earlier run's record as it was."""
-    if status == "failed" and read_status(run_dir).get("status", "running") != "running":
+def outcome(run_dir: str) -> dict[str, Any]:
+    """The run's status as a reader should take it: a run recorded as running whose process on this host is gone
+    died without a word (SIGKILL, OOM, a lost node), so it failed."""
+    status = read_status(run_dir)
+    if status.get("status") == "running" and status.get("host") == socket.gethostname():
+        if not os.path.exists(f"/proc/{status.get('pid')}"):
+            return {**status, "status": "failed", "error": f"died without a word (pid {status.get('pid')} is gone)"}
+    return status
+
+
+def write_status(run_dir: str, status: str, error: str | None = None, **details: Any) -> None:
+    """<run dir>/status.json: running (with the pid and host of rank 0), completed, preempted (with whether it
+    asks to be requeued), interrupted or failed (with the one-line reason), for sweeps and the report; written
+    whole (temp + rename), so a reader never sees half of it. A command refused before it trained leaves an
+    earlier run's record as it was."""
+    if status == "failed" and read_status(run_dir).get("status", "running") not in ("running", "failed"):
         return
+    if status == "running":
+        details = {**details, "pid": os.getpid(), "host": socket.gethostname()}
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, STATUS)
     with open(path + ".tmp", "w") as f:
-        json.dump({"status": status, "error": error}, f)
+        json.dump({"status": status, "error": error, **details}, f)
     os.replace(path + ".tmp", path)

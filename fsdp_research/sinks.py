@@ -75,11 +75,11 @@ def read_records(run_dir: str) -> list[dict[str, Any]]:
         return []
     records = []
     with open(path) as f:
-        for line in f:
+        for number, line in enumerate(f, 1):
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
-                continue
+                log.warning(f"{path} line {number} is cut short (a run killed while writing it): skipped")
     return records
 
 

@@ -40,6 +40,10 @@ class TrainState:
 class TrainResult:
     model: nn.Module
     losses: list[float] = field(default_factory=list)
-    # Stopped early by the preemption signal, after saving a resume checkpoint.
-    preempted: bool = False
+    # Stopped early by a signal, after saving a resume checkpoint: preemption's STOP or REQUEUE code.
+    stop: int = 0
     summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def preempted(self) -> bool:
+        return bool(self.stop)

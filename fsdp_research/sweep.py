@@ -12,7 +12,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from .errors import SubmitError
-from .rundir import read_status
+from .rundir import outcome
 from .slurm import check_partition, check_sbatch
 
 
@@ -31,7 +31,7 @@ def job_overrides(job_dir: str) -> list[str]:
 
 
 def _outcome(job_dir: str) -> tuple[str, str]:
-    status = read_status(job_dir)
+    status = outcome(job_dir)
     if not status:
         return "unknown", "no status.json: the job never ran or was killed"
     return status["status"], status.get("error") or ""

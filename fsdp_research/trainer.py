@@ -27,6 +27,7 @@ from .distributed import (
     device_for,
     init_distributed,
     launch_env,
+    members,
     on_rank0,
     planned_nodes,
 )
@@ -38,7 +39,7 @@ from .metrics import Throughput, active_parameters, flops_per_token, peak_memory
 from .models import build_hf_config, dims
 from .optim import build_optimizer, clip_grad_norm
 from .precision import LossScaler, autocast
-from .preemption import Preemption
+from .preemption import NONE, Agreement, Signals
 from .profiling import StepProfiler, region
 from .sharding import ShardingPlan, grad_sync
 from .sinks import Sinks, build_sinks, setup_logging
@@ -70,7 +71,8 @@ class Run:
     sinks: Sinks
     profiler: StepProfiler
     throughput: Throughput
-    preemption: Preemption
+    signals: Signals
+    agreement: Agreement | None
     save_times: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
 
@@ -83,14 +85,13 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
 
 def train(cfg: Any, run_dir: str) -> TrainResult:
     """Train on this process's rank; every rank of the job calls it (rank 0's run_dir is the run's). Joins an
-    existing process group or makes one. Sinks, profiler, checkpointer and the preemption agreement are closed
+    existing process group or makes one. Sinks, profiler, checkpointer and the step-boundary agreement are closed
     however it ends; a failed run's W&B run is marked failed."""
     cfg = typed(cfg)
-    # First: until the handler is in place the signal would end the process, and set-up can take minutes.
-    preemption = Preemption(cfg.trainer.preemption_signal)
+    # First: until the handler is in place a signal would end the process, and set-up can take minutes.
+    signals = Signals(list(cfg.trainer.preemption_signal or []))
     with contextlib.ExitStack() as resources:
-        _close_on_exit(resources, preemption.close)
-        run = _start(cfg, run_dir, preemption, resources)
+        run = _start(cfg, run_dir, signals, resources)
         result = TrainResult(run.model)
         started = time.perf_counter()
         _loop(run, result)
@@ -163,7 +164,7 @@ def _observe(
     )
     _close_on_exit(resources, sinks.finish)
     if rank == 0:
-        rundir.write_status(run_dir, "running")
+        rundir.write_status(run_dir, "running", ranks=members())
         report(diagnose(cfg, plan, world, planned_nodes()), sinks, state.step)
     profiler = StepProfiler(cfg.trainer.profile_steps, run_dir, rank, device, sinks)
     _close_on_exit(resources, lambda failed: profiler.close())
@@ -193,7 +194,7 @@ def _throughput(
     )
 
 
-def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: contextlib.ExitStack) -> Run:
+def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextlib.ExitStack) -> Run:
     device, run_dir, hf_config, model, plan, resume_dir = _prepare(cfg, run_dir)
     rank, world, t = dist.get_rank(), dist.get_world_size(), cfg.trainer
     model = shard_model(model, plan, cfg, device, world)
@@ -201,6 +202,10 @@ def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: con
     state = TrainState(scheduler, LossScaler(cfg.precision))
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
     _close_on_exit(resources, checkpointer.close)
+    # Only when there is something to agree on: a signal to catch, or async saves to publish.
+    agreement = Agreement(width=2) if signals.enabled or checkpointer.is_async else None
+    if agreement is not None:
+        _close_on_exit(resources, agreement.close)
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
         state.load_state_dict(checkpointer.load(resume_dir, model, optimizer))
     data = _data(cfg, hf_config.vocab_size)
@@ -233,7 +238,8 @@ def _start(cfg: DictConfig, run_dir: str, preemption: Preemption, resources: con
         sinks=sinks,
         profiler=profiler,
         throughput=throughput,
-        preemption=preemption,
+        signals=signals,
+        agreement=agreement,
     )
 
 
@@ -296,13 +302,28 @@ def _loop(run: Run, result: TrainResult) -> None:
         # Before the checkpoint, so that the run's final save stays out of the profiled window (the summary
         # times saves on their own).
         run.profiler.step(done)
-        result.preempted = run.preemption.requested()
-        if run.checkpointer.due(done, t.max_steps) or result.preempted:
+        result.stop = _at_boundary(run)
+        if run.checkpointer.due(done, t.max_steps) or result.stop:
             with run.throughput.paused():
                 _save(run)
-        if result.preempted:
-            log.info(f"preemption signal: stopped after step {done} with a resume checkpoint")
+        if result.stop:
+            log.info(
+                f"preemption signal ({run.signals.received or 'on another rank'}): stopped after step {done} "
+                "with a resume checkpoint"
+            )
             return
+
+
+def _at_boundary(run: Run) -> int:
+    """What the ranks agreed on at the previous step boundary: publish the async save every rank has finished;
+    returns the stop code (a signal any rank received)."""
+    if run.agreement is None:
+        return NONE
+    agreed = run.agreement.exchange([run.signals.code, -run.checkpointer.finished_step()])
+    if agreed is None:
+        return NONE
+    run.checkpointer.publish_finished(-agreed[1])
+    return agreed[0]
 
 
 def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> None:
@@ -343,7 +364,8 @@ def _finish(run: Run, result: TrainResult, wall_time_s: float) -> None:
     collective: every rank gathers), and the summary: a log line and a {"step", "summary"} record."""
     cfg = run.cfg
     run.profiler.close()
-    run.preemption.close()
+    if run.agreement is not None:
+        run.agreement.close()
     run.checkpointer.wait()
     if cfg.checkpoint.export and not result.preempted:
         export_model(

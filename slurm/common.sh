@@ -41,7 +41,14 @@ keep_for_resubmit() {
     chmod +x "$FSDP_RUN_DIR/resubmit.sh"
 }
 
-# run_train <overrides...>: train.py on every task of the allocation, in the run dir.
+# Whether a node of this allocation is gone: a one-task-per-node step cannot start on it.
+node_lost() {
+    ! timeout 60 srun --nodes="$SLURM_JOB_NUM_NODES" --ntasks-per-node=1 --kill-on-bad-exit=1 true >/dev/null 2>&1
+}
+
+# run_train <overrides...>: train.py on every task of the allocation, in the run dir. When the step failed
+# because a node of the allocation is lost, the job goes back to the queue: it resumes from its newest
+# checkpoint on the nodes that remain or come back.
 run_train() {
     export PYTHONUNBUFFERED=1
     # srun runs in the background so that this shell can take a signal sent to the batch shell only
@@ -55,5 +62,9 @@ run_train() {
         wait "$step" || rc=$?
         ((rc > 128)) && kill -0 "$step" 2>/dev/null || break
     done
+    if ((rc != 0)) && node_lost; then
+        echo "== job ${SLURM_JOB_ID}: a node of the allocation is lost (step exit $rc): requeueing at $(date -Is)"
+        scontrol requeue "$SLURM_JOB_ID" && return 0
+    fi
     return "$rc"
 }

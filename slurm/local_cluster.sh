@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# Single-node SLURM cluster for development and tests, built from Debian's packages.
+# A SLURM cluster on this one machine for development and tests, built from Debian's packages.
 #
-#   slurm/local_cluster.sh start    install missing packages, write configs, start daemons
-#   slurm/local_cluster.sh stop     cancel running jobs, stop all daemons by PID
-#   slurm/local_cluster.sh status   show daemons + sinfo; exit 0 only if all are up
+#   slurm/local_cluster.sh start [--nodes N]   install missing packages, write configs, start daemons
+#   slurm/local_cluster.sh stop                cancel running jobs, stop all daemons by PID
+#   slurm/local_cluster.sh status              show daemons + sinfo; exit 0 only if all are up
 #
-# Daemons: munged, MariaDB (for accounting), slurmdbd, slurmctld, slurmd. All run as
-# root and are started directly (the target has no systemd). Generated config, state
+# One node by default (named after this host). With --nodes N (N > 1) it is N nodes node1..nodeN,
+# each its own slurmd (slurmd -N <node>, port 17000+i), all on this machine: node names resolve
+# to 127.0.0.1 through /etc/hosts, every node has this machine's CPUs. Starting with another N
+# than the running cluster's reconfigures it (running jobs are lost).
+#
+# Daemons: munged, MariaDB (for accounting), slurmdbd, slurmctld, one slurmd per node. All run
+# as root and are started directly (the target has no systemd). Generated config, state
 # and logs live under one state dir:
 #
 #   SLURM_LOCAL_DIR      state dir              (default /var/tmp/fsdp_research_slurm)
@@ -40,7 +45,18 @@ SYSTEM_SLURM_CONF=/etc/slurm/slurm.conf
 export SLURM_CONF="$ETC/slurm.conf"
 
 PACKAGES=(slurm-wlm slurmdbd munge mariadb-server)
-DAEMONS=(munged mariadbd slurmdbd slurmctld slurmd)   # start order; stop is reversed
+DAEMONS=(munged mariadbd slurmdbd slurmctld)   # start order, then one slurmd per node; stop is reversed
+NODES_FILE="$STATE_DIR/nodes"                  # how many nodes the running cluster was started with
+HOSTS_TAG="# fsdp_research local_cluster nodes"
+
+# The node names of an N-node cluster: this host for one, node1..nodeN for more.
+node_names() {
+    local n="$1" i
+    if ((n == 1)); then echo "$NODE"; return; fi
+    for ((i = 1; i <= n; i++)); do echo "node$i"; done
+}
+
+configured_nodes() { cat "$NODES_FILE" 2>/dev/null || echo 1; }
 
 die() { echo "local_cluster: error: $*" >&2; exit 1; }
 say() { echo "local_cluster: $*"; }
@@ -60,7 +76,8 @@ pidfile() { echo "$RUN/$1.pid"; }
 logfile() { echo "$LOG/$1.log"; }
 
 # PID of a running daemon, from its pid file; checks the process name so that a
-# stale file whose PID was reused by something else is never trusted.
+# stale file whose PID was reused by something else is never trusted. slurmd-<node> is
+# the slurmd of that node.
 daemon_pid() {
     local name="$1" file pid comm
     file="$(pidfile "$name")"
@@ -68,7 +85,7 @@ daemon_pid() {
     pid="$(tr -dc '0-9' <"$file")"
     [[ -n "$pid" ]] || return 1
     comm="$(cat "/proc/$pid/comm" 2>/dev/null)" || return 1
-    [[ "$comm" == "$name" ]] || return 1
+    [[ "$comm" == "${name%%-*}" ]] || return 1
     echo "$pid"
 }
 
@@ -127,8 +144,37 @@ write_file() {
     fi
 }
 
+# The NodeName lines: one node as this host, several as nodeI on this host's loopback.
+node_lines() {
+    local n="$1" hw="$2" i=0 node
+    for node in $(node_names "$n"); do
+        i=$((i + 1))
+        if ((n == 1)); then
+            echo "NodeName=$node $hw State=UNKNOWN"
+        else
+            echo "NodeName=$node NodeHostname=$NODE NodeAddr=127.0.0.1 Port=$((17000 + i)) $hw State=UNKNOWN"
+        fi
+    done
+}
+
+# Several nodes: their names resolve to 127.0.0.1 (one tagged line in /etc/hosts, replaced each start).
+write_hosts() {
+    local n="$1" names
+    names="$(node_names "$n" | tr '\n' ' ')"
+    local rest
+    rest="$(grep -v "$HOSTS_TAG" /etc/hosts || true)"
+    if ((n > 1)); then
+        printf '%s\n127.0.0.1 %s %s\n' "$rest" "$names" "$HOSTS_TAG" >/etc/hosts
+    else
+        printf '%s\n' "$rest" >/etc/hosts
+    fi
+}
+
 write_configs() {
-    mkdir -p "$ETC" "$RUN" "$LOG" "$SPOOL/ctld" "$SPOOL/d" "$MUNGE_DIR" "$DB_DIR"
+    local nodes="$1"
+    mkdir -p "$ETC" "$RUN" "$LOG" "$SPOOL/ctld" "$MUNGE_DIR" "$DB_DIR"
+    local node
+    for node in $(node_names "$nodes"); do mkdir -p "$SPOOL/d-$node"; done
     # munged refuses group/other-writable dirs for its key, log and pid file.
     chmod 755 "$STATE_DIR" "$ETC" "$RUN" "$LOG"
     chmod 700 "$MUNGE_DIR"
@@ -171,16 +217,18 @@ JobRequeue=1
 # A DOWN node comes back by itself as soon as slurmd registers.
 ReturnToService=2
 StateSaveLocation=$SPOOL/ctld
-SlurmdSpoolDir=$SPOOL/d
+# %n: the node a slurmd runs as (slurmd -N <node>).
+SlurmdSpoolDir=$SPOOL/d-%n
 SlurmctldPidFile=$(pidfile slurmctld)
-SlurmdPidFile=$(pidfile slurmd)
+SlurmdPidFile=$RUN/slurmd-%n.pid
 SlurmctldLogFile=$(logfile slurmctld)
-SlurmdLogFile=$(logfile slurmd)
+SlurmdLogFile=$LOG/slurmd-%n.log
 SlurmctldDebug=info
 SlurmdDebug=info
 # Short timeouts: a dev cluster should react fast, not ride out network blips.
 SlurmctldTimeout=30
-SlurmdTimeout=30
+# A node whose slurmd is gone is marked DOWN after 10 s (its jobs are then requeued).
+SlurmdTimeout=10
 MessageTimeout=10
 InactiveLimit=0
 KillWait=5
@@ -191,8 +239,8 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 AccountingStoragePort=6819
 JobCompType=jobcomp/none
-NodeName=$NODE $hw State=UNKNOWN
-PartitionName=debug Nodes=$NODE Default=YES MaxTime=INFINITE State=UP
+$(node_lines "$nodes" "$hw")
+PartitionName=debug Nodes=$(node_names "$nodes" | paste -sd,) Default=YES MaxTime=INFINITE State=UP
 EOF
 
     # Storage password: made once, kept with the database it belongs to.
@@ -261,7 +309,7 @@ check_conflicts() {
     if ! running munged && munge_ok >/dev/null 2>&1; then
         die "a munged not started from $STATE_DIR already serves $MUNGE_SOCKET; stop it first"
     fi
-    for d in mariadbd:"$DB_PORT" slurmdbd:6819 slurmctld:6817 slurmd:6818; do
+    for d in mariadbd:"$DB_PORT" slurmdbd:6819 slurmctld:6817 "slurmd-$NODE":6818; do
         port="${d#*:}"
         if ! running "${d%%:*}" && port_busy "$port"; then
             die "port $port (${d%%:*}) is in use by a process not started from $STATE_DIR; stop it first"
@@ -355,74 +403,109 @@ ctld_ok() { scontrol ping | grep -q 'is UP'; }
 
 start_slurmctld() {
     if ! running slurmctld; then
-        slurmctld </dev/null >>"$(logfile slurmctld)" 2>&1 \
+        # -c: a cluster of another node count starts from a clean controller state.
+        slurmctld ${1:-} </dev/null >>"$(logfile slurmctld)" 2>&1 \
             || die_log "$(logfile slurmctld)" "slurmctld failed to start"
     fi
     wait_for 30 ctld_ok || die_log "$(logfile slurmctld)" "slurmctld does not answer"
 }
 
+# slurmd of one node: slurmd -N <node> (the host's own name for a single node).
 start_slurmd() {
-    running slurmd && return 0
-    slurmd </dev/null >>"$(logfile slurmd)" 2>&1 \
-        || die_log "$(logfile slurmd)" "slurmd failed to start"
-    wait_for 15 running slurmd || die_log "$(logfile slurmd)" "slurmd exited during startup"
+    local node="$1"
+    running "slurmd-$node" && return 0
+    slurmd -N "$node" </dev/null >>"$(logfile "slurmd-$node")" 2>&1 \
+        || die_log "$(logfile "slurmd-$node")" "slurmd of $node failed to start"
+    wait_for 15 running "slurmd-$node" || die_log "$(logfile "slurmd-$node")" "slurmd of $node exited during startup"
 }
 
 # Node state without the */~/# suffixes ("idle*" = not responding).
-node_state() { sinfo -h -n "$NODE" -o '%T' 2>/dev/null | head -n1; }
+node_state() { sinfo -h -n "$1" -o '%T' 2>/dev/null | head -n1; }
 
 node_usable() {
-    case "$(node_state)" in
+    case "$(node_state "$1")" in
         idle | mixed | allocated | completing) return 0 ;;
         *) return 1 ;;
     esac
 }
 
 wait_node() {
-    local deadline=$((SECONDS + START_TIMEOUT)) resumed=0 st
-    until node_usable; do
-        st="$(node_state)"
-        # A drain left over from an earlier run (e.g. a killed job) is not wanted here.
-        if [[ "$st" == drain* && $resumed == 0 ]]; then
-            scontrol update NodeName="$NODE" State=RESUME >/dev/null 2>&1 || true
+    local node="$1" deadline=$((SECONDS + START_TIMEOUT)) resumed=0 st
+    until node_usable "$node"; do
+        st="$(node_state "$node")"
+        # A drain or down left over from an earlier run (e.g. a killed job, a lost node) is not wanted here.
+        if [[ "$st" == drain* || "$st" == down* ]] && ((resumed == 0)); then
+            scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1 || true
             resumed=1
         fi
         ((SECONDS < deadline)) \
-            || die_log "$(logfile slurmd)" "node $NODE not usable after ${START_TIMEOUT}s (state: ${st:-unknown})"
-        running slurmd || die_log "$(logfile slurmd)" "slurmd died"
+            || die_log "$(logfile "slurmd-$node")" "node $node not usable after ${START_TIMEOUT}s (state: ${st:-unknown})"
+        running "slurmd-$node" || die_log "$(logfile "slurmd-$node")" "slurmd of $node died"
         sleep 0.5
     done
 }
 
 healthy() {
-    local d
+    local d node
     for d in "${DAEMONS[@]}"; do running "$d" || return 1; done
-    ctld_ok >/dev/null 2>&1 && node_usable
+    ctld_ok >/dev/null 2>&1 || return 1
+    for node in $(node_names "$(configured_nodes)"); do
+        running "slurmd-$node" && node_usable "$node" || return 1
+    done
 }
 
 summary() {
-    local ver cpus mem
+    local ver cpus mem n
+    n="$(configured_nodes)"
     ver="$(sinfo -V 2>/dev/null | awk '{print $2}')"
-    read -r cpus mem < <(sinfo -h -n "$NODE" -o '%c %m' | head -n1)
-    echo "local_cluster: $CLUSTER up (slurm $ver): node $NODE $(node_state), ${cpus} CPUs, ${mem} MB, partition debug; state $STATE_DIR"
+    read -r cpus mem < <(sinfo -h -n "$(node_names "$n" | head -n1)" -o '%c %m' | head -n1)
+    echo "local_cluster: $CLUSTER up (slurm $ver): $n node(s) $(node_names "$n" | paste -sd,), ${cpus} CPUs and ${mem} MB each, partition debug; state $STATE_DIR"
+}
+
+# Stop every slurmd of this state dir, whatever node count it ran with.
+stop_slurmds() {
+    local file
+    for file in "$RUN"/slurmd-*.pid; do
+        [[ -e "$file" ]] || continue
+        file="${file##*/}"
+        stop_daemon "${file%.pid}"
+    done
 }
 
 cmd_start() {
-    if healthy 2>/dev/null; then
+    local nodes=1
+    while (($#)); do
+        case "$1" in
+            --nodes) nodes="${2:-}"; shift 2 ;;
+            *) die "unknown option $1 (usage: start [--nodes N])" ;;
+        esac
+    done
+    [[ "$nodes" =~ ^[1-9][0-9]*$ ]] || die "--nodes takes a positive number, not '$nodes'"
+    if [[ "$(configured_nodes)" == "$nodes" ]] && healthy 2>/dev/null; then
         say "already running"
         link_system_conf
         summary
         return 0
     fi
+    local clean=""
+    if [[ "$(configured_nodes)" != "$nodes" ]]; then
+        # Another node count: the controller and every slurmd start again with the new node list.
+        stop_slurmds
+        stop_daemon slurmctld
+        clean=-c
+    fi
     install_packages
     check_conflicts
-    write_configs
+    write_configs "$nodes"
+    write_hosts "$nodes"
+    echo "$nodes" >"$NODES_FILE"
     start_munged
     start_mariadbd
     start_slurmdbd
-    start_slurmctld
-    start_slurmd
-    wait_node
+    start_slurmctld $clean
+    local node
+    for node in $(node_names "$nodes"); do start_slurmd "$node"; done
+    for node in $(node_names "$nodes"); do wait_node "$node"; done
     link_system_conf
     summary
 }
@@ -467,6 +550,7 @@ cmd_stop() {
         scancel --state=CONFIGURING >/dev/null 2>&1 || true
         wait_for 20 no_active_jobs || say "warning: jobs still active after 20 s"
     fi
+    stop_slurmds
     local i
     for ((i = ${#DAEMONS[@]} - 1; i >= 0; i--)); do
         stop_daemon "${DAEMONS[i]}"
@@ -480,7 +564,7 @@ cmd_stop() {
 
 cmd_status() {
     local d pid all=0
-    for d in "${DAEMONS[@]}"; do
+    for d in "${DAEMONS[@]}" $(node_names "$(configured_nodes)" | sed 's/^/slurmd-/'); do
         if pid="$(daemon_pid "$d")"; then
             printf '%-10s running (pid %s)\n' "$d" "$pid"
         else
@@ -490,7 +574,8 @@ cmd_status() {
     done
     if running slurmctld && ctld_ok >/dev/null 2>&1; then
         sinfo
-        node_usable || all=1
+        local node
+        for node in $(node_names "$(configured_nodes)"); do node_usable "$node" || all=1; done
     else
         all=1
     fi
@@ -503,10 +588,10 @@ cmd_status() {
 main() {
     [[ $EUID -eq 0 ]] || die "must run as root (daemons run as root with SlurmUser=root)"
     case "${1:-}" in
-        start) cmd_start ;;
+        start) shift; cmd_start "$@" ;;
         stop) cmd_stop ;;
         status) cmd_status ;;
-        *) echo "usage: $0 start|stop|status" >&2; exit 2 ;;
+        *) echo "usage: $0 start [--nodes N]|stop|status" >&2; exit 2 ;;
     esac
 }
 

@@ -48,7 +48,7 @@ def test_preempted_run_resumes_to_the_same_weights(jobs, tmp_path):
         subprocess.run(["scancel", "--signal=USR2", *signal_args, job], check=True)
         stop = wait_for(
             "the preemption checkpoint",
-            lambda: re.findall(r"preemption signal: stopped after step (\d+)", open(log).read())[restart:],
+            lambda: re.findall(r"preemption signal \(SIGUSR2\): stopped after step (\d+)", open(log).read())[restart:],
             timeout=60,
         )
         stopped_at.append(int(stop[0]))

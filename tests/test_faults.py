@@ -1,0 +1,210 @@
+"""Every single fault resumes by itself (issue 11), with real processes and real signals: a worker SIGKILLed under
+torchrun --max-restarts (the restarted group finds its run and ends bitwise where an uninterrupted run ends);
+SIGTERM (finish the step, agree, save, `preempted`, exit 143; resumes exactly); a second SIGTERM during the save;
+SIGINT (prompt, `interrupted`, 130); a rank that dies (the others stop, status.json names it, checkpoints intact),
+self-spawned and under torchrun; a kill between two async saves (the first was published at the next step
+boundary; resume is exact); a metrics.jsonl line cut short; a status.json left `running` by a killed run."""
+
+import glob
+import json
+import logging
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fsdp_research.checkpoint import verify
+from fsdp_research.rundir import outcome
+from fsdp_research.sinks import JsonlSink, read_records
+from tests.conftest import FAST
+from tests.helpers.checkpointing import complete_steps, with_overrides
+from tests.helpers.cli import read_metrics
+from tests.helpers.faults import Launch
+
+STEPS, INTERVAL = 24, 6
+BASE = with_overrides(
+    FAST,
+    f"trainer.max_steps={STEPS}",
+    f"checkpoint.interval={INTERVAL}",
+    "checkpoint.export=true",
+    "checkpoint.export_dtype=float32",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=4",
+    "checkpoint.keep_last=0",
+)
+SPAWN = [*BASE, "distributed.nproc_per_node=2"]
+
+
+def _steps(run_dir: str) -> int:
+    try:
+        return len(read_metrics(run_dir))
+    except (OSError, ValueError):
+        return 0
+
+
+def _export(run_dir: str) -> dict:
+    return load_file(os.path.join(run_dir, "export", "model.safetensors"))
+
+
+def _same_run(run_dir: str, baseline: str) -> None:
+    """Each step logged once, with the baseline's losses to the bit, and the same exported weights."""
+    got, want = read_metrics(run_dir), read_metrics(baseline)
+    assert [m["step"] for m in got] == list(range(1, STEPS + 1))
+    assert [m["loss"] for m in got] == [m["loss"] for m in want]
+    exported, expected = _export(run_dir), _export(baseline)
+    assert exported.keys() == expected.keys() and all(torch.equal(exported[k], expected[k]) for k in expected)
+
+
+def _status(run_dir: str) -> dict:
+    with open(os.path.join(run_dir, "status.json")) as f:
+        return json.load(f)
+
+
+def _all_checkpoints_intact(run_dir: str) -> list[int]:
+    root = os.path.join(run_dir, "checkpoints")
+    published = [d for d in os.listdir(root) if d.startswith("step_")] if os.path.isdir(root) else []
+    assert all(verify(os.path.join(root, d)) is None for d in published), published
+    return complete_steps(run_dir)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="module")
+def baselines(work):
+    """Uninterrupted runs: self-spawned (sync and async saves) and under torchrun."""
+    jobs = {
+        "spawn": Launch(str(work / "spawn"), [*SPAWN, f"hydra.run.dir={work}/spawn/run"]),
+        "torchrun": Launch(str(work / "torchrun"), BASE, torchrun=2),
+    }
+    for name, job in jobs.items():
+        run = job.finish()
+        assert run.returncode == 0, f"{name}: {run.stderr[-3000:]}"
+    [torchrun_dir] = glob.glob(str(work / "torchrun" / "outputs" / "runs" / "*" / "*"))
+    return {"spawn": str(work / "spawn" / "run"), "torchrun": torchrun_dir}
+
+
+def test_torchrun_restart_continues_the_same_run(work, baselines):
+    """One worker SIGKILLed after the first checkpoint; torchrun restarts the group, which finds its run dir (no
+    hydra.run.dir given), resumes from the newest checkpoint and ends bitwise where the uninterrupted run ends."""
+    cwd = str(work / "restarted")
+    job = Launch(cwd, BASE, torchrun=2, max_restarts=1)
+    runs = os.path.join(cwd, "outputs", "runs", "*", "*")
+    job.wait_until("the first checkpoint", lambda: bool(glob.glob(f"{runs}/checkpoints/step_{INTERVAL}")))
+    os.kill(job.worker(1), signal.SIGKILL)
+    run = job.finish()
+    assert run.returncode == 0, run.stderr[-3000:]
+    [run_dir] = glob.glob(runs)
+    with open(os.path.join(run_dir, "train.log")) as f:
+        assert f"resumed from checkpoint {run_dir}/checkpoints/step_" in f.read()
+    _same_run(run_dir, baselines["torchrun"])
+    assert _status(run_dir)["status"] == "completed"
+
+
+def _signalled(work, name: str, *signums: int):
+    """A self-spawned run that gets the signals at its launcher once it has taken a few steps."""
+    run_dir = str(work / name / "run")
+    job = Launch(str(work / name), [*SPAWN, f"hydra.run.dir={run_dir}"])
+    job.wait_until("a few steps", lambda: _steps(run_dir) >= 3)
+    sent = time.monotonic()
+    for signum in signums:
+        job.signal(signum)
+        time.sleep(0.05)
+    run = job.finish()
+    return run_dir, run, time.monotonic() - sent
+
+
+@pytest.mark.parametrize("signums", [[signal.SIGTERM], [signal.SIGTERM, signal.SIGTERM]], ids=["once", "twice"])
+def test_sigterm_saves_and_the_run_resumes_exactly(work, baselines, signums):
+    name = f"sigterm{len(signums)}"
+    run_dir, run, _ = _signalled(work, name, *signums)
+    assert run.returncode == 143, run.stderr[-3000:]
+    status = _status(run_dir)
+    assert (status["status"], status["error"], status["requeue"]) == ("preempted", None, False)
+    with open(os.path.join(run_dir, "train.log")) as f:
+        stopped = int(f.read().split("preemption signal (SIGTERM): stopped after step ")[1].split()[0])
+    assert _all_checkpoints_intact(run_dir)[-1] == stopped < STEPS
+    resumed = Launch(str(work / name), [*SPAWN, f"hydra.run.dir={run_dir}"]).finish()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _same_run(run_dir, baselines["spawn"])
+
+
+def test_sigint_stops_promptly(work):
+    run_dir, run, seconds = _signalled(work, "sigint", signal.SIGINT)
+    assert run.returncode == 130, run.stderr[-3000:]
+    assert _status(run_dir)["status"] == "interrupted"
+    assert seconds < 30
+    _all_checkpoints_intact(run_dir)
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_a_dead_rank_stops_the_others_and_is_named(work, launcher):
+    cwd = str(work / f"dead_{launcher}")
+    if launcher == "spawn":
+        job = Launch(cwd, [*SPAWN, f"hydra.run.dir={cwd}/run"])
+    else:
+        job = Launch(cwd, [*BASE, f"hydra.run.dir={cwd}/run"], torchrun=2)
+    run_dir = os.path.join(cwd, "run")
+    job.wait_until("the first checkpoint", lambda: bool(complete_steps(run_dir)))
+    killed = time.monotonic()
+    os.kill(job.worker(1, run_dir if launcher == "spawn" else None), signal.SIGKILL)
+    run = job.finish()
+    assert run.returncode != 0
+    assert time.monotonic() - killed < 60, "the other rank should stop well within distributed.timeout_s"
+    status = _status(run_dir)
+    assert status["status"] == "failed" and "rank" in status["error"] and "1" in status["error"], status
+    if launcher == "spawn":
+        assert status["error"].startswith("rank 1 was killed by SIGKILL"), status
+    assert _all_checkpoints_intact(run_dir)
+
+
+def test_a_kill_between_async_saves_keeps_the_first(work):
+    """The async save of step 6 is published at a step boundary soon after it is written, well before the next save
+    begins; a SIGKILL then loses at most checkpoint.interval steps, and the resume is exact."""
+    overrides = [*SPAWN, "checkpoint.async=true"]
+    with ThreadPoolExecutor(2) as pool:
+        base = pool.submit(
+            lambda: Launch(str(work / "async_base"), [*overrides, f"hydra.run.dir={work}/async_base/run"]).finish()
+        )
+        run_dir = str(work / "async" / "run")
+        job = Launch(str(work / "async"), [*overrides, f"hydra.run.dir={run_dir}"])
+        job.wait_until("the first async checkpoint", lambda: bool(complete_steps(run_dir)))
+        logged = _steps(run_dir)
+        job.kill()
+        assert base.result().returncode == 0
+    assert complete_steps(run_dir) == [INTERVAL] and logged < 2 * INTERVAL, logged
+    resumed = Launch(str(work / "async"), [*overrides, f"hydra.run.dir={run_dir}"]).finish()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _same_run(run_dir, str(work / "async_base" / "run"))
+
+
+def test_a_line_cut_short_is_skipped_with_a_warning(tmp_path, caplog):
+    rows = [{"step": s, "loss": 5.0 - s} for s in (1, 2, 3)]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "lo')
+    with caplog.at_level(logging.WARNING):
+        assert read_records(str(tmp_path)) == rows
+    assert "metrics.jsonl line 4 is cut short" in caplog.text
+    JsonlSink(str(tmp_path), resume_step=2).finish()  # a resume trims it without tripping over the cut line
+    assert read_records(str(tmp_path)) == rows[:2]
+
+
+def test_a_run_that_died_without_a_word_is_failed(tmp_path):
+    dead = os.fork()
+    if dead == 0:
+        os._exit(0)
+    os.waitpid(dead, 0)
+    (tmp_path / "status.json").write_text(
+        json.dumps({"status": "running", "error": None, "pid": dead, "host": os.uname().nodename})
+    )
+    assert outcome(str(tmp_path))["status"] == "failed"
+    (tmp_path / "status.json").write_text(
+        json.dumps({"status": "running", "error": None, "pid": os.getpid(), "host": os.uname().nodename})
+    )
+    assert outcome(str(tmp_path))["status"] == "running"
