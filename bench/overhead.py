@@ -1,5 +1,6 @@
 """Trainer overhead: the trainer's steady-state step time against a bare loop of per-block fully_shard +
-AdamW and nothing else, same model, batch, sharding and data, on the same ranks, alternated in one run.
+AdamW and nothing else, same model, batch, sharding and data, on the same ranks, alternated in one run; and the
+trainer with trainer.compile=true (each block's forward compiled; compile time is in the warm-up steps).
 
     .venv/bin/python bench/overhead.py [--nproc 2] [--steps 60] [--repeats 3] [overrides ...]
 """
@@ -24,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 from fsdp_research.composition import compose  # noqa: E402
 from fsdp_research.config import typed  # noqa: E402
 from fsdp_research.data.pipeline import build_data  # noqa: E402
-from fsdp_research.distributed import spawn  # noqa: E402
+from fsdp_research.distributed import device_for, spawn  # noqa: E402
 from fsdp_research.initialization import init_weights, materialize  # noqa: E402
 from fsdp_research.models import block_class_name, build_hf_config, build_model, find_blocks  # noqa: E402
 from fsdp_research.precision import dtypes  # noqa: E402
@@ -47,12 +48,13 @@ def bare_loop(cfg, steps: int) -> float:
     for i, block in enumerate(blocks):
         fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
     fully_shard(model, mp_policy=mp)
-    materialize(model, torch.device("cpu"))
+    device = device_for(t.device, int(os.environ.get("LOCAL_RANK", 0)))
+    materialize(model, device, device)
     init_weights(model, [], t.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
 
     def step(s: int) -> None:
-        batch = data.rank_batch(s, t.global_batch_size, rank, world)
+        batch = data.rank_batch(s, t.global_batch_size, rank, world).to(device)
         logits = model(input_ids=batch[:, :-1]).logits
         F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
         optimizer.step()
@@ -65,11 +67,17 @@ def seconds_per_step(step: Callable[[int], None], steps: int) -> float:
     """Mean wall time of step(s) over the steps after warm-up, all ranks in lockstep."""
     for s in range(steps):
         if s == WARMUP:
-            dist.barrier()
+            _sync()
             start = time.perf_counter()
         step(s)
-    dist.barrier()
+    _sync()
     return (time.perf_counter() - start) / (steps - WARMUP)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    dist.barrier()
 
 
 def trainer_step_time(cfg, run_dir: str) -> float:
@@ -122,10 +130,12 @@ def bench_main(worker: Callable, default_steps: int) -> tuple[argparse.Namespace
 
 def _bench(container, steps: int, repeats: int, out: str) -> None:
     cfg = typed(container)
+    compiled = typed({**container, "trainer": {**container["trainer"], "compile": True}})
     alternate(
         {
             "trainer": lambda r: trainer_step_time(cfg, os.path.join(out, f"run{r}")),
             "bare": lambda r: bare_loop(cfg, steps),
+            "compiled": lambda r: trainer_step_time(compiled, os.path.join(out, f"compiled{r}")),
         },
         repeats,
         out,
@@ -134,7 +144,7 @@ def _bench(container, steps: int, repeats: int, out: str) -> None:
 
 def main() -> None:
     args, _, times = bench_main(_bench, default_steps=60)
-    trainer, bare = statistics.median(times["trainer"]), statistics.median(times["bare"])
+    trainer, bare, compiled = (statistics.median(times[k]) for k in ("trainer", "bare", "compiled"))
     # Each repeat's pair ran back to back: their ratios show the machine's noise.
     ratios = sorted(100 * (t / b - 1) for t, b in zip(times["trainer"], times["bare"]))
     print(
@@ -145,6 +155,7 @@ def main() -> None:
         f"trainer {trainer * 1e3:.1f} ms/step | bare loop {bare * 1e3:.1f} ms/step | "
         f"overhead {100 * (trainer / bare - 1):+.1f}% (per repeat: {', '.join(f'{r:+.1f}%' for r in ratios)})"
     )
+    print(f"trainer.compile=true {compiled * 1e3:.1f} ms/step | compiled / eager = {compiled / trainer:.2f}x")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """The model as training runs it, in the order the recipe needs: on the meta device -> activation checkpointing
 -> compile -> the sharding plan applied with fully_shard (innermost first) -> this rank's shards materialized,
-initialised or read from a checkpoint -> DDP for the baseline."""
+initialised or read from a checkpoint -> torch's DDP for the classic baseline."""
 
 import torch
 import torch.nn as nn
@@ -35,12 +35,12 @@ def shard_model(
     apply_fsdp(
         model, plan, build_mesh(cfg.sharding, device.type, world_size), build_mp_policy(cfg.precision), cfg.sharding
     )
-    materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device)
+    materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, device)
     if cfg.model.load_weights:
         load_pretrained(model, pretrained_dir(cfg.model.name_or_path))
     else:
         init_weights(model, plan.blocks, cfg.trainer.seed)
-    return apply_ddp(model, device) if plan.strategy is Strategy.ddp else model
+    return apply_ddp(model, device) if plan.strategy is Strategy.ddp_classic else model
 
 
 def build_sharded_model(

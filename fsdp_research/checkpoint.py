@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from .distributed import new_threads_single_threaded
 from .errors import CheckpointError
 
 log = logging.getLogger("fsdp_research")
@@ -122,8 +123,9 @@ def _mismatches(step_dir: str, state: dict[str, dict[str, Any]]) -> list[list[st
 
 
 class Checkpointer:
-    def __init__(self, cfg: DictConfig, run_dir: str, extra_files: dict[str, str]):
-        """extra_files: name -> text, written into every checkpoint by rank 0 (configs for offline export)."""
+    def __init__(self, cfg: DictConfig, run_dir: str, extra_files: dict[str, str], pinned: bool = True):
+        """extra_files: name -> text, written into every checkpoint by rank 0 (configs for offline export).
+        pinned=False: async saves stage as DCP does by default (bench/checkpoint.py's comparison)."""
         self.cfg = cfg
         self.root = os.path.join(run_dir, "checkpoints")
         self.rank = dist.get_rank()
@@ -135,7 +137,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo")
         self._async_group = dist.new_group(backend="gloo") if self.is_async else None
         self._pending: tuple[Any, int, str] | None = None
-        self._stager = _pinned_stager() if self.is_async else None
+        self._stager = _pinned_stager() if self.is_async and pinned else None
 
     def due(self, step: int, max_steps: int) -> bool:
         return step == max_steps or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
@@ -161,14 +163,15 @@ class Checkpointer:
         self._check_all(step, tmp, error)
         state = {"model": model_state, "optim": optim_state}
         try:
-            if self.is_async:
-                future = dcp.async_save(
-                    state, checkpoint_id=tmp, process_group=self._async_group, async_stager=self._stager
-                )
-                self._pending = (future, step, tmp)
-                return
-            # DCP gathers every rank's write result, so a failure on any rank raises on all of them.
-            dcp.save(state, checkpoint_id=tmp, process_group=self.group)
+            with new_threads_single_threaded():
+                if self.is_async:
+                    future = dcp.async_save(
+                        state, checkpoint_id=tmp, process_group=self._async_group, async_stager=self._stager
+                    )
+                    self._pending = (future, step, tmp)
+                    return
+                # DCP gathers every rank's write result, so a failure on any rank raises on all of them.
+                dcp.save(state, checkpoint_id=tmp, process_group=self.group)
         except (Exception, dcp.CheckpointException) as err:  # the latter is a BaseException
             self._fail(step, tmp, err)
         self._publish(step, tmp)
@@ -278,7 +281,8 @@ class Checkpointer:
                 f"checkpoint {step_dir} does not fit this model/optimizer: {'; '.join(shown)}"
                 + (f"; ... {more} more" if more else "")
             )
-        dcp.load(state, checkpoint_id=step_dir)
+        with new_threads_single_threaded():
+            dcp.load(state, checkpoint_id=step_dir)
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         rng = os.path.join(step_dir, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng):  # absent when resuming at a larger world size

@@ -1,10 +1,13 @@
 """torch.compile of the repeating blocks (trainer.compile), applied before sharding."""
 
+import torch
 import torch.nn as nn
 
 
 def apply_compile(blocks: list[nn.Module], enabled: bool) -> None:
-    """torch.compile each block before sharding (as torchtitan does), so FSDP's hooks stay outside."""
+    """Compile each block's forward, not the module: module.compile() compiles its __call__, which would take the
+    hooks FSDP registers on the block into the compiled region and break it into pieces around them. Compiling
+    forward keeps FSDP's all-gathers and reduce-scatters outside, as torchtitan does."""
     if enabled:
         for block in blocks:
-            block.compile()
+            block.forward = torch.compile(block.forward)

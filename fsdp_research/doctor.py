@@ -114,12 +114,13 @@ def _cpu_offload(c: _Case) -> str | None:
         )
 
 
-def _sync_every_micro_batch(c: _Case) -> str | None:
-    micro = c.layout.micro_steps
-    if c.layout.world_size > 1 and micro > 1 and not c.cfg.trainer.defer_grad_sync:
+def _deferred_grads(c: _Case) -> str | None:
+    micro, n, reduce = c.layout.micro_steps, c.layout.shard_group, c.cfg.precision.reduce_dtype
+    if n > 1 and micro > 1 and c.cfg.trainer.defer_grad_sync and c.plan.units:
+        accumulated = ", accumulated in bfloat16" if reduce == "bfloat16" else ""
         return (
-            f"gradient accumulation over {micro} micro-batches with trainer.defer_grad_sync=false: "
-            f"gradients are reduced after every micro-batch, {micro}x the communication"
+            f"trainer.defer_grad_sync=true over {micro} micro-batches: every rank holds every unit's unsharded "
+            f"gradient ({reduce}{accumulated}) between them, whatever the world size, instead of 1/{n} of it"
         )
 
 
@@ -155,9 +156,10 @@ CHECKS: tuple[tuple[str, str, Callable[[_Case], str | None], str], ...] = (
     ),
     (
         "grad_sync",
-        "gradients reduced every micro-batch",
-        _sync_every_micro_batch,
-        "trainer.defer_grad_sync=true: one reduction per step (unsharded gradients are held between micro-batches)",
+        "unsharded gradients held through accumulation",
+        _deferred_grads,
+        "trainer.defer_grad_sync=false (the default: each micro-batch reduce-scatters into the shards); across "
+        "nodes, sharding=hsdp all-reduces across replicas once per step either way",
     ),
 )
 

@@ -17,15 +17,19 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from .models import clean_name
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate this rank's shards on `device`, uninitialised; buffers keep their values."""
-    buffers = {name: buf.clone() for name, buf in model.named_buffers()}
-    model.to_empty(device=device)
+def materialize(model: nn.Module, params: torch.device, device: torch.device) -> None:
+    """Allocate this rank's shards on `params` (the CPU under cpu_offload), uninitialised; buffers (rotary tables)
+    keep their values, on the compute device."""
+    buffers = {
+        (module, name): buf.to(device)
+        for module in model.modules()
+        for name, buf in module.named_buffers(recurse=False)
+    }
+    model.to_empty(device=params)
     # to_empty gives each module its own new tensor, which unties shared weights: tie them again.
     model.tie_weights()
-    with torch.no_grad():
-        for name, buf in model.named_buffers():
-            buf.copy_(buffers[name])
+    for (module, name), buf in buffers.items():
+        module._buffers[name] = buf
 
 
 def _modules(root: nn.Module, path: str, skip: set[int]) -> Iterator[tuple[str, nn.Module]]:

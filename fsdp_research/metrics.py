@@ -1,6 +1,7 @@
 """Throughput, MFU and peak memory, computed in one place and handed to whichever sinks are on."""
 
 import contextlib
+import re
 import resource
 import time
 from collections.abc import Iterator
@@ -10,38 +11,64 @@ import torch.distributed as dist
 
 from .models import ModelDims
 
-# Peak dense bf16 TFLOP/s per device, by a substring of torch.cuda.get_device_name().
-PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100": 989.0,
-    "H800": 989.0,
-    "GH200": 989.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "A800": 312.0,
-    "A10G": 125.0,
-    "L40S": 362.0,
-    "L4": 121.0,
-    "V100": 125.0,
-    "RTX 4090": 165.0,
-    "RTX 3090": 71.0,
-    "MI300X": 1307.0,
-    "MI250X": 383.0,
-}
+# Peak dense TFLOP/s per device from the vendors' datasheets (no sparsity): (16-bit tensor cores, fp32 without
+# TF32, which torch leaves off for matmuls by default). Matched in order against torch.cuda.get_device_name(),
+# lowercased, on whole words: the variants of a part (H100 SXM/PCIe/NVL, L4/L40/L40S) differ by up to 1.3x.
+PEAK_TFLOPS = (
+    (r"\bh100\b.*\bpcie\b", 756.0, 51.0),
+    (r"\bh100\b.*\bnvl\b", 835.0, 60.0),
+    (r"\b(gh200|h200|h100|h800)\b", 989.0, 67.0),
+    (r"\bb200\b", 2250.0, 75.0),
+    (r"\b(a100|a800)\b", 312.0, 19.5),
+    (r"\ba10g?\b", 125.0, 31.2),
+    (r"\bl40s\b", 362.0, 91.6),
+    (r"\bl40\b", 181.0, 90.5),
+    (r"\bl4\b", 121.0, 30.3),
+    (r"\bv100\b.*\bpcie\b", 112.0, 14.0),
+    (r"\bv100\b", 125.0, 15.7),
+    (r"\bt4\b", 65.0, 8.1),
+    (r"\brtx 4090\b", 165.0, 82.6),
+    (r"\brtx 3090\b", 71.0, 35.6),
+    (r"\bmi300x\b", 1307.0, 163.4),
+    (r"\bmi250x?\b", 383.0, 95.7),
+)
 
 
-def peak_tflops(device: torch.device, override: float | None) -> float | None:
+def peak_for(device_name: str, dtype: torch.dtype) -> float | None:
+    """A device's peak TFLOP/s for matmuls in dtype, by its name; None for a device not in the table."""
+    name = device_name.lower()
+    for pattern, half, single in PEAK_TFLOPS:
+        if re.search(pattern, name):
+            return single if dtype is torch.float32 else half
+    return None
+
+
+def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None) -> float | None:
     if override is not None:
         return override
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+    return peak_for(torch.cuda.get_device_name(device), dtype)
 
 
-def flops_per_token(model: ModelDims, n_params: int, seq_len: int) -> float:
-    """Training FLOPs per token: 6N for the matmuls with parameters, plus attention's 12 * L * d * T."""
-    return 6.0 * n_params + 12.0 * model.layers * model.hidden * seq_len
+def flops_per_token(model: ModelDims, matmul_params: int, seq_len: int) -> float:
+    """Training FLOPs per token (forward and backward): 6 per parameter a token is multiplied with, plus
+    attention's scores and weighted sum, 12 * L * d * T (unmasked, as torch's FlopCounterMode counts them)."""
+    return 6.0 * matmul_params + 12.0 * model.layers * model.heads * model.head_dim * seq_len
+
+
+def matmul_parameters(model: torch.nn.Module, d: ModelDims) -> int:
+    """The parameters a token is multiplied with: the active ones less the embedding tables, which are looked up
+    (a tied output embedding is a matmul, and stays)."""
+    kept = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    lookups = {
+        id(p): p.numel()
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding)
+        for p in m.parameters(recurse=False)
+        if id(p) not in kept
+    }
+    return active_parameters(model, d) - sum(lookups.values())
 
 
 def active_parameters(model: torch.nn.Module, d: ModelDims) -> int:
@@ -71,22 +98,48 @@ def router_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     }
 
 
-def peak_memory(device: torch.device) -> dict[str, float]:
-    """Peak memory of this process in GiB, the maximum over ranks."""
-    if device.type == "cuda":
-        values = torch.tensor(
-            [torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
-            dtype=torch.float64,
-            device=device,
-        )
-        keys = ("peak_mem_allocated_gib", "peak_mem_reserved_gib")
-    else:
-        # ru_maxrss is in KiB on Linux.
-        values = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0], dtype=torch.float64)
-        keys = ("peak_rss_gib",)
-    if dist.is_initialized():
-        dist.all_reduce(values, op=dist.ReduceOp.MAX)
-    return {k: round(v / 2**30, 4) for k, v in zip(keys, values.tolist())}
+def _rss_peak() -> float:
+    """This process's peak resident memory in bytes since it started or since _reset_rss_peak."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(float(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # KiB on Linux; never reset
+
+
+def _reset_rss_peak() -> None:
+    """Linux resets VmHWM to the current RSS on "5" written to clear_refs."""
+    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+class PeakMemory:
+    """Peak memory per logging window in GiB, the maximum over ranks (allocated and reserved by torch on CUDA, the
+    resident set on CPU), and the largest window's over the run (kept, so the run's end needs no collective)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.run: dict[str, float] = {}
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            _reset_rss_peak()
+
+    def window(self) -> dict[str, float]:
+        """The peak since the last reset (a collective)."""
+        if self.device.type == "cuda":
+            peaks = [torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)]
+            keys = ("peak_mem_allocated_gib", "peak_mem_reserved_gib")
+        else:
+            peaks, keys = [_rss_peak()], ("peak_rss_gib",)
+        values = torch.tensor(peaks, dtype=torch.float64, device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        window = {k: round(v / 2**30, 4) for k, v in zip(keys, values.tolist())}
+        self.run = {k: max(v, self.run.get(k, 0.0)) for k, v in window.items()}
+        return window
 
 
 class Throughput:
@@ -104,6 +157,19 @@ class Throughput:
         self.tokens_per_step, self.samples_per_step, self.world_size = tokens_per_step, samples_per_step, world_size
         self.flops_per_token, self.peak_tflops, self.device = flops_per_token, peak_tflops, device
         self._start = self._paused = 0.0
+
+    @classmethod
+    def of(cls, model, d: ModelDims, batch: int, seq_len: int, world: int, dtype, device, peak: float | None):
+        """The rates of a model's steps of `batch` sequences of seq_len tokens over `world` devices, MFU against
+        the device's peak in dtype (or `peak` TFLOP/s)."""
+        return cls(
+            batch * seq_len,
+            batch,
+            world,
+            flops_per_token(d, matmul_parameters(model, d), seq_len),
+            peak_tflops(device, dtype, peak),
+            device,
+        )
 
     def start(self) -> None:
         self._start = time.perf_counter()

@@ -8,12 +8,41 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from .config import OptimConfig
+from .errors import ConfigError
+
+NO_DECAY = ("bias", "1d", "embedding")
+
+
+def check_no_decay(kinds: list[str]) -> None:
+    unknown = [kind for kind in kinds if kind not in NO_DECAY]
+    if unknown:
+        raise ConfigError(
+            "optim.no_decay", f"unknown kind(s) {', '.join(map(repr, unknown))}", f"use some of {', '.join(NO_DECAY)}"
+        )
+
+
+def param_groups(model: nn.Module, cfg: OptimConfig) -> list[dict]:
+    """Two groups, decayed and not (the kinds in cfg.no_decay); an empty one is left out."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    kinds = set(cfg.no_decay)
+
+    def exempt(name: str, param: nn.Parameter) -> bool:
+        return (
+            ("bias" in kinds and name.endswith(".bias"))
+            or ("1d" in kinds and param.ndim <= 1)
+            or ("embedding" in kinds and id(param) in tables)
+        )
+
+    named = list(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named if not exempt(n, p)], "weight_decay": cfg.weight_decay},
+        {"params": [p for n, p in named if exempt(n, p)], "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, max_steps: int):
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
-    )
+    optimizer = torch.optim.AdamW(param_groups(model, cfg), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps)
 
     def lr_factor(step: int) -> float:
         if step < cfg.warmup_steps:

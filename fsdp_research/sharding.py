@@ -1,5 +1,6 @@
 """The sharding plan as data (which modules become FSDP units, each with its reshard flag), and its
-application with FSDP2's fully_shard, or plain DDP for the baseline."""
+application with FSDP2's fully_shard (ddp too: replicated over every rank, a shard group of one), or torch's
+DistributedDataParallel for the classic baseline."""
 
 import contextlib
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ class Unit:
 @dataclass(frozen=True)
 class ShardingPlan:
     strategy: Strategy
-    # Innermost first, the root last; empty for ddp.
+    # Innermost first, the root last; empty for ddp_classic.
     units: list[Unit]
     # The repeating blocks' paths, in forward order: what a reader of the plan (the doctor) holds units against.
     blocks: tuple[str, ...] = ()
@@ -37,7 +38,8 @@ def owner(name: str, unit_paths: list[str]) -> str:
 
 
 def _block_reshard_flags(strategy: Strategy, n_blocks: int) -> list[bool]:
-    if strategy is Strategy.no_reshard:
+    # ddp: a shard group of one rank has nothing to reshard.
+    if strategy in (Strategy.no_reshard, Strategy.ddp):
         return [False] * n_blocks
     if strategy is Strategy.reshard_all:
         return [True] * n_blocks
@@ -49,7 +51,7 @@ def build_plan(model: nn.Module, blocks: list[nn.Module], cfg: ShardingConfig) -
     strategy = Strategy(cfg.strategy)
     paths = {module: path for path, module in model.named_modules()}
     block_paths = tuple(paths[block] for block in blocks)
-    if strategy is Strategy.ddp:
+    if strategy is Strategy.ddp_classic:
         return ShardingPlan(strategy, [], block_paths)
     flags = _block_reshard_flags(strategy, len(blocks))
     for index, flag in cfg.reshard_override.items():
@@ -70,10 +72,10 @@ def build_plan(model: nn.Module, blocks: list[nn.Module], cfg: ShardingConfig) -
 
 
 def build_mesh(cfg: ShardingConfig, device_type: str, world_size: int) -> DeviceMesh:
-    if Strategy(cfg.strategy) is Strategy.hsdp:
-        return init_device_mesh(
-            device_type, (cfg.replicate, world_size // cfg.replicate), mesh_dim_names=("replicate", "shard")
-        )
+    strategy = Strategy(cfg.strategy)
+    if strategy in (Strategy.hsdp, Strategy.ddp):
+        replicas = world_size if strategy is Strategy.ddp else cfg.replicate
+        return init_device_mesh(device_type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
 
 
@@ -96,10 +98,13 @@ def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     return DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
 
 
-def grad_sync(model: nn.Module, enabled: bool):
-    """Context for one micro-batch's backward: with enabled=False the gradient reduction is deferred to a
-    later micro-batch (FSDP: no reduce-scatter; DDP: no all-reduce)."""
+def grad_sync(model: nn.Module, last: bool, defer: bool):
+    """Context for one micro-batch's backward. Across replicas (hsdp, ddp) the gradients are all-reduced after the
+    last micro-batch only: before it they accumulate reduce-scattered into the shards, which costs no memory.
+    Within a shard group each micro-batch reduce-scatters, unless `defer` (trainer.defer_grad_sync): then every
+    unit holds its unsharded gradient until the last. torch's DDP holds whole gradients anyway, and defers."""
     if isinstance(model, DistributedDataParallel):
-        return contextlib.nullcontext() if enabled else model.no_sync()
-    model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext() if last else model.no_sync()
+    model.set_requires_gradient_sync(last or not defer)
+    model.set_requires_all_reduce(last)
     return contextlib.nullcontext()

@@ -35,10 +35,10 @@ from .doctor import diagnose, report
 from .export import export_dtype, export_model, parse_size
 from .layout import Layout, layout
 from .losses import Router, held_out_loss, router_of, train_loss
-from .metrics import Throughput, active_parameters, flops_per_token, peak_memory, peak_tflops, router_metrics
+from .metrics import PeakMemory, Throughput, active_parameters, router_metrics
 from .models import build_hf_config, dims
 from .optim import build_optimizer, clip_grad_norm
-from .precision import LossScaler, autocast
+from .precision import LossScaler, autocast, dtypes
 from .preemption import NONE, Agreement, Signals
 from .profiling import StepProfiler, region
 from .sharding import ShardingPlan, grad_sync
@@ -71,6 +71,7 @@ class Run:
     sinks: Sinks
     profiler: StepProfiler
     throughput: Throughput
+    peak: PeakMemory
     signals: Signals
     agreement: Agreement | None
     save_times: list[float] = field(default_factory=list)
@@ -174,7 +175,8 @@ def _observe(
 def _throughput(
     cfg: DictConfig, hf_config, model: nn.Module, plan: ShardingPlan, device: torch.device, start: int
 ) -> Throughput:
-    """Throughput and MFU (from the parameters a token passes through: a mixture of experts' active ones)."""
+    """Throughput and MFU (from the parameters a token is multiplied with: a mixture of experts' active ones, no
+    embedding lookups; against the device's peak in the compute dtype)."""
     t, world, d = cfg.trainer, dist.get_world_size(), dims(hf_config)
     n_params, active = sum(p.numel() for p in model.parameters()), active_parameters(model, d)
     moe = f" ({active / 1e6:.2f}M active per token)" if active != n_params else ""
@@ -183,14 +185,8 @@ def _throughput(
         f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
         f"starting at step {start}"
     )
-    tokens = t.global_batch_size * cfg.data.seq_len
-    return Throughput(
-        tokens,
-        t.global_batch_size,
-        world,
-        flops_per_token(d, active, cfg.data.seq_len),
-        peak_tflops(device, t.peak_tflops),
-        device,
+    return Throughput.of(
+        model, d, t.global_batch_size, cfg.data.seq_len, world, dtypes(cfg.precision)[0], device, t.peak_tflops
     )
 
 
@@ -218,7 +214,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         pin=device.type == "cuda",
     )
     _close_on_exit(resources, batches.close)
-    amp = autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp)
+    amp = autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp_classic)
     return Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -238,6 +234,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         sinks=sinks,
         profiler=profiler,
         throughput=throughput,
+        peak=PeakMemory(device),
         signals=signals,
         agreement=agreement,
     )
@@ -253,14 +250,15 @@ class StepResult:
 
 def train_step(run: Run, step: int) -> StepResult:
     """One optimizer step on the global batch of `step`: this rank's micro-batches, each forward and backward,
-    the gradient reduction (only after the last micro-batch with trainer.defer_grad_sync), clip, step."""
+    the gradient reduction (within a shard group after each, unless trainer.defer_grad_sync; across replicas after
+    the last), clip, step."""
     t, scaler, micro_steps = run.cfg.trainer, run.state.scaler, run.layout.micro_steps
     with region("data"):
         batch = run.batches.get(step).to(run.device, non_blocking=True)
     loss_sum = torch.zeros((), device=run.device)
     router: dict[str, torch.Tensor] = {}
     for i, micro in enumerate(batch.split(t.micro_batch_size)):
-        with grad_sync(run.model, i == micro_steps - 1 or not t.defer_grad_sync):
+        with grad_sync(run.model, i == micro_steps - 1, t.defer_grad_sync):
             with region("forward"):
                 loss, stats = train_loss(run.model, micro, run.amp, run.router)
                 loss = loss / micro_steps
@@ -288,6 +286,7 @@ def _loop(run: Run, result: TrainResult) -> None:
     the time of eval and checkpoint saves."""
     t = run.cfg.trainer
     run.throughput.start()
+    run.peak.reset()
     last_logged = run.state.step
     for step in range(run.state.step, t.max_steps):
         out = train_step(run, step)
@@ -296,6 +295,7 @@ def _loop(run: Run, result: TrainResult) -> None:
             _log_step(run, result, done - last_logged, out)
             last_logged = done
             run.throughput.start()
+            run.peak.reset()
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.max_steps):
             with run.throughput.paused():
                 run.sinks.log({"step": done, **evaluate(run)})
@@ -331,12 +331,14 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> Non
     done, scaler = run.state.step, run.state.scaler
     metrics = {
         "step": done,
+        # Wall clock (Unix seconds) when the window closed: what a reader holds step times against.
+        "time": time.time(),
         "loss": _mean_over_ranks(out.loss),
         "lr": out.lr,
         "grad_norm": out.grad_norm.item(),
         **router_metrics(out.router),
         **run.throughput.stop(steps),
-        **peak_memory(run.device),
+        **run.peak.window(),
     }
     if scaler.enabled:
         metrics.update(loss_scale=scaler.scale, skipped_steps=scaler.skipped_steps)
@@ -382,7 +384,8 @@ def _finish(run: Run, result: TrainResult, wall_time_s: float) -> None:
         "steps": run.state.step,
         "wall_time_s": round(wall_time_s, 2),
         "median_tokens_per_s": rates[len(rates) // 2] if rates else None,
-        **peak_memory(run.device),
+        # The largest window's, already agreed: no collective here, where rank 0 may still be writing the export.
+        **run.peak.run,
     }
     if run.save_times:
         result.summary["checkpoint_save_s"] = sum(run.save_times) / len(run.save_times)

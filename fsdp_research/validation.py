@@ -22,6 +22,7 @@ from .data.pipeline import check_tokenizer, sources
 from .errors import ConfigError
 from .export import parse_size
 from .models import ModelDims, dims, pretrained_dir
+from .optim import check_no_decay
 from .precision import dtypes, parse_dtype
 from .pretrained import check_weights
 
@@ -79,6 +80,15 @@ def check_data(cfg: DataConfig, t: TrainerConfig, model: ModelDims) -> None:
     check_tokenizer(cfg, model.vocab)
 
 
+def check_offload_backend(cfg: ShardingConfig, backend: str) -> None:
+    if cfg.cpu_offload and backend == "nccl":
+        raise ConfigError(
+            "distributed.backend",
+            "nccl cannot reduce the CPU-resident gradients of sharding.cpu_offload",
+            "use distributed.backend=auto (cuda:nccl,cpu:gloo)",
+        )
+
+
 def check_sharding(cfg: ShardingConfig, world_size: int) -> None:
     if cfg.strategy is Strategy.hsdp and (cfg.replicate < 1 or world_size % cfg.replicate):
         raise ConfigError(
@@ -90,7 +100,9 @@ def check_sharding(cfg: ShardingConfig, world_size: int) -> None:
 
 def check_precision(cfg: PrecisionConfig, device: torch.device) -> None:
     param, _ = dtypes(cfg)
-    if device.type == "cuda" and param is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+    # Compute capability 8.0 (Ampere) and up computes bf16 natively; torch.cuda.is_bf16_supported() also says yes
+    # where it is emulated (V100, T4), many times slower.
+    if device.type == "cuda" and param is torch.bfloat16 and torch.cuda.get_device_capability(device) < (8, 0):
         raise ConfigError(
             "precision",
             f"{torch.cuda.get_device_name(device)} cannot compute in bfloat16",
@@ -110,6 +122,7 @@ def check_activation_checkpointing(cfg: ActivationCheckpointingConfig) -> None:
 def check_optim(cfg: OptimConfig) -> None:
     if cfg.name != "adamw":
         raise ConfigError("optim.name", f"unknown optimizer {cfg.name!r}", "use optim=adamw")
+    check_no_decay(cfg.no_decay)
 
 
 def check_checkpoint(cfg: CheckpointConfig) -> None:
@@ -131,6 +144,7 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     check_model(cfg.model, hf_config)
     check_data(cfg.data, cfg.trainer, dims(hf_config))
     check_sharding(cfg.sharding, world_size)
+    check_offload_backend(cfg.sharding, cfg.distributed.backend)
     check_precision(cfg.precision, device)
     check_activation_checkpointing(cfg.activation_checkpointing)
     check_optim(cfg.optim)

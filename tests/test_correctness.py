@@ -15,14 +15,16 @@ from tests.helpers.dist import ok, train_distributed
 from tests.helpers.reference import reference_run, save_initial
 
 BASE = FAST + ["trainer.max_steps=10", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"]
-SHARDINGS = ["blockwise", "reshard_all", "no_reshard", "root_only", "per_linear", "ddp", "hsdp"]
+SHARDINGS = ["blockwise", "reshard_all", "no_reshard", "root_only", "per_linear", "ddp", "ddp_classic", "hsdp"]
 RUNS = {
     **{s: [f"sharding={s}"] for s in SHARDINGS},
     **{f"{s}+ac": [f"sharding={s}", "activation_checkpointing=every_block"] for s in SHARDINGS},
     "blockwise+ac2": ["activation_checkpointing=every_2nd"],
     "blockwise+accum": ["trainer.micro_batch_size=2"],
+    "blockwise+accum+defer": ["trainer.micro_batch_size=2", "trainer.defer_grad_sync=true"],
     "ddp+accum": ["sharding=ddp", "trainer.micro_batch_size=2"],
-    "hsdp+accum": ["sharding=hsdp", "trainer.micro_batch_size=1", "trainer.defer_grad_sync=false"],
+    "hsdp+accum": ["sharding=hsdp", "trainer.micro_batch_size=1"],
+    "hsdp+accum+defer": ["sharding=hsdp", "trainer.micro_batch_size=1", "trainer.defer_grad_sync=true"],
 }
 # At 4 ranks hsdp's replicate=2 is a (2, 2) mesh: each replica shards over 2 ranks.
 RUNS_4 = {

@@ -47,8 +47,8 @@ CASES = [
     ("cpu_offload", (["sharding.cpu_offload=true"], 2, 1, None), (["sharding.cpu_offload=false"], 2, 1, None)),
     (
         "grad_sync",
-        (["trainer.micro_batch_size=2", "trainer.defer_grad_sync=false"], 2, 1, None),
         (["trainer.micro_batch_size=2", "trainer.defer_grad_sync=true"], 2, 1, None),
+        (["trainer.micro_batch_size=2", "trainer.defer_grad_sync=false"], 2, 1, None),
     ),
 ]
 
@@ -83,7 +83,7 @@ def test_findings_in_table_order_one_line_each():
             "sharding=root_only",
             "sharding.cpu_offload=true",
             "trainer.micro_batch_size=2",
-            "trainer.defer_grad_sync=false",
+            "trainer.defer_grad_sync=true",
         ]
     )
     findings = diagnose(cfg, plan_for(cfg), 2, 1)

@@ -81,11 +81,14 @@ def test_run_dir_and_metrics(runs, name):
     for m in metrics:
         assert REQUIRED <= m.keys(), REQUIRED - m.keys()
         assert "eval_loss" not in m
-        assert m["samples_per_s"] == pytest.approx(BATCH / m["step_time_s"])
         assert m["tokens_per_s"] == pytest.approx(m["samples_per_s"] * SEQ_LEN)
         assert m["samples_per_s_per_device"] == pytest.approx(m["samples_per_s"] / world)
         assert m["tokens_per_s_per_device"] == pytest.approx(m["tokens_per_s"] / world)
         assert m["peak_rss_gib"] > 0 and m["grad_norm"] > 0
+    # Step times against the wall clock between the records: the steps are most of it (the rest is logging).
+    elapsed = metrics[-1]["time"] - metrics[0]["time"]
+    stepping = sum(m["step_time_s"] for m in metrics[1:])
+    assert 0.5 * elapsed < stepping <= elapsed
     assert metrics[0]["lr"] == pytest.approx(3e-3 / 10)  # first warmup step
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.3
     evals = _eval_records(run_dir)

@@ -13,12 +13,15 @@ FSDP's post-backward takes them, and on gloo a reduce-scatter input is now and t
 both sides mean by it.
 """
 
+import re
+from dataclasses import replace
+
 import pytest
 
 from fsdp_research.cli.plan import main
 from fsdp_research.composition import compose
 from fsdp_research.planner.format import GIB
-from fsdp_research.planner.memory import memory, recompute_share, step_moments
+from fsdp_research.planner.memory import memory, recompute_share, step_moments, traffic
 from fsdp_research.planner.summary import run_settings, summary_for
 from tests.helpers.memory import measure_step_memory
 
@@ -108,3 +111,24 @@ def test_checkpointing_trades_activations_for_recompute():
 def test_bad_batch_is_refused_like_the_trainer(capsys):
     assert main(["world_size=8"]) == 2
     assert capsys.readouterr().err.startswith("error: trainer.global_batch_size: 16 is not divisible")
+
+
+def test_accumulation_shows_both_ways_of_reducing(capsys):
+    """defer_grad_sync=true holds every unit's unsharded gradient (fp32: 4 bytes a parameter on every rank,
+    whatever the world size) and reduce-scatters once; the default reduce-scatters each micro-batch. Across
+    replicas the all-reduce is once per step either way."""
+    overrides = ["model=llama_7b", "trainer.global_batch_size=128", "sharding=hsdp", "sharding.replicate=2"]
+    cfg = compose(overrides)
+    summary, run = summary_for(cfg), run_settings(cfg, 8, "cuda")
+    assert run.micro_steps == 2 and not run.defer_grad_sync
+    deferred = replace(run, defer_grad_sync=True)
+    held = memory(summary, deferred).unsharded_grads - memory(summary, run).unsharded_grads
+    assert held == pytest.approx(4 * summary.n_params, rel=0.01)
+    assert memory(summary, deferred).peak > memory(summary, run).peak + 15 * GIB
+    assert traffic(summary, run).reduce_scatter == pytest.approx(2 * traffic(summary, deferred).reduce_scatter)
+    assert traffic(summary, run).all_reduce == traffic(summary, deferred).all_reduce
+    assert main([*overrides, "world_size=8", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "gradient accumulation over 2 micro-batches" in out
+    assert re.search(r"defer_grad_sync=false \(reduce-scatter each micro-batch\) .* this run", out)
+    assert "defer_grad_sync=true (unsharded gradients held to the last)" in out

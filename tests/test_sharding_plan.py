@@ -35,7 +35,9 @@ EXPECTED = {
     "no_reshard": [(block, False) for block in BLOCKS] + ROOT,
     "root_only": ROOT,
     "per_linear": [(linear, True) for linear in LINEARS] + ROOT,
-    "ddp": [],
+    # A shard group of one rank: nothing to reshard.
+    "ddp": [(block, False) for block in BLOCKS] + ROOT,
+    "ddp_classic": [],
 }
 # Hydra adds keys to a dict-typed field only with `+` (a plain `key={...}` is refused in struct mode).
 OVERRIDE = "+sharding.reshard_override={0:false,3:true}"
@@ -80,6 +82,7 @@ APPLIED = {
     "ac_every_block": ["activation_checkpointing=every_block"],
     "ac_every_2nd": ["activation_checkpointing=every_2nd"],
     "ddp": ["sharding=ddp"],
+    "ddp_classic": ["sharding=ddp_classic"],
 }
 
 
@@ -95,7 +98,7 @@ def test_applied_plan_matches(applied, name):
     plan, observed = applied[name]
     observed = ok(observed, name)
     assert sorted(observed["units"]) == sorted(unit.path for unit in plan.units)
-    if not plan.units:  # ddp
+    if not plan.units:  # ddp_classic
         return
     # Between steps every unit is sharded; after a forward, exactly the units that do not reshard are gathered.
     assert observed["gathered_before_forward"] == []

@@ -1,6 +1,7 @@
 """The planner's output: one config's memory and traffic per rank, or every sharding side by side."""
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from ..config import Strategy
 from .memory import memory, recompute_share, traffic
@@ -27,7 +28,7 @@ def _gib(value: float) -> str:
 
 def format_plan(m: ModelSummary, run: Run) -> str:
     e, mem = run.compute_dtype, memory(m, run)
-    replicated = m.strategy is Strategy.ddp
+    replicated = m.strategy is Strategy.ddp_classic
     size = f"{_count(m.n_params)} parameters" + _experts_note(m)
     layout = "replicated" if replicated else f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units"
     deferring = run.micro_steps > 1 and run.defer_grad_sync
@@ -80,7 +81,22 @@ def format_plan(m: ModelSummary, run: Run) -> str:
         f"  {'reduce-scatter':<44}{_gib(comm.reduce_scatter):>9}",
         f"  {'all-reduce':<44}{_gib(comm.all_reduce):>9}",
     ]
-    return "\n".join(lines)
+    return "\n".join(lines + _accumulation(m, run))
+
+
+def _accumulation(m: ModelSummary, run: Run) -> list[str]:
+    """Both ways of accumulating gradients over a shard group, side by side."""
+    if run.micro_steps == 1 or run.shard_group == 1 or m.strategy is Strategy.ddp_classic:
+        return []
+    lines = ["", f"{f'gradient accumulation over {run.micro_steps} micro-batches':<64}peak  reduce-scatter (GiB)"]
+    for defer, label in ((False, "reduce-scatter each micro-batch"), (True, "unsharded gradients held to the last")):
+        other = replace(run, defer_grad_sync=defer)
+        this = "   this run" if defer == run.defer_grad_sync else ""
+        lines.append(
+            f"  {f'defer_grad_sync={str(defer).lower()} ({label})':<58}{_gib(memory(m, other).peak):>8}"
+            f"{_gib(traffic(m, other).reduce_scatter):>16}{this}"
+        )
+    return lines
 
 
 def format_compare(rows: Sequence[tuple[ModelSummary, Run]]) -> str:
@@ -100,7 +116,7 @@ def format_compare(rows: Sequence[tuple[ModelSummary, Run]]) -> str:
         mem, comm = memory(m, run), traffic(m, run)
         table.append(
             (
-                m.strategy.value if run.replicas == 1 else f"hsdp ({run.replicas}x{run.shard_group})",
+                f"hsdp ({run.replicas}x{run.shard_group})" if m.strategy is Strategy.hsdp else m.strategy.value,
                 *map(
                     _gib,
                     (

@@ -8,8 +8,9 @@ group (world_size, or world_size / replicate for hsdp). tests/test_plan.py check
 tracker.
 
 State: parameters fp32 (FSDP2 pads each dim 0 to a multiple of n), gradients the same (FSDP2 keeps sharded
-gradients in the sharded parameter's dtype), AdamW 2 x fp32. ddp replicates all three, holds its gradients twice
-(param.grad and DDP's flat all-reduce buckets), and its autocast saves a compute-dtype copy of every weight.
+gradients in the sharded parameter's dtype), AdamW 2 x fp32 (ddp is FSDP2 over a shard group of one rank).
+ddp_classic (torch's DDP) replicates all three, holds its gradients twice (param.grad and DDP's flat all-reduce
+buckets), and its autocast saves a compute-dtype copy of every weight.
 
 Activations saved per token by a llama block (HF's LlamaDecoderLayer with SDPA; enumerated from the tensors
 autograd saves):
@@ -44,7 +45,8 @@ CPU, two of the largest shard).
 Communication per rank per step: what each rank receives, (n-1)/n of each collective's payload. All-gather: every
 unit in forward and every unit that resharded again in backward, per micro-batch, in the compute dtype.
 Reduce-scatter: every unit's gradients in the reduce dtype, once per step with defer_grad_sync (else per
-micro-batch). hsdp adds an all-reduce of the gradient shards across replicas; ddp all-reduces fp32 gradients.
+micro-batch). hsdp and ddp add an all-reduce of the gradient shards across replicas, once per step (accumulated
+into the shards before it); ddp_classic all-reduces fp32 gradients.
 """
 
 from collections.abc import Callable, Sequence
@@ -322,7 +324,7 @@ def step_moments(
     """The moments of one step where memory can peak, each as bytes by category (params, optimizer, grads,
     gathered, unsharded_grads, activations, temporaries; host with cpu_offload)."""
     checkpointed = m.checkpointed if checkpointed is None else checkpointed
-    return (_ddp_moments if m.strategy is Strategy.ddp else _fsdp_moments)(m, run, checkpointed)
+    return (_ddp_moments if m.strategy is Strategy.ddp_classic else _fsdp_moments)(m, run, checkpointed)
 
 
 def memory(m: ModelSummary, run: Run, checkpointed: Sequence[bool] | None = None) -> Memory:
@@ -353,15 +355,16 @@ def recompute_share(checkpointed: Sequence[bool]) -> float:
 
 def traffic(m: ModelSummary, run: Run) -> Traffic:
     e, r, n = run.compute_bytes, run.reduce_bytes, run.shard_group
-    syncs = 1 if run.defer_grad_sync else run.micro_steps
-    if m.strategy is Strategy.ddp:
+    if m.strategy is Strategy.ddp_classic:  # one all-reduce per step, after the last micro-batch
         w = run.world_size
-        return Traffic(0, 0, 0, syncs * 2 * (w - 1) * FP32 * m.n_params // w)
+        return Traffic(0, 0, 0, 2 * (w - 1) * FP32 * m.n_params // w)
+    syncs = 1 if run.defer_grad_sync else run.micro_steps
     units = [*m.units, m.root]
     received = (n - 1) / n
     forward = run.micro_steps * received * e * sum(u.numel for u in units)
     backward = run.micro_steps * received * e * sum(u.numel for u in units if u.reshard_after_forward)
     reduce = syncs * received * r * sum(u.numel for u in units)
     replicas = run.replicas
-    across = syncs * 2 * (replicas - 1) / replicas * r * sum(u.shard_numel(n) for u in units)
+    # Across replicas the gradient shards accumulate and are all-reduced once per step.
+    across = 2 * (replicas - 1) / replicas * r * sum(u.shard_numel(n) for u in units)
     return Traffic(int(forward + backward), int(backward), int(reduce), int(across))

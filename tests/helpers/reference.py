@@ -72,6 +72,25 @@ def lr_at(cfg: DictConfig, step: int) -> float:
     return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def decay_groups(model, o) -> list[dict]:
+    """AdamW's groups as the config names them, written out here: biases and vectors by name and shape, embeddings
+    by transformers' own accessors."""
+    embeddings = {id(model.get_input_embeddings().weight)}
+    if model.config.tie_word_embeddings:
+        embeddings.add(id(model.get_output_embeddings().weight))
+    exempt = {
+        name
+        for name, p in model.named_parameters()
+        if ("bias" in o.no_decay and name.endswith(".bias"))
+        or ("1d" in o.no_decay and p.dim() == 1)
+        or ("embedding" in o.no_decay and id(p) in embeddings)
+    }
+    return [
+        {"params": [p for n, p in model.named_parameters() if n not in exempt], "weight_decay": o.weight_decay},
+        {"params": [p for n, p in model.named_parameters() if n in exempt], "weight_decay": 0.0},
+    ]
+
+
 def reference_run(cfg, initial: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Per-step losses and final weights of the whole global batch in one forward, from the weights in `initial`
     (a directory written by save_pretrained)."""
@@ -80,8 +99,7 @@ def reference_run(cfg, initial: str) -> tuple[list[float], dict[str, torch.Tenso
     cfg = typed(cfg)
     model = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32)
     o = cfg.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                  weight_decay=o.weight_decay)  # fmt: skip
+    optimizer = torch.optim.AdamW(decay_groups(model, o), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     batch = batches(cfg, model.config.vocab_size)
     losses = []
     for step in range(cfg.trainer.max_steps):

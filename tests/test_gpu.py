@@ -1,0 +1,67 @@
+"""The CUDA path, on one GPU; skipped where there is none (bench/gpu_check.sh runs it on a lent GPU). fp32 on the
+GPU against the CPU reference (from_pretrained + torch AdamW); bf16 with MFU and the planner's peak against
+torch.cuda.max_memory_allocated; cpu_offload (gradients reduced over gloo, buffers kept on the GPU); compile."""
+
+import os
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from fsdp_research.composition import compose
+from fsdp_research.planner.memory import memory
+from fsdp_research.planner.summary import run_settings, summary_for
+from fsdp_research.sinks import step_metrics
+from fsdp_research.trainer import train
+from tests.conftest import FAST
+from tests.helpers.reference import reference_run, save_initial
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+BASE = FAST + [
+    "trainer.max_steps=10",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=4",
+    "trainer.device=cuda",
+]
+
+
+@pytest.fixture(scope="module")
+def initial(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu")
+    path = save_initial(AutoConfig.for_model("llama", **compose(BASE).model.config), str(out / "initial"))
+    return BASE + ["model=pretrained", f"model.name_or_path={path}"], path
+
+
+def test_one_gpu_matches_the_cpu_reference(initial, tmp_path):
+    overrides, path = initial
+    result = train(compose(overrides), str(tmp_path / "run"))
+    ref_losses, _ = reference_run(compose(overrides), path)
+    torch.testing.assert_close(torch.tensor(result.losses), torch.tensor(ref_losses), rtol=1e-4, atol=0)
+
+
+def test_bf16_mfu_and_the_planned_peak(tmp_path):
+    overrides = FAST + ["precision=bf16", "model=llama_1b", "data=synthetic", "data.seq_len=512",
+                        "trainer.max_steps=6", "trainer.global_batch_size=8", "trainer.micro_batch_size=8",
+                        "trainer.device=cuda", "trainer.log_interval=3"]  # fmt: skip
+    cfg = compose(overrides)
+    train(cfg, str(tmp_path / "run"))
+    last = step_metrics(str(tmp_path / "run"))[-1]
+    assert 0 < last["mfu"] < 1
+    planned = memory(summary_for(cfg), run_settings(cfg, 1, "cuda")).peak / 2**30
+    assert planned == pytest.approx(last["peak_mem_allocated_gib"], rel=0.15)
+
+
+def test_cpu_offload_trains(initial, tmp_path):
+    overrides, _ = initial
+    result = train(compose(overrides + ["sharding.cpu_offload=true", "trainer.max_steps=3"]), str(tmp_path / "run"))
+    assert all(torch.isfinite(torch.tensor(result.losses)))
+    assert all(b.device.type == "cuda" for b in result.model.buffers())
+    assert all(p.device.type == "cpu" for p in result.model.parameters())
+
+
+def test_compiled_matches_eager(initial, tmp_path):
+    overrides, _ = initial
+    eager = train(compose(overrides), str(tmp_path / "eager")).losses
+    compiled = train(compose(overrides + ["trainer.compile=true"]), str(tmp_path / "compiled")).losses
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=0)
+    assert os.path.exists(tmp_path / "compiled" / "metrics.jsonl")
