@@ -122,6 +122,9 @@ def _mismatches(step_dir: str, state: dict[str, dict[str, Any]]) -> list[list[st
     return [kind for kind in (missing, unexpected, reshaped) if kind]
 
 
+HYPERPARAMETERS = ("weight_decay", "betas", "eps")
+
+
 class Checkpointer:
     def __init__(self, cfg: DictConfig, run_dir: str, extra_files: dict[str, str], pinned: bool = True):
         """extra_files: name -> text, written into every checkpoint by rank 0 (configs for offline export).
@@ -283,7 +286,12 @@ class Checkpointer:
             )
         with new_threads_single_threaded():
             dcp.load(state, checkpoint_id=step_dir)
+        # The config's hyperparameters win over the checkpoint's (which DCP copies into the groups, and maps onto
+        # the last group where the checkpoint has fewer); the learning rate is the schedule's.
+        configured = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for group, values in zip(optimizer.param_groups, configured):
+            group.update(values)
         rng = os.path.join(step_dir, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng):  # absent when resuming at a larger world size
             _set_rng_state(torch.load(rng, weights_only=False))

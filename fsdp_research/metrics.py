@@ -15,9 +15,10 @@ from .models import ModelDims
 # TF32, which torch leaves off for matmuls by default). Matched in order against torch.cuda.get_device_name(),
 # lowercased, on whole words: the variants of a part (H100 SXM/PCIe/NVL, L4/L40/L40S) differ by up to 1.3x.
 PEAK_TFLOPS = (
-    (r"\bh100\b.*\bpcie\b", 756.0, 51.0),
-    (r"\bh100\b.*\bnvl\b", 835.0, 60.0),
+    (r"\b(h100|h800)\b.*\bpcie\b", 756.0, 51.0),
+    (r"\b(h100|h200)\b.*\bnvl\b", 835.0, 60.0),
     (r"\b(gh200|h200|h100|h800)\b", 989.0, 67.0),
+    (r"\bgb200\b", 2500.0, 80.0),
     (r"\bb200\b", 2250.0, 75.0),
     (r"\b(a100|a800)\b", 312.0, 19.5),
     (r"\ba10g?\b", 125.0, 31.2),
@@ -115,11 +116,14 @@ def _reset_rss_peak() -> None:
 
 class PeakMemory:
     """Peak memory per logging window in GiB, the maximum over ranks (allocated and reserved by torch on CUDA, the
-    resident set on CPU), and the largest window's over the run (kept, so the run's end needs no collective)."""
+    resident set on CPU), and over the run: set-up and every window (kept, so the run's end needs no collective;
+    what comes after the last window, the final save and the export, is not in it)."""
 
     def __init__(self, device: torch.device):
+        """Made where training starts (a collective): the run's peak starts from the set-up's."""
         self.device = device
         self.run: dict[str, float] = {}
+        self.window()
 
     def reset(self) -> None:
         if self.device.type == "cuda":

@@ -81,11 +81,11 @@ def check_data(cfg: DataConfig, t: TrainerConfig, model: ModelDims) -> None:
 
 
 def check_offload_backend(cfg: ShardingConfig, backend: str) -> None:
-    if cfg.cpu_offload and backend == "nccl":
+    if cfg.cpu_offload and backend != "auto" and "gloo" not in backend:
         raise ConfigError(
             "distributed.backend",
-            "nccl cannot reduce the CPU-resident gradients of sharding.cpu_offload",
-            "use distributed.backend=auto (cuda:nccl,cpu:gloo)",
+            f"{backend} cannot reduce the CPU-resident gradients of sharding.cpu_offload",
+            "use distributed.backend=auto (cuda:nccl,cpu:gloo on CUDA)",
         )
 
 

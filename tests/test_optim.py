@@ -40,3 +40,34 @@ def test_norms_and_biases_are_not_decayed_by_default():
 def test_an_unknown_kind_is_named():
     with pytest.raises(ConfigError, match=r"optim.no_decay: unknown kind\(s\) 'norms'.*use some of bias, 1d"):
         check_optim(typed(compose(["optim.no_decay=[norms]"])).optim)
+
+
+def _resume_groups(checkpoint_cfg, saved_cfg, resumed_cfg, run_dir: str) -> list[float]:
+    """A checkpoint written with one weight decay, resumed under a config with another: the groups' decays after
+    the load."""
+    import torch
+    import torch.nn as nn
+
+    from fsdp_research.checkpoint import Checkpointer
+    from fsdp_research.distributed import init_distributed
+    from fsdp_research.optim import build_optimizer
+
+    init_distributed(typed(compose([])).distributed, torch.device("cpu"))
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    saved, _ = build_optimizer(model, saved_cfg, 10)
+    model(torch.ones(2, 4)).sum().backward()
+    saved.step()
+    model.zero_grad(set_to_none=True)  # as at a resume: no gradients, so DCP makes the state to load into
+    checkpointer = Checkpointer(checkpoint_cfg, run_dir, {})
+    checkpointer.save(1, model, saved, {"step": 1})
+    optimizer, _ = build_optimizer(model, resumed_cfg, 10)
+    checkpointer.load(f"{run_dir}/checkpoints/step_1", model, optimizer)
+    return [group["weight_decay"] for group in optimizer.param_groups]
+
+
+def test_resume_takes_the_configured_decay(tmp_path):
+    from tests.helpers.dist import run_distributed
+
+    saved, resumed = typed(compose(["optim.weight_decay=0.5"])), typed(compose([]))
+    decays = run_distributed(_resume_groups, 1, resumed.checkpoint, saved.optim, resumed.optim, str(tmp_path))
+    assert decays == [0.1, 0.0]  # the checkpoint's 0.5 without the config winning
