@@ -17,6 +17,7 @@ RUNS = {
     "ddp_classic_bf16": BF16 + ["sharding=ddp_classic"],
     "eager": [],
     "compiled": ["trainer.compile=true"],
+    "compiled+ac": ["trainer.compile=true", "activation_checkpointing=every_2nd"],
 }
 
 
@@ -37,9 +38,10 @@ def test_ddp_computes_as_fsdp_does(runs):
     assert (classic - fsdp).abs().max() > 1e-3
 
 
-def test_compiled_blocks_train_as_eager(runs):
-    torch.testing.assert_close(_losses(runs, "compiled"), _losses(runs, "eager"), rtol=1e-5, atol=0)
-    eager, compiled = ok(runs, "eager")["weights"], ok(runs, "compiled")["weights"]
+@pytest.mark.parametrize("name", ["compiled", "compiled+ac"])
+def test_compiled_blocks_train_as_eager(runs, name):
+    torch.testing.assert_close(_losses(runs, name), _losses(runs, "eager"), rtol=1e-5, atol=0)
+    eager, compiled = ok(runs, "eager")["weights"], ok(runs, name)["weights"]
     assert eager.keys() == compiled.keys()
     for key, value in eager.items():
         torch.testing.assert_close(compiled[key], value, rtol=1e-4, atol=1e-5, msg=key)
