@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from .config import DistributedConfig
+from .errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,17 @@ def new_threads_single_threaded() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def backend_for(backend: str, device: torch.device) -> str:
+    """The process group's backend for distributed.backend on `device`; ConfigError for NCCL without CUDA."""
+    if backend == "auto":
+        return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+    if "nccl" in backend and (device.type != "cuda" or not dist.is_nccl_available()):
+        raise ConfigError(
+            "distributed.backend", f"{backend} needs CUDA devices and this run is on {device.type}", "use auto or gloo"
+        )
+    return backend
+
+
 def init_distributed(cfg: DistributedConfig, device: torch.device) -> None:
     """Join (or create) the process group; a no-op when the caller already made one."""
     if dist.is_initialized():
@@ -132,7 +144,7 @@ def init_distributed(cfg: DistributedConfig, device: torch.device) -> None:
         _limit_cpu_threads()
     env = launch_env() or LaunchEnv(0, 1, 0, "127.0.0.1", _free_port())
     # On CUDA, CPU tensors' collectives (cpu_offload's gradient norm and inf check) go to gloo.
-    backend = cfg.backend if cfg.backend != "auto" else ("cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo")
+    backend = backend_for(cfg.backend, device)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)

@@ -19,6 +19,7 @@ from .config import (
 )
 from .data.parts import probe, resolve_files
 from .data.pipeline import check_tokenizer, sources
+from .distributed import backend_for
 from .errors import ConfigError
 from .export import parse_size
 from .models import ModelDims, dims, pretrained_dir
@@ -145,6 +146,7 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     check_data(cfg.data, cfg.trainer, dims(hf_config))
     check_sharding(cfg.sharding, world_size)
     check_offload_backend(cfg.sharding, cfg.distributed.backend)
+    backend_for(cfg.distributed.backend, device)
     check_precision(cfg.precision, device)
     check_activation_checkpointing(cfg.activation_checkpointing)
     check_optim(cfg.optim)

@@ -38,6 +38,9 @@ APP_ERRORS = {
     "reshaped": ("model.config", ["model=pretrained", "model.name_or_path=LLAMA", "model.config.intermediate_size=96"]),
     "unknown_family": ("model.model_type", ["model=custom", "model.model_type=nope"]),
     "not_a_causal_lm": ("model.config", ["model=custom", "model.model_type=t5"]),
+    "no_decay": ("optim.no_decay", ["optim.no_decay=[norms]"]),
+    "nccl_on_cpu": ("distributed.backend", ["distributed.backend=nccl", "trainer.device=cpu"]),
+    "nccl_spawned": ("distributed.backend", ["distributed.nproc_per_node=2", "distributed.backend=nccl"]),
 }
 MESSAGES = {
     "other_architecture": "does not fit LlamaForCausalLM: missing lm_head.weight, model.embed_tokens.weight",
