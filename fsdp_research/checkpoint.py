@@ -53,11 +53,12 @@ def verify(step_dir: str) -> str | None:
     except (OSError, ValueError, KeyError) as err:
         return f"no valid {MANIFEST} ({type(err).__name__})"
     for name, size in files.items():
-        path = os.path.join(step_dir, name)
-        if not os.path.isfile(path):
+        try:  # a file can go between two looks (the run pruning this checkpoint as another process reads it)
+            actual = os.path.getsize(os.path.join(step_dir, name))
+        except OSError:
             return f"missing {name}"
-        if os.path.getsize(path) != size:
-            return f"{name} has {os.path.getsize(path)} bytes, the manifest says {size}"
+        if actual != size:
+            return f"{name} has {actual} bytes, the manifest says {size}"
     try:
         dcp.FileSystemReader(step_dir).read_metadata()
     except Exception as err:  # a garbled pickle can raise almost anything
