@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 
 from omegaconf import DictConfig
 
+from .dimensions import ModelDims
 from .layout import Layout, layout
-from .models import ModelDims
 from .sharding import ShardingPlan
 
 log = logging.getLogger("fsdp_research")

@@ -26,21 +26,41 @@ def router_of(hf_config, experts: int, top_k: int) -> Router | None:
     if not experts:
         return None
     asks = getattr(hf_config, "output_router_logits", False)
-    return Router(experts, top_k, float(getattr(hf_config, "router_aux_loss_coef", 0.0)) if asks else 0.0)
+    coef = getattr(hf_config, "router_aux_loss_coef", None)
+    return Router(experts, top_k, float(coef or 0.0) if asks else 0.0)
+
+
+def _expert_tokens(router_logits, router: Router) -> torch.Tensor | None:
+    """The tokens routed to each expert (top-k of each MoE layer's router logits, summed over layers), where the
+    family returns its router logits as one tensor per layer; None where it returns none (or something else)."""
+    if isinstance(router_logits, torch.Tensor):
+        router_logits = [router_logits]
+    layers = [t for t in router_logits or () if isinstance(t, torch.Tensor) and t.shape[-1] == router.experts]
+    if not layers:
+        return None
+    chosen = torch.cat([t.detach().topk(router.top_k, dim=-1).indices.flatten() for t in layers])
+    return torch.bincount(chosen, minlength=router.experts).float()
 
 
 def train_loss(model: nn.Module, batch: torch.Tensor, amp, router: Router | None = None):
     """(loss, to log) of a batch of seq_len + 1 tokens: next-token cross-entropy, plus the router's weighted
     load-balancing loss; for a mixture of experts, its aux loss and the tokens routed to each expert (summed over
-    its MoE layers) to log."""
+    its MoE layers) to log, where the family computes them (a router trained without an aux loss has none)."""
     with amp:
         out = model(input_ids=batch[:, :-1], **({"output_router_logits": True} if router else {}))
     loss = F.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten())
     if router is None:
         return loss, {}
-    chosen = torch.cat([logits.topk(router.top_k, dim=-1).indices.flatten() for logits in out.router_logits])
-    counts = torch.bincount(chosen, minlength=router.experts).float()
-    return loss + router.aux_coef * out.aux_loss, {"aux_loss": out.aux_loss.detach().float(), "expert_tokens": counts}
+    stats = {}
+    aux = getattr(out, "aux_loss", None)
+    if isinstance(aux, torch.Tensor):
+        stats["aux_loss"] = aux.detach().float()
+        if router.aux_coef:
+            loss = loss + router.aux_coef * aux
+    counts = _expert_tokens(getattr(out, "router_logits", None), router)
+    if counts is not None:
+        stats["expert_tokens"] = counts
+    return loss, stats
 
 
 def token_losses(model: nn.Module, batch: torch.Tensor, amp) -> torch.Tensor:

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from .models import ModelDims
+from .dimensions import ModelDims, expert_modules
 
 # Peak dense TFLOP/s per device from the vendors' datasheets (no sparsity): (16-bit tensor cores, fp32 without
 # TF32, which torch leaves off for matmuls by default). Matched in order against torch.cuda.get_device_name(),
@@ -53,9 +53,11 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None
 
 
 def flops_per_token(model: ModelDims, matmul_params: int, seq_len: int) -> float:
-    """Training FLOPs per token (forward and backward): 6 per parameter a token is multiplied with, plus
-    attention's scores and weighted sum, 12 * L * d * T (unmasked, as torch's FlopCounterMode counts them)."""
-    return 6.0 * matmul_params + 12.0 * model.layers * model.heads * model.head_dim * seq_len
+    """Training FLOPs per token (forward and backward): 6 per parameter a token is multiplied with, plus each
+    attention's scores and weighted sum, 6 * T * heads * (qk head size + v head size) per block (12 * L * d * T
+    where the two sizes are equal; unmasked, as torch's FlopCounterMode counts them)."""
+    attention = sum(a.heads * (a.qk_dim + a.v_dim) for a in model.attention if a)
+    return 6.0 * matmul_params + 6.0 * attention * seq_len
 
 
 def matmul_parameters(model: torch.nn.Module, d: ModelDims) -> int:
@@ -73,30 +75,31 @@ def matmul_parameters(model: torch.nn.Module, d: ModelDims) -> int:
 
 
 def active_parameters(model: torch.nn.Module, d: ModelDims) -> int:
-    """The parameters a token passes through: all of a dense model's; of a mixture of experts, its experts' in
-    the proportion top-k / experts (the fused experts modules: MixtralExperts, Qwen3MoeExperts, ...)."""
+    """The parameters a token passes through: all of a dense model's; of a mixture of experts, its routed experts'
+    in the proportion top-k / experts."""
     total = sum(p.numel() for p in model.parameters())
     if not d.experts:
         return total
-    experts = sum(
-        p.numel() for m in model.modules() if type(m).__name__.endswith("Experts") for p in m.parameters(recurse=False)
-    )
+    experts = sum(p.numel() for m in expert_modules(model) for p in m.parameters())
     return total - experts + experts * d.experts_per_token // d.experts
 
 
 def router_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     """A mixture of experts' load-balancing loss (mean over ranks) and the share of the routed tokens that the least
-    and the most loaded expert got (1 / experts when balanced). A collective; nothing for a dense model."""
-    if not stats:
+    and the most loaded expert got (1 / experts when balanced), each where the family computes it. A collective
+    (every rank has the same keys: they depend on the family only); nothing for a dense model."""
+    parts = [stats[k].reshape(-1).float() for k in ("aux_loss", "expert_tokens") if k in stats]
+    if not parts:
         return {}
-    values = torch.cat([stats["aux_loss"].reshape(1), stats["expert_tokens"]])
+    values = torch.cat(parts)
     dist.all_reduce(values)
-    share = values[1:] / values[1:].sum()
-    return {
-        "aux_loss": values[0].item() / dist.get_world_size(),
-        "expert_fraction_min": share.min().item(),
-        "expert_fraction_max": share.max().item(),
-    }
+    out = {}
+    if "aux_loss" in stats:
+        out["aux_loss"], values = values[0].item() / dist.get_world_size(), values[1:]
+    if "expert_tokens" in stats:
+        share = values / values.sum()
+        out.update(expert_fraction_min=share.min().item(), expert_fraction_max=share.max().item())
+    return out
 
 
 def _rss_peak() -> float:

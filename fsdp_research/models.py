@@ -1,17 +1,18 @@
 """Hugging Face causal LMs without allocating them: the config, the model on the meta device, its repeating
-blocks, and its dimensions read once from the config (each family names them its own way)."""
+blocks (dimensions: fsdp_research.dimensions)."""
 
 import contextlib
+import logging
 import os
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from .config import ModelConfig
 from .errors import ConfigError
+
+log = logging.getLogger("fsdp_research")
 
 
 def build_hf_config(cfg: ModelConfig):
@@ -34,40 +35,6 @@ def build_hf_config(cfg: ModelConfig):
             f"transformers has no config for it ({_first_line(err)})",
             "use a local directory written by save_pretrained, or a model_type transformers knows",
         ) from None
-
-
-@dataclass(frozen=True)
-class ModelDims:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    # None where the family has no fixed limit.
-    max_positions: int | None
-    # Mixture of experts: experts per MoE layer and how many each token is routed to (0 and 0 for a dense model).
-    experts: int = 0
-    experts_per_token: int = 0
-
-
-def dims(hf_config) -> ModelDims:
-    """The dimensions every consumer needs (validation, MFU, the planner), with each family's defaults."""
-    hidden, heads = hf_config.hidden_size, hf_config.num_attention_heads
-    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None) or 0
-    return ModelDims(
-        experts=experts,
-        experts_per_token=getattr(hf_config, "num_experts_per_tok", 0) if experts else 0,
-        hidden=hidden,
-        layers=hf_config.num_hidden_layers,
-        heads=heads,
-        kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
-        head_dim=getattr(hf_config, "head_dim", None) or hidden // heads,
-        intermediate=getattr(hf_config, "intermediate_size", None) or getattr(hf_config, "n_inner", None) or 4 * hidden,
-        vocab=hf_config.vocab_size,
-        max_positions=getattr(hf_config, "max_position_embeddings", None) or getattr(hf_config, "n_positions", None),
-    )
 
 
 @contextlib.contextmanager
@@ -108,29 +75,42 @@ def build_model(hf_config) -> nn.Module:
 
 
 def block_class_name(model: nn.Module, override: str | None) -> str:
-    """model.block_class, else the class of _no_split_modules the model repeats most: the decoder's layer where
-    a family lists several (a vision tower's, an encoder's)."""
+    """model.block_class, else the classes of the decoder's layers: the longest nn.ModuleList whose modules are
+    all of classes in _no_split_modules (several for a hybrid: attention and state-space layers), else, where the
+    family declares none (or none it repeats), the longest nn.ModuleList of modules of one class. Several classes
+    are joined by commas."""
     if override:
         return override
-    names = set(getattr(model, "_no_split_modules", None) or [])
-    counts = Counter(type(m).__name__ for m in model.modules() if type(m).__name__ in names)
-    if not counts:
+    declared = set(getattr(model, "_no_split_modules", None) or [])
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
+
+    def classes(layers: nn.ModuleList) -> list[str]:
+        return sorted({type(m).__name__ for m in layers})
+
+    repeated = [m for m in lists if set(classes(m)) <= declared]
+    if repeated:
+        return ",".join(classes(max(repeated, key=len)))
+    uniform = [m for m in lists if len(classes(m)) == 1]
+    if not uniform:
         raise ConfigError(
             "model.block_class",
-            f"{type(model).__name__} declares no repeating block (_no_split_modules is empty)",
+            f"{type(model).__name__} has no list of repeating blocks (nn.ModuleList) to shard by",
             "set model.block_class=<its block class name>",
         )
-    return max(sorted(counts), key=counts.__getitem__)
+    name = classes(max(uniform, key=len))[0]
+    log.info(f"model.block_class: {name}, from the model's structure (its longest list of identical modules)")
+    return name
 
 
-def find_blocks(model: nn.Module, class_name: str) -> list[nn.Module]:
-    """The repeating transformer blocks, in forward order."""
-    blocks = [m for m in model.modules() if type(m).__name__ == class_name]
+def find_blocks(model: nn.Module, class_names: str) -> list[nn.Module]:
+    """The repeating transformer blocks (of any of the comma-separated classes), in forward order."""
+    names = {n.strip() for n in class_names.split(",")}
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
         present = sorted({type(m).__name__ for m in model.modules()})
         raise ConfigError(
             "model.block_class",
-            f"{type(model).__name__} has no module of class {class_name}",
+            f"{type(model).__name__} has no module of class {class_names}",
             f"use one of its classes: {', '.join(present)}",
         )
     return blocks
@@ -141,11 +121,25 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def dropout_in(model: nn.Module) -> list[str]:
+    """Where the model drops out at training time: its nn.Dropout modules with p > 0 and the config's dropout
+    probabilities above 0 (attention's dropout is often a functional argument)."""
+    config = {
+        f"{k}={v}"
+        for k, v in model.config.to_dict().items()
+        if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
+    }
+    modules = {f"{type(m).__name__}(p={m.p})" for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0}
+    return sorted(config) + sorted(modules)
+
+
+# The path components FSDP, activation checkpointing and torch.compile insert; a real name's `module` is kept.
+_WRAPPERS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+
+
 def clean_name(name: str) -> str:
-    """Parameter name without the wrappers' prefixes (activation checkpointing, DDP, torch.compile)."""
-    for prefix in ("_checkpoint_wrapped_module.", "module.", "_orig_mod."):
-        name = name.replace(prefix, "")
-    return name
+    """Parameter name without the wrappers' path components (activation checkpointing, FSDP, torch.compile)."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPERS)
 
 
 def pretrained_dir(name_or_path: str) -> str:

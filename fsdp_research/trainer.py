@@ -21,6 +21,7 @@ from .build import planned_model, shard_model
 from .checkpoint import Checkpointer, config_files
 from .config import Strategy, typed
 from .data.pipeline import Build, Data, Prefetcher, build_data
+from .dimensions import ModelDims, dims
 from .distributed import (
     broadcast_object,
     cores_per_rank,
@@ -36,7 +37,7 @@ from .export import export_dtype, export_model, parse_size
 from .layout import Layout, layout
 from .losses import Router, held_out_loss, router_of, train_loss
 from .metrics import PeakMemory, Throughput, active_parameters, router_metrics
-from .models import build_hf_config, dims
+from .models import build_hf_config, dropout_in
 from .optim import build_optimizer, clip_grad_norm
 from .precision import LossScaler, autocast, dtypes
 from .preemption import NONE, Agreement, Signals
@@ -173,11 +174,11 @@ def _observe(
 
 
 def _throughput(
-    cfg: DictConfig, hf_config, model: nn.Module, plan: ShardingPlan, device: torch.device, start: int
+    cfg: DictConfig, d: ModelDims, model: nn.Module, plan: ShardingPlan, device: torch.device, start: int
 ) -> Throughput:
     """Throughput and MFU (from the parameters a token is multiplied with: a mixture of experts' active ones, no
     embedding lookups; against the device's peak in the compute dtype)."""
-    t, world, d = cfg.trainer, dist.get_world_size(), dims(hf_config)
+    t, world = cfg.trainer, dist.get_world_size()
     n_params, active = sum(p.numel() for p in model.parameters()), active_parameters(model, d)
     moe = f" ({active / 1e6:.2f}M active per token)" if active != n_params else ""
     log.info(
@@ -185,15 +186,32 @@ def _throughput(
         f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
         f"starting at step {start}"
     )
+    if d.unknown:
+        log.info(f"MFU: no attention found in {', '.join(d.unknown)}: their parameters counted, not their mixing")
     return Throughput.of(
         model, d, t.global_batch_size, cfg.data.seq_len, world, dtypes(cfg.precision)[0], device, t.peak_tflops
     )
 
 
+def _seed(model: nn.Module, seed: int, rank: int, world: int) -> None:
+    """The global RNG (dropout) seeded per rank from trainer.seed: the same command draws the same masks again
+    (a resume restores each rank's RNG state instead)."""
+    torch.manual_seed(seed * 1_000_003 + rank)
+    dropout = dropout_in(model)
+    if dropout and rank == 0:
+        log.info(
+            f"dropout is on ({', '.join(dropout[:4])}): each rank draws its own masks, so the losses repeat at "
+            f"this world size ({world}), not at another"
+        )
+
+
 def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextlib.ExitStack) -> Run:
     device, run_dir, hf_config, model, plan, resume_dir = _prepare(cfg, run_dir)
     rank, world, t = dist.get_rank(), dist.get_world_size(), cfg.trainer
+    # Read before sharding, which renames the classes it wraps.
+    d = dims(model, plan.blocks)
     model = shard_model(model, plan, cfg, device, world)
+    _seed(model, t.seed, rank, world)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
     state = TrainState(scheduler, LossScaler(cfg.precision))
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
@@ -205,7 +223,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
         state.load_state_dict(checkpointer.load(resume_dir, model, optimizer))
     data = _data(cfg, hf_config.vocab_size)
-    throughput = _throughput(cfg, hf_config, model, plan, device, state.step)
+    throughput = _throughput(cfg, d, model, plan, device, state.step)
     sinks, profiler = _observe(cfg, run_dir, device, plan, state, resources)
     batches = Prefetcher(
         lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
@@ -229,7 +247,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         data=data,
         batches=batches,
         amp=amp,
-        router=router_of(hf_config, dims(hf_config).experts, dims(hf_config).experts_per_token),
+        router=router_of(hf_config, d.experts, d.experts_per_token),
         checkpointer=checkpointer,
         sinks=sinks,
         profiler=profiler,

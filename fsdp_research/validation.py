@@ -19,10 +19,11 @@ from .config import (
 )
 from .data.parts import probe, resolve_files
 from .data.pipeline import check_tokenizer, sources
+from .dimensions import max_positions
 from .distributed import backend_for
 from .errors import ConfigError
 from .export import parse_size
-from .models import ModelDims, dims, pretrained_dir
+from .models import pretrained_dir
 from .optim import check_no_decay
 from .precision import dtypes, parse_dtype
 from .pretrained import check_weights
@@ -62,12 +63,13 @@ def check_sources(cfg: DataConfig) -> None:
         raise ConfigError("data.build_workers", f"{cfg.build_workers} is negative", "use 0 (all cores) or N")
 
 
-def check_data(cfg: DataConfig, t: TrainerConfig, model: ModelDims) -> None:
-    if cfg.seq_len < 1 or (model.max_positions and cfg.seq_len > model.max_positions):
+def check_data(cfg: DataConfig, t: TrainerConfig, hf_config) -> None:
+    limit = max_positions(hf_config)
+    if cfg.seq_len < 1 or (limit and cfg.seq_len > limit):
         raise ConfigError(
             "data.seq_len",
-            f"{cfg.seq_len} is not within the model's 1..{model.max_positions} positions",
-            f"set data.seq_len to at most {model.max_positions}",
+            f"{cfg.seq_len} is not within the model's 1..{limit or 'any'} positions",
+            f"set data.seq_len to {f'at most {limit}' if limit else '1 or more'}",
         )
     check_sources(cfg)
     if not 0 <= cfg.eval_fraction < 1:
@@ -78,7 +80,7 @@ def check_data(cfg: DataConfig, t: TrainerConfig, model: ModelDims) -> None:
             "eval needs held-out data but data.eval_fraction is 0",
             "set data.eval_fraction above 0, or trainer.eval_interval=0",
         )
-    check_tokenizer(cfg, model.vocab)
+    check_tokenizer(cfg, hf_config.vocab_size)
 
 
 def check_offload_backend(cfg: ShardingConfig, backend: str) -> None:
@@ -143,7 +145,7 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     the model is planned: fsdp_research.build.planned_model)."""
     check_trainer(cfg.trainer, world_size)
     check_model(cfg.model, hf_config)
-    check_data(cfg.data, cfg.trainer, dims(hf_config))
+    check_data(cfg.data, cfg.trainer, hf_config)
     check_sharding(cfg.sharding, world_size)
     check_offload_backend(cfg.sharding, cfg.distributed.backend)
     backend_for(cfg.distributed.backend, device)

@@ -8,8 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from fsdp_research.composition import compose
+from fsdp_research.dimensions import dims
 from fsdp_research.metrics import active_parameters
-from fsdp_research.models import build_hf_config, build_model, dims
+from fsdp_research.models import build_hf_config, build_model
 from tests.conftest import FAST
 from tests.helpers.checkpointing import with_overrides
 from tests.helpers.cli import read_metrics
@@ -65,7 +66,7 @@ def test_active_parameters_count_top_k_of_the_experts(family):
     model = AutoModelForCausalLM.from_config(config)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     total = sum(p.numel() for p in model.parameters())
-    d = dims(config)
+    d = dims(model)
     assert 0 < experts < total and (d.experts, d.experts_per_token) == (4, 2)
     assert active_parameters(build_model(config), d) == total - experts // 2
 
@@ -79,6 +80,6 @@ def test_planner_and_doctor_speak_of_experts(capsys):
     out = capsys.readouterr().out
     cfg = compose(overrides)
     model = build_model(build_hf_config(cfg.model))
-    active = active_parameters(model, dims(model.config)) / 1e6
+    active = active_parameters(model, dims(model)) / 1e6
     assert f"({active:.2f}M active per token: 2 of 4 experts; all-gathers move every expert)" in out
     assert "a mixture of experts, 2 of 4 per token" in out

@@ -12,11 +12,11 @@ from torch.multiprocessing import ProcessExitedException
 
 from ..build import planned_model
 from ..composition import compose
+from ..dimensions import dims
 from ..distributed import planned_nodes
 from ..doctor import CHECKS, diagnose, explain
 from ..errors import ConfigError
 from ..launch import run_spawned
-from ..models import dims
 from ..profiling import format_breakdown
 from ..sinks import read_records
 from .common import checked_config, fail, split_launch
@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         launch, overrides = split_launch(args.overrides)
         cfg, hf_config, world_size = checked_config(overrides, launch.get("world_size", 0))
         nodes = launch.get("nodes") or planned_nodes()
-        _, plan = planned_model(cfg, hf_config)
+        model, plan = planned_model(cfg, hf_config)
     except ConfigError as err:
         return fail(err)
     measured = None
@@ -79,5 +79,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     for finding in findings:
         print(finding)
     if not findings:
-        print(f"no findings: {explain(cfg, plan, world_size, nodes, dims(hf_config))}; all {len(CHECKS)} checks pass")
+        summary = explain(cfg, plan, world_size, nodes, dims(model, plan.blocks))
+        print(f"no findings: {summary}; all {len(CHECKS)} checks pass")
     return 0

@@ -10,9 +10,10 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 
 from ..build import planned_model
 from ..config import Strategy
+from ..dimensions import dims
 from ..layout import layout
 from ..metrics import active_parameters
-from ..models import build_hf_config, dims
+from ..models import build_hf_config
 from ..precision import dtypes
 from ..sharding import ShardingPlan, owner
 
@@ -108,7 +109,7 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
             root_in_block[block_of(name)] += rows * row
     embedding = model.get_input_embeddings().weight
     tied = any(p is embedding for p in model.get_output_embeddings().parameters())
-    d = dims(hf_config)
+    d = dims(model, plan.blocks)
     return ModelSummary(
         name=cfg.model.name,
         model_type=hf_config.model_type,
