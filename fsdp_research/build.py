@@ -11,7 +11,7 @@ from .compilation import apply_compile
 from .config import Strategy
 from .initialization import init_weights, materialize
 from .models import block_class_name, build_model, find_blocks, pretrained_dir
-from .precision import build_mp_policy
+from .precision import build_mp_policy, dtypes, kept_in_fp32
 from .pretrained import load_pretrained
 from .sharding import ShardingPlan, apply_ddp, apply_fsdp, build_mesh, build_plan
 
@@ -25,7 +25,7 @@ def planned_model(cfg: DictConfig, hf_config) -> tuple[nn.Module, ShardingPlan]:
     # Before sharding, so that FSDP shards the wrapped block; compile too, so FSDP's hooks stay outside it.
     blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
     apply_compile(blocks, cfg.trainer.compile)
-    return model, build_plan(model, blocks, cfg.sharding)
+    return model, build_plan(model, blocks, cfg.sharding, kept_in_fp32(model, dtypes(cfg.precision)[0]))
 
 
 def shard_model(

@@ -10,6 +10,13 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 
 @dataclass
+class MoeConfig:
+    # Aux-loss-free balancing (DeepSeek-V3): after each step every router's expert bias (e_score_correction_bias)
+    # moves by this rate x sign(mean load - the expert's load), over the whole data-parallel batch; 0 turns it off.
+    bias_update_rate: float = 0.001
+
+
+@dataclass
 class ModelConfig:
     name: str = "llama_tiny"
     # A hub id or local directory: its config.json (and, for `pretrained`, its weights) are used.
@@ -18,8 +25,9 @@ class ModelConfig:
     model_type: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
     load_weights: bool = False
-    # The repeating block class; default: the model's _no_split_modules.
+    # The repeating block class(es, comma-separated); default: the decoder's layers (see models.block_class_name).
     block_class: str | None = None
+    moe: MoeConfig = field(default_factory=MoeConfig)
 
 
 class Strategy(str, Enum):

@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from .data.tokenizer import load_tokenizer
 from .errors import ConfigError
 from .models import build_model, clean_name
-from .precision import parse_dtype
+from .precision import fp32_names, parse_dtype
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -50,7 +50,13 @@ def write_hf_dir(
     twin = build_model(hf_config)  # on the meta device: save_pretrained only needs the family's conventions
     twin.config.dtype = dtype
     tied = set(getattr(twin, "all_tied_weights_keys", None) or {})
-    tensors = {clean_name(k): v.to(dtype).contiguous() for k, v in state.items() if clean_name(k) not in tied}
+    # What from_pretrained keeps in fp32 at this dtype (router gates) is written in fp32, as its save_pretrained does.
+    fp32 = fp32_names(twin, dtype)
+
+    def cast(name: str, value: torch.Tensor) -> torch.Tensor:
+        return value.to(torch.float32 if fp32 and fp32.search(name) else dtype).contiguous()
+
+    tensors = {clean_name(k): cast(clean_name(k), v) for k, v in state.items() if clean_name(k) not in tied}
     twin.save_pretrained(out_dir, state_dict=tensors, max_shard_size=shard_size)
     if tokenizer:
         load_tokenizer(tokenizer).save(out_dir)

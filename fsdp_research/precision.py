@@ -2,10 +2,12 @@
 scaler that works on sharded gradients."""
 
 import contextlib
+import re
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .config import PrecisionConfig
@@ -33,6 +35,31 @@ def build_mp_policy(cfg: PrecisionConfig) -> MixedPrecisionPolicy | None:
     if param is torch.float32 and reduce is torch.float32:
         return None
     return MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce)
+
+
+def fp32_policy() -> MixedPrecisionPolicy:
+    """For the modules a family keeps in fp32 whatever the training dtype (router gates)."""
+    return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+
+
+def fp32_names(model: nn.Module, param: torch.dtype) -> re.Pattern | None:
+    """What the family keeps in fp32 at this compute dtype, as from_pretrained does: `_keep_in_fp32_modules_strict`
+    under bf16 and fp16, `_keep_in_fp32_modules` under fp16; patterns searched in parameter and buffer names
+    (`*` a wildcard). None under fp32, or for a family that keeps nothing."""
+    patterns = set(getattr(model, "_keep_in_fp32_modules_strict", None) or []) if param is not torch.float32 else set()
+    if param is torch.float16:
+        patterns |= set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    if not patterns:
+        return None
+    return re.compile("|".join(re.escape(p).replace(r"\*", ".*") for p in sorted(patterns)))
+
+
+def kept_in_fp32(model: nn.Module, param: torch.dtype) -> list[str]:
+    """The paths of the modules whose parameters the family keeps in fp32 at this compute dtype."""
+    names = fp32_names(model, param)
+    if names is None:
+        return []
+    return sorted({name.rpartition(".")[0] for name, _ in model.named_parameters() if names.search(name)})
 
 
 def autocast(cfg: PrecisionConfig, device: torch.device, enabled: bool):

@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .config import ShardingConfig, Strategy
 from .errors import ConfigError
+from .precision import fp32_policy
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class Unit:
 
     path: str
     reshard_after_forward: bool
+    # Computes in fp32 whatever the training dtype: a module the family keeps in fp32 (a router's gate).
+    fp32: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,11 @@ def _block_reshard_flags(strategy: Strategy, n_blocks: int) -> list[bool]:
     return [True] * (n_blocks - 1) + [False]
 
 
-def build_plan(model: nn.Module, blocks: list[nn.Module], cfg: ShardingConfig) -> ShardingPlan:
+def build_plan(
+    model: nn.Module, blocks: list[nn.Module], cfg: ShardingConfig, fp32_modules: list[str] = ()
+) -> ShardingPlan:
+    """The units: fp32_modules (paths of modules kept in fp32, each its own unit inside its block), the blocks or
+    their Linears, the root."""
     strategy = Strategy(cfg.strategy)
     paths = {module: path for path, module in model.named_modules()}
     block_paths = tuple(paths[block] for block in blocks)
@@ -67,8 +74,15 @@ def build_plan(model: nn.Module, blocks: list[nn.Module], cfg: ShardingConfig) -
         units = [Unit(paths[m], True) for block in blocks for m in block.modules() if isinstance(m, nn.Linear)]
     elif strategy is not Strategy.root_only:
         units = [Unit(paths[block], flag) for block, flag in zip(blocks, flags)]
+    block_flags = dict(zip(block_paths, flags))
+
+    def flag_of(path: str) -> bool:
+        return next((f for b, f in block_flags.items() if path.startswith(b + ".")), False)
+
+    taken = {u.path for u in units} | set(block_paths)
+    kept = [Unit(p, flag_of(p), fp32=True) for p in fp32_modules if p and p not in taken]
     # The root's own flag is moot: FSDP keeps the root gathered for backward.
-    return ShardingPlan(strategy, units + [Unit("", False)], block_paths)
+    return ShardingPlan(strategy, kept + units + [Unit("", False)], block_paths)
 
 
 def build_mesh(cfg: ShardingConfig, device_type: str, world_size: int) -> DeviceMesh:
@@ -89,7 +103,10 @@ def apply_fsdp(
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for unit in plan.units:
-        fully_shard(model.get_submodule(unit.path), reshard_after_forward=unit.reshard_after_forward, **kwargs)
+        policy = {"mp_policy": fp32_policy()} if unit.fp32 else {}
+        fully_shard(
+            model.get_submodule(unit.path), reshard_after_forward=unit.reshard_after_forward, **{**kwargs, **policy}
+        )
     return model
 
 

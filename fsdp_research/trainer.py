@@ -17,6 +17,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from . import rundir
+from .balancing import BiasBalancer
 from .build import planned_model, shard_model
 from .checkpoint import Checkpointer, config_files
 from .config import Strategy, typed
@@ -68,6 +69,7 @@ class Run:
     batches: Prefetcher
     amp: Any
     router: Router | None
+    balancer: BiasBalancer
     checkpointer: Checkpointer
     sinks: Sinks
     profiler: StepProfiler
@@ -197,7 +199,7 @@ def _seed(model: nn.Module, seed: int, rank: int, world: int) -> None:
     """The global RNG (dropout) seeded per rank from trainer.seed: the same command draws the same masks again
     (a resume restores each rank's RNG state instead)."""
     torch.manual_seed(seed * 1_000_003 + rank)
-    dropout = dropout_in(model)
+    dropout = dropout_in(getattr(model, "module", model))  # under torch DDP, the model it wraps
     if dropout and rank == 0:
         log.info(
             f"dropout is on ({', '.join(dropout[:4])}): each rank draws its own masks, so the losses repeat at "
@@ -213,6 +215,8 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     model = shard_model(model, plan, cfg, device, world)
     _seed(model, t.seed, rank, world)
     optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
+    balancer = BiasBalancer(model, cfg.model.moe.bias_update_rate)
+    _close_on_exit(resources, lambda failed: balancer.close())
     state = TrainState(scheduler, LossScaler(cfg.precision))
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
     _close_on_exit(resources, checkpointer.close)
@@ -248,6 +252,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         batches=batches,
         amp=amp,
         router=router_of(hf_config, d.experts, d.experts_per_token),
+        balancer=balancer,
         checkpointer=checkpointer,
         sinks=sinks,
         profiler=profiler,
@@ -290,6 +295,7 @@ def train_step(run: Run, step: int) -> StepResult:
         grad_norm = clip_grad_norm(run.model, run.cfg.optim.grad_clip)
         if finite:
             run.optimizer.step()
+        run.balancer.step(apply=finite)
         scaler.update(finite)
         run.optimizer.zero_grad(set_to_none=True)
     lr = run.state.scheduler.get_last_lr()[0]

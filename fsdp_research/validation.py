@@ -136,6 +136,10 @@ def check_checkpoint(cfg: CheckpointConfig) -> None:
 
 def check_model(cfg: ModelConfig, hf_config) -> None:
     """A checkpoint to load must fit the model the config builds: every tensor there, of the same shape."""
+    if cfg.moe.bias_update_rate < 0:
+        raise ConfigError(
+            "model.moe.bias_update_rate", f"{cfg.moe.bias_update_rate} is negative", "use 0 (off) or e.g. 0.001"
+        )
     if cfg.load_weights:
         check_weights(hf_config, pretrained_dir(cfg.name_or_path))
 

@@ -17,7 +17,13 @@ BATCH, SEQ = 2, 64
 
 @pytest.mark.parametrize(
     "family, changes",
-    [("llama", dict(vocab_size=8192)), ("gpt2", dict(vocab_size=8192)), ("mixtral", {}), ("qwen3_moe", {})],
+    [
+        ("llama", dict(vocab_size=8192)),
+        ("gpt2", dict(vocab_size=8192)),
+        ("mixtral", {}),
+        ("qwen3_moe", {}),
+        ("deepseek_v3", {}),  # latent attention: qk and v head sizes differ; shared experts; a dense layer
+    ],
 )
 def test_flops_per_token_match_the_flop_counter(family, changes):
     torch.manual_seed(0)

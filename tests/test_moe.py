@@ -83,3 +83,105 @@ def test_planner_and_doctor_speak_of_experts(capsys):
     active = active_parameters(model, dims(model)) / 1e6
     assert f"({active:.2f}M active per token: 2 of 4 experts; all-gathers move every expert)" in out
     assert "a mixture of experts, 2 of 4 per token" in out
+
+
+def _biases(model) -> dict:
+    from tests.helpers.dist import full_state
+
+    return {"biases": {k: v for k, v in full_state(model).items() if k.endswith("e_score_correction_bias")}}
+
+
+@pytest.fixture(scope="module")
+def balanced(tmp_path_factory):
+    """DeepSeek-V3 (aux-loss-free routers) for 5 steps at 1 and 4 ranks, one micro-batch per rank, exported."""
+    out = tmp_path_factory.mktemp("balance")
+    initial = initial_weights("deepseek_v3", str(out / "initial"))
+    cfg = compose(
+        with_overrides(
+            FAST,
+            "trainer.max_steps=5",
+            "trainer.global_batch_size=4",
+            "trainer.micro_batch_size=1",
+            "model.moe.bias_update_rate=0.01",
+            "checkpoint.export=true",
+            "checkpoint.export_dtype=float32",
+        )
+        + pretrained(initial)
+    )
+    runs = {
+        world: ok(train_distributed({"run": cfg}, world, str(out / str(world)), _biases), "run") for world in (1, 4)
+    }
+    return cfg, initial, runs, out
+
+
+def test_expert_bias_moves_towards_balance_identically_at_any_world_size(balanced):
+    from safetensors.torch import load_file
+
+    from tests.helpers.reference import reference_run
+
+    cfg, initial, runs, out = balanced
+    _, ref_weights = reference_run(cfg, initial)
+    expected = {k: v for k, v in ref_weights.items() if k.endswith("e_score_correction_bias")}
+    assert expected and all(v.abs().sum() > 0 for v in expected.values())  # it moved
+    for world, run in runs.items():
+        assert run["biases"].keys() == expected.keys()
+        for key, value in expected.items():
+            torch.testing.assert_close(run["biases"][key], value, rtol=0, atol=1e-7, msg=lambda m: f"{world}: {m}")
+    exported = load_file(str(out / "4" / "run" / "export" / "model.safetensors"))
+    for key, value in expected.items():
+        torch.testing.assert_close(exported[key], value, rtol=0, atol=1e-7)
+
+
+BATCH = torch.randint(0, 257, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+def _router_logits(model, batch) -> list:
+    """What each router returns first (its logits), on one forward."""
+    seen = []
+    routers = [m for m in model.modules() if "e_score_correction_bias" in m._buffers]
+    hooks = [m.register_forward_hook(lambda m, a, out: seen.append(out[0].detach().float().cpu())) for m in routers]
+    with torch.no_grad():
+        model(input_ids=batch)
+    for hook in hooks:
+        hook.remove()
+    return seen
+
+
+def _bf16_routers(initial: str, out: str) -> dict:
+    import torch.distributed as dist
+
+    from fsdp_research.build import build_sharded_model
+    from fsdp_research.config import typed
+    from fsdp_research.distributed import init_distributed
+    from fsdp_research.export import export_model
+
+    cfg = compose(FAST + pretrained(initial) + ["precision=bf16"])
+    init_distributed(typed(cfg).distributed, torch.device("cpu"))
+    model, plan = build_sharded_model(cfg, build_hf_config(cfg.model), torch.device("cpu"), dist.get_world_size())
+    logits = _router_logits(model, BATCH)
+    export_model(model, model.config, out, torch.bfloat16, 10**9, None)
+    return {"logits": logits, "fp32_units": [u.path for u in plan.units if u.fp32]}
+
+
+def test_modules_kept_in_fp32_compute_in_fp32_under_bf16(tmp_path):
+    """DeepSeek-V3 keeps its router gate (and bias) in fp32 whatever the dtype: sharded under bf16 its router
+    logits are from_pretrained(dtype=bfloat16)'s, and the bf16 export keeps the gate fp32 as save_pretrained does."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers.dist import run_distributed
+
+    initial = initial_weights("deepseek_v3", str(tmp_path / "initial"))
+    record = run_distributed(_bf16_routers, 2, initial, str(tmp_path / "export"))
+    assert record["fp32_units"] == ["model.layers.1.mlp.gate"]
+    theirs = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.bfloat16)
+    assert theirs.model.layers[1].mlp.gate.weight.dtype is torch.float32
+    expected = _router_logits(theirs, BATCH)
+    assert len(record["logits"]) == len(expected) == 1
+    torch.testing.assert_close(record["logits"][0], expected[0], rtol=0, atol=0)
+    theirs.save_pretrained(tmp_path / "theirs")
+    saved, ours = (
+        load_file(str(tmp_path / "theirs" / "model.safetensors")),
+        load_file(str(tmp_path / "export" / "model.safetensors")),
+    )
+    assert {k: v.dtype for k, v in ours.items()} == {k: v.dtype for k, v in saved.items()}

@@ -59,7 +59,11 @@ def _family(family: str, initial: str, out: str, batch: torch.Tensor) -> dict:
     step_3 = f"checkpoint.resume={run_dir}/checkpoints/step_3"
     resumed = train(compose(TRAIN + pretrained(initial) + [step_3]), run_dir)
     train(
-        compose(with_overrides(TRAIN, "optim.lr=0", "trainer.max_steps=2") + pretrained(initial)), f"{out}/{family}/lr0"
+        compose(
+            with_overrides(TRAIN, "optim.lr=0", "model.moe.bias_update_rate=0", "trainer.max_steps=2")
+            + pretrained(initial)
+        ),
+        f"{out}/{family}/lr0",
     )
     init_cfg = compose(FAST + from_config(family))
     initialised, _ = build_sharded_model(init_cfg, build_hf_config(init_cfg.model), torch.device("cpu"), world)

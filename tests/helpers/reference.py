@@ -91,6 +91,30 @@ def decay_groups(model, o) -> list[dict]:
     ]
 
 
+def expert_bias_updates(model, rate: float):
+    """DeepSeek-V3's aux-loss-free balancing written out from its formula: each router that carries an
+    e_score_correction_bias returns (logits, weights, chosen experts); after each step its bias moves by
+    rate * sign(mean load - load) over the step's tokens, the change recentred to zero mean. Returns update()."""
+    routers = [m for m in model.modules() if "e_score_correction_bias" in m._buffers]
+    loads = {id(m): torch.zeros(m.e_score_correction_bias.numel()) for m in routers}
+
+    def count(module, args, output):
+        loads[id(module)] += torch.bincount(output[-1].flatten(), minlength=len(loads[id(module)])).float()
+
+    for m in routers:
+        m.register_forward_hook(count)
+
+    @torch.no_grad()
+    def update():
+        for m in routers:
+            load = loads[id(m)]
+            change = rate * torch.sign(load.mean() - load)
+            m.e_score_correction_bias += change - change.mean()
+            load.zero_()
+
+    return update
+
+
 def reference_run(cfg, initial: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Per-step losses and final weights of the whole global batch in one forward, from the weights in `initial`
     (a directory written by save_pretrained)."""
@@ -101,6 +125,7 @@ def reference_run(cfg, initial: str) -> tuple[list[float], dict[str, torch.Tenso
     o = cfg.optim
     optimizer = torch.optim.AdamW(decay_groups(model, o), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
     batch = batches(cfg, model.config.vocab_size)
+    balance = expert_bias_updates(model, cfg.model.moe.bias_update_rate)
     losses = []
     for step in range(cfg.trainer.max_steps):
         for group in optimizer.param_groups:
@@ -111,6 +136,7 @@ def reference_run(cfg, initial: str) -> tuple[list[float], dict[str, torch.Tenso
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
         optimizer.step()
+        balance()
         optimizer.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}

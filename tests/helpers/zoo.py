@@ -40,8 +40,26 @@ FAMILIES = {
     "mixtral": dict(_DECODER, **_EXPERTS, num_local_experts=4),
     "qwen3_moe": dict(_DECODER, **_EXPERTS, num_experts=4, moe_intermediate_size=32),
     "olmoe": dict(_DECODER, **_EXPERTS, num_experts=4),
+    # Latent attention (MLA: q/kv LoRA ranks, rope and nope head dims), a shared expert, a dense first layer, and a
+    # router trained without an aux loss (its expert bias nudged towards balance after each step).
+    "deepseek_v3": dict(
+        _DECODER,
+        **_EXPERTS,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        moe_intermediate_size=32,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        head_dim=8,  # the rope part's: what its rotary embedding is sized by
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+    ),
 }
-MOE = ("mixtral", "qwen3_moe", "olmoe")
+MOE = ("mixtral", "qwen3_moe", "olmoe", "deepseek_v3")
 
 
 def hf_config(family: str, **changes):
