@@ -20,7 +20,7 @@ def planned_model(cfg: DictConfig, hf_config) -> tuple[nn.Module, ShardingPlan]:
     """The model on the meta device, prepared in the trainer's order (activation checkpointing, compile), and
     its sharding plan: nothing allocated, no process group needed. Raises ConfigError for a block class the
     model does not have."""
-    model = build_model(hf_config)
+    model = build_model(hf_config, cfg.trainer.seed)
     blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
     # Before sharding, so that FSDP shards the wrapped block; compile too, so FSDP's hooks stay outside it.
     blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)

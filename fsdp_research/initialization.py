@@ -3,7 +3,9 @@ Gemma's zero-centred norm scales, GPT-2's scaled residual projections, padding r
 any world size and never holding more than one block's full parameters at a time.
 
 A group is one repeating block, or what lies outside the blocks (embeddings, final norm, head). Each group's
-parameters get full-size stand-ins on the CPU, the family's init runs over the group's modules as transformers
+parameters get full-size stand-ins on the CPU holding what their modules' constructors gave them (the values of
+small tensors, the mean and spread of large ones: what the family's init leaves untouched keeps them), the
+family's init runs over the group's modules as transformers
 runs it (children first, each sub-model with its own `_init_weights`), from a generator seeded by (seed, group),
 and each rank keeps its slice of the result."""
 
@@ -14,7 +16,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .models import clean_name
+from .errors import ConfigError
+from .models import as_built, clean_name
 
 
 def materialize(model: nn.Module, params: torch.device, device: torch.device) -> None:
@@ -68,6 +71,24 @@ def _init_fn(model: nn.Module, path: str):
     return [m for m in owners if isinstance(m, PreTrainedModel)][-1]._init_weights
 
 
+def _stand_in(module: nn.Module, name: str, shape: torch.Size) -> nn.Parameter:
+    """A full-size parameter holding what the module's constructor gave it where that is known (small ones),
+    else NaN until torch's own reset of the module (reset_parameters: nn.Linear, nn.Embedding, ...) or the
+    family's _init_weights writes it."""
+    built = as_built(module, name)
+    return nn.Parameter(built.clone().reshape(shape) if built is not None else torch.full(shape, float("nan")))
+
+
+def _reset(modules: list[nn.Module], generator_seed: int) -> None:
+    """torch's constructor initialisation of modules with a large parameter (what their constructors do after
+    registering it), from a stream of its own: what _init_weights draws from the group's seed stays the same."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(generator_seed)
+        for module in modules:
+            if any(as_built(module, n) is None for n, p in module._parameters.items() if p is not None):
+                getattr(module, "reset_parameters", lambda: None)()
+
+
 @torch.no_grad()
 def _init_group(model: nn.Module, path: str, skip: set[int], seed: int) -> None:
     """Every place a parameter is registered gets a stand-in of its own, as in transformers, where weights are tied
@@ -75,18 +96,32 @@ def _init_group(model: nn.Module, path: str, skip: set[int], seed: int) -> None:
     the place that is not a tie's target."""
     tie_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
     places, kept = [], {}
-    for module_path, module in _modules(model.get_submodule(path), path, skip):
-        for name, param in module._parameters.items():
-            if param is not None:
-                stand_in = nn.Parameter(torch.empty(param.shape), param.requires_grad)
-                places.append((module, name, param))
-                module._parameters[name] = stand_in
-                if clean_name(f"{module_path}.{name}".lstrip(".")) not in tie_targets or id(param) not in kept:
-                    kept[id(param)] = (param, stand_in)
+    group_seed = (seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63
+    modules = list(_modules(model.get_submodule(path), path, skip))
     try:
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63)
+            torch.manual_seed(group_seed)
+            for module_path, module in modules:
+                for name, param in module._parameters.items():
+                    if param is not None:
+                        stand_in = _stand_in(module, name, param.shape)
+                        stand_in.requires_grad_(param.requires_grad)
+                        places.append((module, name, param))
+                        module._parameters[name] = stand_in
+                        if clean_name(f"{module_path}.{name}".lstrip(".")) not in tie_targets or id(param) not in kept:
+                            kept[id(param)] = (param, stand_in)
+            _reset([m for _, m in modules], group_seed ^ 0x5EED)
             _init(model.get_submodule(path), _init_fn(model, path), skip)
+        for module_path, module in modules:
+            for name, param in module._parameters.items():
+                if param is not None and param.isnan().any():
+                    where = f"{module_path}.{name}".lstrip(".")
+                    raise ConfigError(
+                        "model.model_type",
+                        f"{clean_name(where)} is not initialised by the family's _init_weights nor by torch's reset "
+                        f"of its {type(module).__name__} (its constructor's values are not replayed at this size)",
+                        "load pretrained weights (model=pretrained), or report the family",
+                    )
         for original, full in kept.values():
             _keep_shard(original, full.detach().to(original.device, original.dtype))
     finally:

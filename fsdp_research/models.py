@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
+from torch.nn.modules.module import register_module_module_registration_hook
 
 from .config import ModelConfig
 from .errors import ConfigError
@@ -37,32 +38,64 @@ def build_hf_config(cfg: ModelConfig):
         ) from None
 
 
+# A parameter up to this size (vectors, small tables) keeps the values its module's constructor gave it; a larger
+# one goes to the meta device at once, so that building a model never holds more than its small parameters.
+_KEPT_AS_BUILT = 2**16
+
+
+def as_built(module: nn.Module, name: str) -> torch.Tensor | None:
+    """The values the module's constructor gave its small parameter `name` (None for a large one): what
+    initialisation starts from where the family's _init_weights leaves a parameter to its module (attention
+    sinks, state-space A_log, GPT's Conv1D)."""
+    return module.__dict__.get("_as_built", {}).get(name)
+
+
 @contextlib.contextmanager
-def _parameters_on_meta() -> Iterator[None]:
-    """Parameters go to the meta device as they are registered; buffers (rotary tables) stay real, so
-    they need no recomputation after materialization."""
+def _parameters_on_meta() -> Iterator:
+    """Parameters go to the meta device: a large one as it is registered, a small one once the module holding it
+    is built (when it is registered in its parent: its constructor has finished), with its values noted; buffers
+    (rotary tables) stay real, so they need no recomputation after materialization. Yields the function that
+    moves a module's remaining parameters (for the root's own)."""
     register = nn.Module.register_parameter
+    moved: dict[int, nn.Parameter] = {}
 
-    def register_on_meta(module, name, param):
+    def meta(param: nn.Parameter) -> nn.Parameter:
+        # Shared (tied) parameters stay one parameter; `moved` holds the real one too, so its id stays unique.
+        if id(param) not in moved:
+            moved[id(param)] = (nn.Parameter(param.to("meta"), requires_grad=param.requires_grad), param)
+        return moved[id(param)][0]
+
+    def register_large_on_meta(module, name, param):
         register(module, name, param)
-        # A parameter already on meta is being shared (tied embeddings): keep it the same object.
-        if param is not None and not param.is_meta:
-            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        if param is not None and not param.is_meta and param.numel() > _KEPT_AS_BUILT:
+            module._parameters[name] = meta(param)
 
-    nn.Module.register_parameter = register_on_meta
+    def to_meta(module: nn.Module) -> None:
+        for m in module.modules():
+            for name, param in m._parameters.items():
+                if param is not None and not param.is_meta:
+                    m.__dict__.setdefault("_as_built", {})[name] = param.detach().float().clone()
+                    m._parameters[name] = meta(param)
+
+    nn.Module.register_parameter = register_large_on_meta
+    handle = register_module_module_registration_hook(lambda parent, name, child: to_meta(child) if child else None)
     try:
-        yield
+        yield to_meta
     finally:
+        handle.remove()
         nn.Module.register_parameter = register
 
 
-def build_model(hf_config) -> nn.Module:
-    """The model with every parameter on the meta device: nothing is allocated or initialised yet."""
+def build_model(hf_config, seed: int = 0) -> nn.Module:
+    """The model with every parameter on the meta device: nothing is allocated or initialised yet. Built from
+    `seed` (what constructors draw is the same on every rank)."""
     from transformers import AutoModelForCausalLM
 
     try:
-        with _parameters_on_meta():
+        with _parameters_on_meta() as to_meta, torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+            to_meta(model)  # the root's own parameters
     except (ValueError, TypeError, AttributeError, RuntimeError) as err:
         raise ConfigError(
             "model.config",
@@ -74,6 +107,11 @@ def build_model(hf_config) -> nn.Module:
     return model
 
 
+# Families whose layers call their parts outside the layer's forward: Reformer's reversible layers recompute
+# attention and feed-forward inside their own backward, where only the parts' own FSDP hooks can gather them.
+_PART_BLOCKS = {"reformer": "ReformerAttention,ChunkReformerFeedForward"}
+
+
 def block_class_name(model: nn.Module, override: str | None) -> str:
     """model.block_class, else the classes of the decoder's layers: the longest nn.ModuleList whose modules are
     all of classes in _no_split_modules (several for a hybrid: attention and state-space layers), else, where the
@@ -81,6 +119,8 @@ def block_class_name(model: nn.Module, override: str | None) -> str:
     are joined by commas."""
     if override:
         return override
+    if model.config.model_type in _PART_BLOCKS:
+        return _PART_BLOCKS[model.config.model_type]
     declared = set(getattr(model, "_no_split_modules", None) or [])
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
 
@@ -103,9 +143,14 @@ def block_class_name(model: nn.Module, override: str | None) -> str:
 
 
 def find_blocks(model: nn.Module, class_names: str) -> list[nn.Module]:
-    """The repeating transformer blocks (of any of the comma-separated classes), in forward order."""
+    """The repeating transformer blocks (of any of the comma-separated classes), in forward order; a block inside
+    another (Zamba's hybrid layer holds a Mamba layer) is part of it."""
     names = {n.strip() for n in class_names.split(",")}
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    blocks, inner = [], set()
+    for m in model.modules():
+        if type(m).__name__ in names and id(m) not in inner:
+            blocks.append(m)
+            inner.update(id(sub) for sub in m.modules())
     if not blocks:
         present = sorted({type(m).__name__ for m in model.modules()})
         raise ConfigError(

@@ -22,6 +22,8 @@ class Unit:
 
     path: str
     reshard_after_forward: bool
+    # Other modules sharded together with it: they hold the same parameters (Zamba's shared transformer block).
+    also: tuple[str, ...] = ()
     # Computes in fp32 whatever the training dtype: a module the family keeps in fp32 (a router's gate).
     fp32: bool = False
 
@@ -81,8 +83,34 @@ def build_plan(
 
     taken = {u.path for u in units} | set(block_paths)
     kept = [Unit(p, flag_of(p), fp32=True) for p in fp32_modules if p and p not in taken]
+    shared = [u for u in _shared(model, blocks) if u.path not in taken]
     # The root's own flag is moot: FSDP keeps the root gathered for backward.
-    return ShardingPlan(strategy, kept + units + [Unit("", False)], block_paths)
+    return ShardingPlan(strategy, kept + shared + units + [Unit("", False)], block_paths)
+
+
+def _shared(model: nn.Module, blocks: list[nn.Module]) -> list[Unit]:
+    """Parameters that several blocks hold (Zamba's one transformer block, called from several hybrid layers
+    through modules of their own): the outermost modules of each block that hold only such parameters, sharded
+    together as one unit (a parameter can be in one unit only; calling any of them gathers it), kept gathered
+    for the step (every block that holds it needs it again)."""
+    holders: dict[int, int] = {}
+    for block in blocks:
+        for param in {id(p) for p in block.parameters()}:
+            holders[param] = holders.get(param, 0) + 1
+    shared = {p for p, n in holders.items() if n > 1}
+    if not shared:
+        return []
+    paths = {id(m): path for path, m in model.named_modules(remove_duplicate=False)}
+    groups: dict[frozenset, list[str]] = {}
+    for block in blocks:
+        outer = []
+        for module in block.modules():
+            params = {id(p) for p in module.parameters()}
+            inside = any(paths[id(module)].startswith(o + ".") for o in outer)
+            if params and params <= shared and not inside:
+                outer.append(paths[id(module)])
+                groups.setdefault(frozenset(params), []).append(paths[id(module)])
+    return [Unit(group[0], False, also=tuple(group[1:])) for group in groups.values()]
 
 
 def build_mesh(cfg: ShardingConfig, device_type: str, world_size: int) -> DeviceMesh:
@@ -104,8 +132,11 @@ def apply_fsdp(
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for unit in plan.units:
         policy = {"mp_policy": fp32_policy()} if unit.fp32 else {}
+        modules = [model.get_submodule(path) for path in (unit.path, *unit.also)]
         fully_shard(
-            model.get_submodule(unit.path), reshard_after_forward=unit.reshard_after_forward, **{**kwargs, **policy}
+            modules if unit.also else modules[0],
+            reshard_after_forward=unit.reshard_after_forward,
+            **{**kwargs, **policy},
         )
     return model
 

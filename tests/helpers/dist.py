@@ -73,6 +73,23 @@ def train_distributed(
     return run_distributed(_train_each, world_size, containers, out_dir, inspect)
 
 
+def each_family(one: Callable, initials: dict[str, str], *args: Any) -> dict[str, Any]:
+    """On this process's rank (joining the group as the trainer does): one(family, initial, *args) for each family
+    in turn; a family that raises gets {"error": its traceback}, and the others still run."""
+    from fsdp_research.composition import compose
+    from fsdp_research.config import typed
+    from fsdp_research.distributed import init_distributed
+
+    init_distributed(typed(compose([])).distributed, torch.device("cpu"))
+    records = {}
+    for family, initial in initials.items():
+        try:
+            records[family] = one(family, initial, *args)
+        except Exception:  # the test of this family names it
+            records[family] = {"error": traceback.format_exc()}
+    return records
+
+
 def ok(records: dict[str, Any], name: str) -> dict[str, Any]:
     """The record of one config, failing the test with its traceback if it raised."""
     assert "error" not in records[name], f"{name} raised:\n{records[name]['error']}"

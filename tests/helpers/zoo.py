@@ -1,6 +1,7 @@
 """Tiny models of the Hugging Face families the framework is tested on, built from their configs (no download), and
 the initial weights transformers itself makes for them, written by save_pretrained."""
 
+import torch
 from transformers import AutoConfig
 
 from tests.helpers.reference import save_initial
@@ -81,3 +82,38 @@ def pretrained(path: str) -> list[str]:
 
 def initial_weights(family: str, out_dir: str, **changes) -> str:
     return save_initial(hf_config(family, **changes), out_dir)
+
+
+def assert_initialised_alike(ours: dict, model, again=None) -> None:
+    """Our initial weights (full, by name) against what transformers' from_config made (`model`): deterministic
+    parts (norm scales, biases, zero rows, state-space constants) equal, random parts of the same mean and spread.
+    With `again` (from_config from another seed), deterministic is what both seeds made alike; else constants and
+    tensors under 16 elements."""
+    theirs = model.state_dict()
+    other = again.state_dict() if again is not None else None
+    assert ours.keys() == theirs.keys(), f"names differ: {sorted(ours.keys() ^ theirs.keys())[:3]}"
+    for key, expected in theirs.items():
+        got = ours[key]
+        if not expected.is_floating_point() or expected.numel() == 0:
+            assert torch.equal(got, expected), key
+            continue
+        got, expected = got.double(), expected.double()
+        fixed = torch.equal(expected, other[key].double()) if other is not None else None
+        if fixed or (fixed is None and (expected.std() == 0 or expected.numel() < 16)):
+            torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+            continue
+        assert torch.isfinite(got).all(), f"{key}: not finite"
+        if expected.numel() < 16:  # random, too few values to compare their spread
+            continue
+        # Random: the same spread and mean as transformers' (both seeds' values pooled when given) within 5
+        # standard errors of the difference of two samples (5% at least for the spread); rows HF zeroes (padding)
+        # zero here too.
+        if other is not None:
+            expected = torch.cat([expected.flatten(), other[key].double().flatten()])
+        n, m = got.numel(), expected.numel()
+        spread = max(0.05, 5 * (1 / (2 * n) + 1 / (2 * m)) ** 0.5)
+        assert abs(got.std() / expected.std() - 1) < spread, f"{key}: std {got.std():.5f} vs {expected.std():.5f}"
+        tolerance = 5 * expected.std() * (1 / n + 1 / m) ** 0.5 + 1e-12
+        assert abs(got.mean() - expected.mean()) < tolerance, f"{key}: mean {got.mean():.3g} vs {expected.mean():.3g}"
+        zeroed = (expected == 0).reshape(-1, *got.shape).all(0)  # zero whatever the seed: padding rows
+        assert (got[zeroed] == 0).all(), f"{key}: rows transformers zeroes are not zero"
