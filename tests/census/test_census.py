@@ -1,0 +1,198 @@
+"""The census (issue 16): every decoder-only text family transformers lists as a causal LM, built tiny from its own
+config (tests/census/families.py), as a new user would use it. A family transformers itself cannot build, save,
+load and run is listed with the reason and not counted. For every other one, from the initial weights transformers
+made and save_pretrained wrote:
+- weights in: the 2-rank sharded model's logits are from_pretrained's (1e-5), every tensor verified by the loader;
+- weights out: the 2-rank export of the loaded model is the input checkpoint, tensor for tensor, bitwise;
+- training: 3 steps at 1 and 2 ranks give the same losses (fp32, dropout off; 1e-4);
+- initialisation from the config alone: deterministic parts as from_config makes them, random parts alike.
+All families run in one 2-rank and one 1-rank pool of processes; the README's census table is this test's output
+(`CENSUS_README=1 pytest tests/census` rewrites it)."""
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fsdp_research.composition import compose
+from tests.census.families import EXCLUDED, FAMILIES, check, tiny_config
+from tests.conftest import FAST, ROOT
+from tests.helpers.checkpointing import with_overrides
+from tests.helpers.dist import each_family, full_state, run_distributed
+from tests.helpers.zoo import assert_initialised_alike, pretrained
+
+STEPS = 3
+# Random tokens (no token store to build): the losses compare 1 with 2 ranks.
+SYNTHETIC = [o for o in FAST if not o.startswith("data.paths=")] + ["data=synthetic", "data.num_sequences=64"]
+TRAIN = with_overrides(
+    SYNTHETIC,
+    f"trainer.max_steps={STEPS}",
+    "trainer.global_batch_size=2",
+    "trainer.micro_batch_size=1",
+    "checkpoint.interval=1000",
+)
+BATCH = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+# CENSUS_FAMILIES=a,b runs those only (the README table is then not checked).
+CHOSEN = [f for f in os.environ.get("CENSUS_FAMILIES", "").split(",") if f] or FAMILIES
+
+
+def _logits(model, batch):
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=batch).logits
+    model.train()
+    return out.float()
+
+
+def _one(family: str, initial: str, out: str, batch: torch.Tensor) -> dict:
+    """Everything one family is checked for, on this pool's ranks."""
+    import torch.distributed as dist
+
+    from fsdp_research.build import build_sharded_model
+    from fsdp_research.export import export_model
+    from fsdp_research.models import build_hf_config
+    from fsdp_research.trainer import train
+
+    world = dist.get_world_size()
+    record = {}
+    if world > 1:
+        cfg = compose(FAST + pretrained(initial))
+        loaded, plan = build_sharded_model(cfg, build_hf_config(cfg.model), torch.device("cpu"), world)
+        record["logits"] = _logits(loaded, batch)
+        record["block"] = ", ".join(sorted({type(loaded.get_submodule(b)).__name__[4:] for b in plan.blocks}))
+        export_model(loaded, loaded.config, f"{out}/{family}/export", torch.float32, 10**10, None)
+        cfg = compose(FAST + pretrained(initial) + ["model.load_weights=false"])
+        record["init"] = full_state(build_sharded_model(cfg, build_hf_config(cfg.model), torch.device("cpu"), world)[0])
+    record["losses"] = train(compose(TRAIN + pretrained(initial)), f"{out}/{family}/train{world}").losses
+    return record
+
+
+def _initial(family: str, out_dir: str) -> str:
+    """The family's initial weights as transformers makes them (seed 0), written by save_pretrained."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(family)).save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def census(tmp_path_factory):
+    out = tmp_path_factory.mktemp("census")
+    built = [f for f in CHOSEN if check(f).reason is None]
+    initials = {f: _initial(f, str(out / "initial" / f)) for f in built}
+    # Both pools at once: the 1-rank one fills the 2-rank one's waits on the two cores.
+    with ThreadPoolExecutor(2) as pool:
+        two, one = pool.map(lambda world: run_distributed(each_family, world, _one, initials, str(out), BATCH), (2, 1))
+    return out, initials, two, one, {}
+
+
+def _failure(census, family: str) -> str | None:
+    """Why the family fails here (None: it passes), checked as the module docstring lists; found once."""
+    found = census[4]
+    if family not in found:
+        found[family] = _first_failure(census, family)
+    return found[family]
+
+
+def _first_failure(census, family: str) -> str | None:
+    from transformers import AutoModelForCausalLM
+
+    out, initials, two, one, _ = census
+    for record in (two[family], one[family]):
+        if "error" in record:
+            return record["error"].strip().splitlines()[-1]
+    theirs = AutoModelForCausalLM.from_pretrained(initials[family])
+    if not torch.allclose(two[family]["logits"], _logits(theirs, BATCH), rtol=1e-5, atol=1e-5):
+        return "2-rank logits differ from from_pretrained's"
+    exported, initial = _tensors(f"{out}/{family}/export"), _tensors(initials[family])
+    if exported.keys() != initial.keys():
+        return f"export keys differ: {sorted(exported.keys() ^ initial.keys())[:3]}"
+    changed = [k for k in initial if not torch.equal(exported[k], initial[k])]
+    if changed:
+        return f"export differs from the input in {changed[:3]}"
+    if not torch.allclose(torch.tensor(two[family]["losses"]), torch.tensor(one[family]["losses"]), rtol=1e-4):
+        return f"losses at 2 ranks {two[family]['losses']} vs 1 rank {one[family]['losses']}"
+    made = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        made.append(AutoModelForCausalLM.from_config(tiny_config(family)))
+    try:
+        assert_initialised_alike(two[family]["init"], *made)
+    except AssertionError as err:
+        return f"initialisation: {str(err).splitlines()[0]}"
+    return None
+
+
+def _tensors(directory: str) -> dict:
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+    return {k: v for f in files for k, v in load_file(os.path.join(directory, f)).items()}
+
+
+@pytest.mark.parametrize("family", CHOSEN)
+def test_family(census, family):
+    reason = check(family).reason
+    if reason is not None:
+        pytest.skip(f"transformers itself cannot: {reason}")
+    failure = _failure(census, family)
+    assert failure is None, f"{family}: {failure}"
+
+
+def _special(family: str) -> str:
+    notes = check(family).notes
+    special = []
+    if notes.get("moe"):
+        special.append("MoE")
+    if notes.get("router_bias"):
+        special.append("expert bias")
+    if notes.get("keep_in_fp32_strict") or notes.get("keep_in_fp32"):
+        special.append("fp32 " + ", ".join(sorted(notes.get("keep_in_fp32_strict") or notes["keep_in_fp32"])))
+    if notes.get("tied"):
+        special.append("tied")
+    if notes.get("default_dropout"):
+        special.append("dropout by default")
+    if not notes.get("no_split_modules"):
+        special.append("block from structure")
+    return "; ".join(special)
+
+
+def census_table(census) -> str:
+    rows = []
+    for family in FAMILIES:
+        reason = check(family).reason
+        if reason is not None:
+            result, block = f"not counted: transformers itself fails ({reason})", ""
+        else:
+            failure = _failure(census, family)
+            result = "pass" if failure is None else f"FAIL: {failure}"
+            block = census[2][family].get("block", "")
+        rows.append(f"| {family} | {check(family).model_class} | {block} | {_special(family)} | {result} |")
+    built = [f for f in FAMILIES if check(f).reason is None]
+    passing = [f for f in built if _failure(census, f) is None]
+    counts = (
+        f"{len(FAMILIES) + len(EXCLUDED)} causal-LM model types in transformers; {len(EXCLUDED)} not decoder-only "
+        f"text (listed in tests/census/families.py); {len(FAMILIES)} decoder-only text families; "
+        f"{len(built)} built, saved, loaded and run by transformers itself; {len(passing)} of those pass here."
+    )
+    header = "| family | model class | block | special | census |\n|---|---|---|---|---|"
+    return "\n".join([counts, "", header, *rows])
+
+
+def test_readme_has_the_census_table(census):
+    if CHOSEN != FAMILIES:
+        pytest.skip("CENSUS_FAMILIES chooses some families only")
+    table = census_table(census)
+    path = os.path.join(ROOT, "README.md")
+    with open(path) as f:
+        readme = f.read()
+    marked = re.compile(r"(<!-- census -->\n)(.*?)(\n<!-- /census -->)", re.S)
+    assert marked.search(readme), "README.md has no <!-- census --> ... <!-- /census --> section"
+    if os.environ.get("CENSUS_README"):
+        with open(path, "w") as f:
+            f.write(marked.sub(lambda m: m.group(1) + table + m.group(3), readme))
+        return
+    found = marked.search(readme)
+    assert found and found.group(2) == table, "README's census table is stale: run CENSUS_README=1 pytest tests/census"
