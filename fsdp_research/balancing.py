@@ -6,7 +6,7 @@ change. Every rank applies the same all-reduced update to its replicated buffer,
 on every rank and at any world size; they are in the resume checkpoint and the export like any buffer."""
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,8 @@ class _Router:
     # The module that owns the bias (looked up at each update: loading a checkpoint may replace the buffer).
     owner: nn.Module
     loads: torch.Tensor
-    chosen: list = field(default_factory=list)
+    # Set before the owner's forward, cleared by the first expert choice seen (a child's, else its own).
+    pending: bool = False
 
 
 class BiasBalancer:
@@ -47,8 +48,8 @@ class BiasBalancer:
             if bias is None:
                 continue
             router = _Router(module, torch.zeros(bias.numel(), dtype=torch.float64, device=bias.device))
-            self._hooks += [m.register_forward_hook(self._seen(router)) for m in (*module.children(), module)]
-            self._hooks.append(module.register_forward_hook(self._count(router)))
+            self._hooks.append(module.register_forward_pre_hook(self._expect(router)))
+            self._hooks += [m.register_forward_hook(self._count(router)) for m in (*module.children(), module)]
             self.routers.append((path, router))
         if self.routers:
             log.info(
@@ -56,22 +57,22 @@ class BiasBalancer:
                 f"model.moe.bias_update_rate={rate} after each step"
             )
 
-    def _seen(self, router: _Router):
-        def hook(module, args, output):
-            chosen = _chosen(output)
-            if module.training and chosen is not None:
-                router.chosen.append(chosen)
+    def _expect(self, router: _Router):
+        def hook(module, args):
+            router.pending = module.training
 
         return hook
 
     def _count(self, router: _Router):
-        """After the bias owner's forward: the first expert choice its forward (or a child's) returned."""
+        """The first expert choice the owner's forward sees (a child's output, else its own): tokens per expert
+        (index_add_: no shape that depends on the data, nothing read back to the host)."""
 
         def hook(module, args, output):
-            if router.chosen:
-                chosen = router.chosen[0].flatten()
-                router.loads += torch.bincount(chosen, minlength=router.loads.numel())[: router.loads.numel()]
-            router.chosen.clear()
+            chosen = _chosen(output) if router.pending else None
+            if chosen is not None:
+                router.pending = False
+                chosen = chosen.flatten()
+                router.loads.index_add_(0, chosen, torch.ones_like(chosen, dtype=router.loads.dtype))
 
         return hook
 
@@ -85,15 +86,17 @@ class BiasBalancer:
             for _, router in self.routers:
                 router.loads.zero_()
             return
-        loads = torch.stack([router.loads for _, router in self.routers])
+        # One all-reduce for every router (their expert counts may differ).
+        loads = torch.cat([router.loads for _, router in self.routers])
         dist.all_reduce(loads)
+        loads = loads.split([router.loads.numel() for _, router in self.routers])
         blind = [path for (path, _), load in zip(self.routers, loads) if not load.any()]
         if blind and not self._warned:
             self._warned = True
             log.warning(f"aux-loss-free balancing: no expert choice seen in {blind[0]}'s output: its bias stays")
-        delta = self.rate * torch.sign(loads.mean(dim=1, keepdim=True) - loads)
-        delta -= delta.mean(dim=1, keepdim=True)
-        for (_, router), change in zip(self.routers, delta):
+        for (_, router), load in zip(self.routers, loads):
+            change = self.rate * torch.sign(load.mean() - load)
+            change -= change.mean()
             bias = router.owner._buffers[BIAS]
             bias += change.to(bias.dtype)
             router.loads.zero_()

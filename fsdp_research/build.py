@@ -38,6 +38,11 @@ def shard_model(
     materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, device)
     if cfg.model.load_weights:
         load_pretrained(model, pretrained_dir(cfg.model.name_or_path))
+        # transformers puts loaded buffers (a router's expert bias) beside the parameters: the CPU under offload.
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != device:
+                    module._buffers[name] = buf.to(device)
     else:
         init_weights(model, plan.blocks, cfg.trainer.seed)
     return apply_ddp(model, device) if plan.strategy is Strategy.ddp_classic else model

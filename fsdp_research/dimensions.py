@@ -3,6 +3,7 @@ tensors), not from the config's attribute names, which every family spells its o
 the doctor and validation need of any family, dense, mixture of experts, latent attention (MLA), hybrid or
 state-space. What cannot be read (a block without a recognisable attention) is named in `unknown`."""
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,6 +16,9 @@ _HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
 _QK_DIM = ("qk_head_dim", "head_dim", "head_size", "attention_head_size")
 _V_DIM = ("v_head_dim", "head_dim", "head_size", "attention_head_size")
 _KV_HEADS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+# Attention classes that mix tokens without a softmax over [T x T] scores (linear, lightning, delta-rule): their
+# FLOPs are not attention's.
+_LINEAR = re.compile(r"Linear|Lightning|Delta|Retention")
 # Config attributes naming how many experts a token is routed to.
 _TOP_K = ("num_experts_per_tok", "num_experts_per_token", "moe_topk", "moe_k", "top_k", "experts_per_token")
 
@@ -79,7 +83,7 @@ def _attention(block: nn.Module, hf_config) -> Attention | None:
     (per-layer shapes), then the config's."""
     for module in block.modules():
         name = type(module).__name__
-        if "Attention" not in name or "Norm" in name:
+        if "Attention" not in name or "Norm" in name or _LINEAR.search(name):
             continue
         sources = [module, getattr(module, "config", None) or hf_config]
         heads, qk = _attr(sources, _HEADS), _attr(sources, _QK_DIM)

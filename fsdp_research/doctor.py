@@ -44,14 +44,16 @@ class _Case:
         return [u for u in self.plan.units if u.path in self.plan.blocks]
 
     def units_inside_blocks(self):
-        return [u for u in self.plan.units if any(u.path.startswith(b + ".") for b in self.plan.blocks)]
+        return [
+            u for u in self.plan.units if not u.by_family and any(u.path.startswith(b + ".") for b in self.plan.blocks)
+        ]
 
 
 # Each check returns the cause it found in this case, or None.
 
 
 def _root_only(c: _Case) -> str | None:
-    if [u.path for u in c.plan.units] == [""]:
+    if [u.path for u in c.plan.units if not u.by_family] == [""]:
         return (
             f"the root is the only FSDP unit: all {len(c.plan.blocks)} blocks' parameters are gathered at once, "
             "so peak memory holds the whole model and no gather overlaps compute"

@@ -3,9 +3,9 @@ Gemma's zero-centred norm scales, GPT-2's scaled residual projections, padding r
 any world size and never holding more than one block's full parameters at a time.
 
 A group is one repeating block, or what lies outside the blocks (embeddings, final norm, head). Each group's
-parameters get full-size stand-ins on the CPU holding what their modules' constructors gave them (the values of
-small tensors, the mean and spread of large ones: what the family's init leaves untouched keeps them), the
-family's init runs over the group's modules as transformers
+parameters get full-size stand-ins on the CPU holding what their modules' constructors gave them (small tensors:
+what the family's init leaves untouched keeps them; large ones are reset by torch's own reset_parameters, and a
+large one nothing initialises refuses the run), the family's init runs over the group's modules as transformers
 runs it (children first, each sub-model with its own `_init_weights`), from a generator seeded by (seed, group),
 and each rank keeps its slice of the result."""
 
@@ -104,28 +104,31 @@ def _init_group(model: nn.Module, path: str, skip: set[int], seed: int) -> None:
             for module_path, module in modules:
                 for name, param in module._parameters.items():
                     if param is not None:
+                        where = clean_name(f"{module_path}.{name}".lstrip("."))
                         stand_in = _stand_in(module, name, param.shape)
                         stand_in.requires_grad_(param.requires_grad)
-                        places.append((module, name, param))
+                        places.append((module, name, param, stand_in))
                         module._parameters[name] = stand_in
-                        if clean_name(f"{module_path}.{name}".lstrip(".")) not in tie_targets or id(param) not in kept:
-                            kept[id(param)] = (param, stand_in)
+                        if where not in tie_targets or id(param) not in kept:
+                            kept[id(param)] = (param, stand_in, where, module)
             _reset([m for _, m in modules], group_seed ^ 0x5EED)
             _init(model.get_submodule(path), _init_fn(model, path), skip)
-        for module_path, module in modules:
-            for name, param in module._parameters.items():
-                if param is not None and param.isnan().any():
-                    where = f"{module_path}.{name}".lstrip(".")
-                    raise ConfigError(
-                        "model.model_type",
-                        f"{clean_name(where)} is not initialised by the family's _init_weights nor by torch's reset "
-                        f"of its {type(module).__name__} (its constructor's values are not replayed at this size)",
-                        "load pretrained weights (model=pretrained), or report the family",
-                    )
-        for original, full in kept.values():
+        # An init that assigns a new parameter instead of writing into the stand-in: the new one is what counts.
+        for module, name, original, stand_in in places:
+            current = module._parameters[name]
+            if current is not stand_in and kept[id(original)][1] is stand_in:
+                kept[id(original)] = (original, current, *kept[id(original)][2:])
+        for original, full, where, module in kept.values():
+            if full.isnan().any():
+                raise ConfigError(
+                    "model.model_type",
+                    f"{where} is not initialised by the family's _init_weights nor by torch's reset of its "
+                    f"{type(module).__name__} (its constructor's values are not replayed at this size)",
+                    "load pretrained weights (model=pretrained), or report the family",
+                )
             _keep_shard(original, full.detach().to(original.device, original.dtype))
     finally:
-        for module, name, original in places:
+        for module, name, original, _ in places:
             module._parameters[name] = original
 
 

@@ -57,13 +57,12 @@ def _parameters_on_meta() -> Iterator:
     (rotary tables) stay real, so they need no recomputation after materialization. Yields the function that
     moves a module's remaining parameters (for the root's own)."""
     register = nn.Module.register_parameter
-    moved: dict[int, nn.Parameter] = {}
 
     def meta(param: nn.Parameter) -> nn.Parameter:
-        # Shared (tied) parameters stay one parameter; `moved` holds the real one too, so its id stays unique.
-        if id(param) not in moved:
-            moved[id(param)] = (nn.Parameter(param.to("meta"), requires_grad=param.requires_grad), param)
-        return moved[id(param)][0]
+        # Shared (tied) parameters stay one parameter: the real one notes its meta twin, and goes when unused.
+        if not hasattr(param, "_on_meta"):
+            param._on_meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        return param._on_meta
 
     def register_large_on_meta(module, name, param):
         register(module, name, param)

@@ -55,11 +55,22 @@ def fp32_names(model: nn.Module, param: torch.dtype) -> re.Pattern | None:
 
 
 def kept_in_fp32(model: nn.Module, param: torch.dtype) -> list[str]:
-    """The paths of the modules whose parameters the family keeps in fp32 at this compute dtype."""
+    """The paths of the modules the family keeps in fp32 at this compute dtype: each module that holds a kept
+    parameter and nothing else (a router's gate). A kept parameter beside others in its module (a state-space
+    mixer's dt_bias) or shared outside it (a tied head) stays in the training dtype: making its whole module
+    fp32 would compute more in fp32 than from_pretrained does."""
     names = fp32_names(model, param)
     if names is None:
         return []
-    return sorted({name.rpartition(".")[0] for name, _ in model.named_parameters() if names.search(name)})
+    owners = {name.rpartition(".")[0] for name, _ in model.named_parameters() if names.search(name)}
+    kept = []
+    for path in sorted(owners):
+        module = model.get_submodule(path)
+        inside = dict(module.named_parameters(prefix=path, remove_duplicate=False))
+        outside = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n not in inside}
+        if all(names.search(n) for n in inside) and not any(id(p) in outside for p in inside.values()):
+            kept.append(path)
+    return kept
 
 
 def autocast(cfg: PrecisionConfig, device: torch.device, enabled: bool):

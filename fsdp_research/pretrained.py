@@ -198,16 +198,21 @@ def _whole_pass(hf_config, mapping: list, files: list[str], keys, receive) -> No
             _load(twin, mapping, state, "cpu")
 
 
-def _weights(numel: int, offset: int) -> torch.Tensor:
-    """Position weights in [0.5, 1.5) of flat indices offset .. offset + numel (golden-ratio sequence)."""
-    index = torch.arange(offset, offset + numel, dtype=torch.float64)
-    return torch.frac(index * 0.6180339887498949) + 0.5
+# Elements summed at a time: the float64 temporaries stay small whatever the tensor's size.
+_CHUNK = 2**22
 
 
 def _checksum(values: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """(sum, position-weighted sum, sum of magnitudes) of a tensor's values at flat offset."""
-    flat = values.detach().reshape(-1).to("cpu", torch.float64)
-    return torch.stack([flat.sum(), (flat * _weights(flat.numel(), offset)).sum(), flat.abs().sum()])
+    """(sum, position-weighted sum, sum of magnitudes) of a tensor's values at flat offset; the weights in
+    [0.5, 1.5) follow the golden-ratio sequence of the flat index."""
+    flat = values.detach().reshape(-1)
+    sums = torch.zeros(3, dtype=torch.float64)
+    for start in range(0, flat.numel(), _CHUNK):
+        chunk = flat[start : start + _CHUNK].to("cpu", torch.float64)
+        index = torch.arange(offset + start, offset + start + chunk.numel(), dtype=torch.float64)
+        weights = torch.frac(index * 0.6180339887498949) + 0.5
+        sums += torch.stack([chunk.sum(), (chunk * weights).sum(), chunk.abs().sum()])
+    return sums
 
 
 def _local_checksum(tensor: torch.Tensor) -> torch.Tensor:
@@ -233,10 +238,16 @@ def verify_loaded(model: nn.Module, path: str, mapping: list, files: list[str], 
     first = {}
     for name, tensor in tensors.items():
         first.setdefault(id(tensor), name)
-    names = sorted({first[id(tensor)] for name, tensor in tensors.items() if name in model.state_dict()})
+    persistent = set(model.state_dict())
+    names = sorted({first[id(tensor)] for name, tensor in tensors.items() if name in persistent})
     row = {name: i for i, name in enumerate(names)}
-    share = {target: i % world for i, target in enumerate(sorted({t for t, _ in targets.values()}))}
-    mine = {k for k, (target, _) in targets.items() if share[target] == rank}
+
+    def tensor_of(target: str) -> str:
+        # Checkpoint keys that fill one tensor (tied copies saved twice) are one rank's work: it is recorded once.
+        return first[id(tensors[target])] if target in tensors else target
+
+    share = {t: i % world for i, t in enumerate(sorted({tensor_of(t) for t, _ in targets.values()}))}
+    mine = {k for k, (target, _) in targets.items() if share[tensor_of(target)] == rank}
     # Per tensor: the checksum converted from the files, then the loaded parts', then whether it was recorded.
     sums = torch.zeros(len(names), 7, dtype=torch.float64)
 

@@ -27,6 +27,11 @@ class Unit:
     # Computes in fp32 whatever the training dtype: a module the family keeps in fp32 (a router's gate).
     fp32: bool = False
 
+    @property
+    def by_family(self) -> bool:
+        """A unit the family's model asks for (fp32 modules, shared parameters), not the sharding strategy."""
+        return self.fp32 or bool(self.also)
+
 
 @dataclass(frozen=True)
 class ShardingPlan:

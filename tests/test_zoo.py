@@ -171,7 +171,8 @@ def test_dropout_repeats_at_one_world_size_and_says_so(tmp_path):
     initial = save_initial(
         AutoConfig.for_model("gpt2", vocab_size=512, n_embd=64, n_layer=2, n_head=4), str(tmp_path / "i")
     )
-    cfg = compose(with_overrides(FAST, "trainer.max_steps=3", "trainer.global_batch_size=4") + pretrained(initial))
+    steps = with_overrides(FAST, "trainer.max_steps=3", "trainer.global_batch_size=4", "trainer.micro_batch_size=2")
+    cfg = compose(steps + pretrained(initial))
     records = train_distributed({"a": cfg, "b": cfg}, 2, str(tmp_path), _no_weights)
     assert ok(records, "a")["losses"] == ok(records, "b")["losses"]
     with open(tmp_path / "a" / "train.log") as f:
