@@ -3,12 +3,13 @@ Gemma's zero-centred norm scales, GPT-2's scaled residual projections, padding r
 any world size and never holding more than one block's full parameters at a time.
 
 A group is one repeating block, or what lies outside the blocks (embeddings, final norm, head). Each group's
-parameters get full-size stand-ins on the CPU holding what their modules' constructors gave them (small tensors:
-what the family's init leaves untouched keeps them; large ones are reset by torch's own reset_parameters, and a
-large one nothing initialises refuses the run), the family's init runs over the group's modules as transformers
-runs it (children first, each sub-model with its own `_init_weights`), from a generator seeded by (seed, group),
-and each rank keeps its slice of the result."""
+parameters get full-size stand-ins on the CPU holding what their modules' constructors gave them (small tensors'
+values, large ones' mean and spread, then torch's reset_parameters where a module has one: what the family's
+init leaves untouched keeps them; a parameter nothing initialises refuses the run), the family's init runs over
+the group's modules as transformers runs it (children first, each sub-model with its own `_init_weights`), from a
+generator seeded by (seed, group), and each rank keeps its slice of the result."""
 
+import math
 import zlib
 from collections.abc import Iterator, Sequence
 
@@ -71,12 +72,17 @@ def _init_fn(model: nn.Module, path: str):
     return [m for m in owners if isinstance(m, PreTrainedModel)][-1]._init_weights
 
 
-def _stand_in(module: nn.Module, name: str, shape: torch.Size) -> nn.Parameter:
-    """A full-size parameter holding what the module's constructor gave it where that is known (small ones),
-    else NaN until torch's own reset of the module (reset_parameters: nn.Linear, nn.Embedding, ...) or the
-    family's _init_weights writes it."""
+def _stand_in(module: nn.Module, name: str, shape: torch.Size, generator: torch.Generator) -> nn.Parameter:
+    """A full-size parameter holding what the module's constructor gave it: its values (small ones), or values of
+    their mean and spread (large ones; NaN where those are not finite: torch.empty's), for torch's reset and the
+    family's _init_weights to overwrite where they initialise it."""
     built = as_built(module, name)
-    return nn.Parameter(built.clone().reshape(shape) if built is not None else torch.full(shape, float("nan")))
+    if isinstance(built, torch.Tensor):
+        return nn.Parameter(built.clone().reshape(shape))
+    values = torch.full(shape, float("nan"))
+    if built is not None and all(math.isfinite(v) for v in built):
+        values.normal_(*built, generator=generator) if built[1] > 0 else values.fill_(built[0])
+    return nn.Parameter(values)
 
 
 def _reset(modules: list[nn.Module], generator_seed: int) -> None:
@@ -85,7 +91,11 @@ def _reset(modules: list[nn.Module], generator_seed: int) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(generator_seed)
         for module in modules:
-            if any(as_built(module, n) is None for n, p in module._parameters.items() if p is not None):
+            if any(
+                not isinstance(as_built(module, n), torch.Tensor)
+                for n, p in module._parameters.items()
+                if p is not None
+            ):
                 getattr(module, "reset_parameters", lambda: None)()
 
 
@@ -98,6 +108,8 @@ def _init_group(model: nn.Module, path: str, skip: set[int], seed: int) -> None:
     places, kept = [], {}
     group_seed = (seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63
     modules = list(_modules(model.get_submodule(path), path, skip))
+    # Its own stream: what _init_weights draws from the group's seed does not depend on the stand-ins.
+    generator = torch.Generator().manual_seed(group_seed ^ 0x57A9D)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(group_seed)
@@ -105,7 +117,7 @@ def _init_group(model: nn.Module, path: str, skip: set[int], seed: int) -> None:
                 for name, param in module._parameters.items():
                     if param is not None:
                         where = clean_name(f"{module_path}.{name}".lstrip("."))
-                        stand_in = _stand_in(module, name, param.shape)
+                        stand_in = _stand_in(module, name, param.shape, generator)
                         stand_in.requires_grad_(param.requires_grad)
                         places.append((module, name, param, stand_in))
                         module._parameters[name] = stand_in

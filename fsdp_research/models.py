@@ -39,24 +39,31 @@ def build_hf_config(cfg: ModelConfig):
 
 
 # A parameter up to this size (vectors, small tables) keeps the values its module's constructor gave it; a larger
-# one goes to the meta device at once, so that building a model never holds more than its small parameters.
+# one only their mean and spread (a block's weights are never all held on the CPU at once).
 _KEPT_AS_BUILT = 2**16
 
 
-def as_built(module: nn.Module, name: str) -> torch.Tensor | None:
-    """The values the module's constructor gave its small parameter `name` (None for a large one): what
-    initialisation starts from where the family's _init_weights leaves a parameter to its module (attention
-    sinks, state-space A_log, GPT's Conv1D)."""
+def as_built(module: nn.Module, name: str) -> torch.Tensor | tuple[float, float] | None:
+    """What the module's constructor gave its parameter `name`: its values (a small parameter) or their (mean,
+    std) (a large one): what initialisation starts from where the family's _init_weights leaves a parameter to
+    its module (attention sinks, state-space A_log, GPT's Conv1D)."""
     return module.__dict__.get("_as_built", {}).get(name)
+
+
+def _noted(param: torch.Tensor) -> torch.Tensor | tuple[float, float]:
+    values = param.detach().float()
+    if values.numel() <= _KEPT_AS_BUILT:
+        return values.clone()
+    return values.mean().item(), values.std().item() if values.numel() > 1 else 0.0
 
 
 @contextlib.contextmanager
 def _parameters_on_meta() -> Iterator:
-    """Parameters go to the meta device: a large one as it is registered, a small one once the module holding it
-    is built (when it is registered in its parent: its constructor has finished), with its values noted; buffers
-    (rotary tables) stay real, so they need no recomputation after materialization. Yields the function that
-    moves a module's remaining parameters (for the root's own)."""
-    register = nn.Module.register_parameter
+    """Parameters go to the meta device once the module holding them is built (when it is registered in its
+    parent: its constructor has finished), with a note of what they hold; buffers (rotary tables) stay real, so
+    they need no recomputation after materialization. Only a module's own parameters are real at a time (its
+    children's went when they were registered in it). Yields the function that moves a module's parameters (for
+    the root's own)."""
 
     def meta(param: nn.Parameter) -> nn.Parameter:
         # Shared (tied) parameters stay one parameter: the real one notes its meta twin, and goes when unused.
@@ -64,25 +71,18 @@ def _parameters_on_meta() -> Iterator:
             param._on_meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         return param._on_meta
 
-    def register_large_on_meta(module, name, param):
-        register(module, name, param)
-        if param is not None and not param.is_meta and param.numel() > _KEPT_AS_BUILT:
-            module._parameters[name] = meta(param)
-
     def to_meta(module: nn.Module) -> None:
         for m in module.modules():
             for name, param in m._parameters.items():
                 if param is not None and not param.is_meta:
-                    m.__dict__.setdefault("_as_built", {})[name] = param.detach().float().clone()
+                    m.__dict__.setdefault("_as_built", {})[name] = _noted(param)
                     m._parameters[name] = meta(param)
 
-    nn.Module.register_parameter = register_large_on_meta
     handle = register_module_module_registration_hook(lambda parent, name, child: to_meta(child) if child else None)
     try:
         yield to_meta
     finally:
         handle.remove()
-        nn.Module.register_parameter = register
 
 
 def build_model(hf_config, seed: int = 0) -> nn.Module:

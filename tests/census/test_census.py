@@ -196,3 +196,38 @@ def test_readme_has_the_census_table(census):
         return
     found = marked.search(readme)
     assert found and found.group(2) == table, "README's census table is stale: run CENSUS_README=1 pytest tests/census"
+
+
+def _initialised_as_large(initials: dict) -> dict:
+    """Every family's initialisation from its config on 1 rank with every parameter taken as a large one (only
+    its mean and spread noted at construction, then torch's reset): the path real-size models take."""
+    import fsdp_research.models
+    from fsdp_research.build import build_sharded_model
+    from fsdp_research.models import build_hf_config
+
+    fsdp_research.models._KEPT_AS_BUILT = 0
+
+    def init(family: str, initial: str) -> dict:
+        cfg = compose(FAST + pretrained(initial) + ["model.load_weights=false"])
+        return full_state(build_sharded_model(cfg, build_hf_config(cfg.model), torch.device("cpu"), 1)[0])
+
+    return each_family(init, initials)
+
+
+def test_initialised_alike_at_real_size(census):
+    from transformers import AutoModelForCausalLM
+
+    _, initials, *_ = census
+    records = run_distributed(_initialised_as_large, 1, initials)
+    failures = {}
+    for family, ours in records.items():
+        made = []
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            made.append(AutoModelForCausalLM.from_config(tiny_config(family)))
+        try:
+            assert "error" not in ours, ours.get("error", "").strip().splitlines()[-1:]
+            assert_initialised_alike(ours, *made)
+        except AssertionError as err:
+            failures[family] = str(err).splitlines()[0]
+    assert not failures, failures
