@@ -62,7 +62,7 @@ def _bench(container, repeats: int, out: str) -> None:
     rank = dist.get_rank()
     hf_config = build_hf_config(cfg.model)
     model, _ = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
-    optimizer, _ = build_optimizer(model, cfg.optim, 100)
+    optimizer, _ = build_optimizer(model, cfg)
     batch = torch.randint(0, hf_config.vocab_size, (2, 129), device=device)
     _train_step(model, optimizer, batch)  # optimizer state exists
     full_path = os.path.join(out, "full.pt")

@@ -123,7 +123,8 @@ def _mismatches(step_dir: str, state: dict[str, dict[str, Any]]) -> list[list[st
     return [kind for kind in (missing, unexpected, reshaped) if kind]
 
 
-HYPERPARAMETERS = ("weight_decay", "betas", "eps")
+# A group's keys that the checkpoint restores; every other (weight decay, betas, momentum, ...) is the config's.
+_SCHEDULED = ("params", "lr", "initial_lr")
 
 
 class Checkpointer:
@@ -146,7 +147,8 @@ class Checkpointer:
     def due(self, step: int, max_steps: int) -> bool:
         return step == max_steps or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
 
-    def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any]) -> None:
+    def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any], callbacks=None) -> None:
+        """callbacks: the callbacks' state (fsdp_research.callbacks.hooks.Callbacks.state_dict()), saved with DCP."""
         self.wait()
         tmp = os.path.join(self.root, f".tmp_step_{step}")
         if self.rank == 0:
@@ -165,7 +167,7 @@ class Checkpointer:
         except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
             error = err
         self._check_all(step, tmp, error)
-        state = {"model": model_state, "optim": optim_state}
+        state = {"model": model_state, "optim": optim_state, **({"callbacks": callbacks} if callbacks else {})}
         try:
             with new_threads_single_threaded():
                 if self.is_async:
@@ -271,11 +273,20 @@ class Checkpointer:
             f"({previous or 'none'}) is intact"
         ) from err
 
-    def load(self, step_dir: str, model: torch.nn.Module, optimizer) -> dict[str, Any]:
-        """Load model, optimizer and this rank's RNG state (DCP reshards to this world size); returns the
-        trainer state. Checks every tensor key and shape first, so a mismatch changes nothing."""
+    def load(
+        self, step_dir: str, model: torch.nn.Module, optimizer, callbacks: dict[str, Any] | None = None
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Load model, optimizer, the callbacks' state (into callbacks: name -> state_dict, those the checkpoint
+        has) and this rank's RNG state (DCP reshards to this world size); returns (the trainer state, the callbacks'
+        loaded state). Checks every tensor key and shape first, so a mismatch changes nothing."""
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
+        saved = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+        kept = {n: v for n, v in (callbacks or {}).items() if any(k.startswith(f"callbacks.{n}.") for k in saved)}
+        for name in sorted((callbacks or {}).keys() - kept.keys()):
+            log.info(f"callback {name}: the checkpoint has no state of it, it starts afresh")
+        if kept:
+            state["callbacks"] = kept
         kinds = _mismatches(step_dir, state)
         if kinds:
             # A few of each kind: another optimizer shows as keys both missing and unexpected.
@@ -289,7 +300,7 @@ class Checkpointer:
             dcp.load(state, checkpoint_id=step_dir)
         # The config's hyperparameters win over the checkpoint's (which DCP copies into the groups, and maps onto
         # the last group where the checkpoint has fewer); the learning rate is the schedule's.
-        configured = [{k: g[k] for k in HYPERPARAMETERS if k in g} for g in optimizer.param_groups]
+        configured = [{k: v for k, v in g.items() if k not in _SCHEDULED} for g in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         for group, values in zip(optimizer.param_groups, configured):
             group.update(values)
@@ -297,7 +308,7 @@ class Checkpointer:
         if os.path.exists(rng):  # absent when resuming at a larger world size
             _set_rng_state(torch.load(rng, weights_only=False))
         log.info(f"resumed from checkpoint {step_dir}")
-        return torch.load(os.path.join(step_dir, TRAINER_STATE), weights_only=False)
+        return torch.load(os.path.join(step_dir, TRAINER_STATE), weights_only=False), state.get("callbacks", {})
 
 
 def config_files(cfg: DictConfig, hf_config) -> dict[str, str]:

@@ -2,6 +2,7 @@
 a wrong type or an unknown enum value fails at composition, before any process group or model exists.
 A leaf: imports nothing of ours (the Hydra wiring that registers these is fsdp_research.composition)."""
 
+import warnings
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -19,6 +20,9 @@ class MoeConfig:
 @dataclass
 class ModelConfig:
     name: str = "llama_tiny"
+    # Any model: a factory (class or function) returning an nn.Module whose forward(input_ids=...) returns something
+    # with .logits; its other keys here are the factory's keyword arguments, model.block_class names its block.
+    _target_: str | None = None
     # A hub id or local directory: its config.json (and, for `pretrained`, its weights) are used.
     name_or_path: str | None = None
     # Used when name_or_path is unset: AutoConfig.for_model(model_type, **config).
@@ -119,19 +123,68 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    """The framework's keys; every other key of the group (betas, eps, momentum, ...) is a keyword argument of
+    `_target_`, which is called with the parameter groups (Hydra's _partial_ semantics)."""
+
+    _target_: str = "torch.optim.AdamW"
     name: str = "adamw"
     lr: float = 3e-3
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
-    eps: float = 1e-8
     weight_decay: float = 0.1
     # Parameters left out of weight decay: bias (every *.bias), 1d (every vector: norm scales, biases),
     # embedding (the embedding tables, and an output layer tied to them).
     no_decay: list[str] = field(default_factory=lambda: ["bias", "1d"])
-    warmup_steps: int = 10
-    # Cosine decay to lr * min_lr_ratio at max_steps.
-    min_lr_ratio: float = 0.1
+    # [{match: <glob or regex>, lr_scale: x, weight_decay: y, <other group keys>}, ...]: in order, first match wins.
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    # {_target_, kwargs}: the optimizer of every parameter that is not a 2-D weight matrix inside a repeating block
+    # (embeddings, output head, norms, biases); `_target_` then gets those matrices only (optim=muon).
+    others: dict[str, Any] | None = None
     # Max global gradient norm; 0 turns clipping off (the norm is still measured).
     grad_clip: float = 1.0
+    # Deprecated: schedule.warmup_steps and schedule.min_lr_ratio (still read, with a warning).
+    warmup_steps: int | None = None
+    min_lr_ratio: float | None = None
+
+
+class ScheduleName(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+    wsd = "wsd"
+    inverse_sqrt = "inverse_sqrt"
+
+
+class DecayShape(str, Enum):
+    linear = "linear"
+    cosine = "cosine"
+    sqrt = "sqrt"
+
+
+@dataclass
+class ScheduleConfig:
+    """The learning rate multiplier of each step. `_target_`: a function (step, max_steps, **kwargs) -> multiplier,
+    or an LRScheduler class (called with the optimizer and the group's other keys)."""
+
+    name: ScheduleName = ScheduleName.cosine
+    _target_: str | None = None
+    # Linear from 1/warmup_steps to 1 over the first warmup_steps steps (every named schedule).
+    warmup_steps: int = 10
+    # Where the decay ends, as a share of the peak (cosine, linear, wsd).
+    min_lr_ratio: float = 0.1
+    # wsd: the share of max_steps at the end spent decaying; before it, the rate stays at its peak.
+    decay_ratio: float = 0.2
+    decay_shape: DecayShape = DecayShape.linear
+
+
+@dataclass
+class LossConfig:
+    """The training loss. `_target_`: a function (logits, labels) -> scalar (the group's other keys are its keyword
+    arguments). Eval is always the plain cross-entropy."""
+
+    name: str = "cross_entropy"
+    _target_: str | None = None
+    # PaLM's auxiliary z-loss: this x mean(logsumexp(logits)^2), logged apart as z_loss.
+    z_loss: float = 0.0
+    label_smoothing: float = 0.0
 
 
 @dataclass
@@ -214,6 +267,11 @@ class TrainConfig:
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    # name -> {_target_, kwargs}: objects with any of on_train_start, on_before_optimizer_step, on_step_end,
+    # on_eval, on_save, on_train_end (fsdp_research.callbacks).
+    callbacks: dict[str, Any] = field(default_factory=dict)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
@@ -226,12 +284,20 @@ def schema() -> DictConfig:
     node = OmegaConf.structured(TrainConfig)
     with open_dict(node.checkpoint):
         node.checkpoint["async"] = False
-    # Free-form maps: `sharding.reshard_override={0:false}` and new `model.config.<key>=` need no `+`.
-    OmegaConf.set_struct(node.sharding.reshard_override, False)
-    OmegaConf.set_struct(node.model.config, False)
+    # Free-form maps: `sharding.reshard_override={0:false}` and new `model.config.<key>=` need no `+`; the plug-in
+    # groups take their target's keyword arguments (checked against its signature before any compute).
+    free_form = (node.sharding.reshard_override, node.model.config, node.model, node.optim, node.schedule, node.loss)
+    for free in (*free_form, node.callbacks):
+        OmegaConf.set_struct(free, False)
     return node
 
 
 def typed(cfg: Any) -> DictConfig:
-    """A config (DictConfig or plain dict) merged onto the schema, so values have their declared types."""
-    return OmegaConf.merge(schema(), cfg)
+    """A config (DictConfig or plain dict) merged onto the schema, so values have their declared types. The
+    deprecated optim.warmup_steps / optim.min_lr_ratio move to the schedule group (with a warning)."""
+    cfg = OmegaConf.merge(schema(), cfg)
+    for key in ("warmup_steps", "min_lr_ratio"):
+        if cfg.optim[key] is not None:
+            warnings.warn(f"optim.{key} is deprecated: use schedule.{key}", FutureWarning, stacklevel=2)
+            cfg.schedule[key], cfg.optim[key] = cfg.optim[key], None
+    return cfg

@@ -23,3 +23,7 @@ class SubmitError(Exception):
 
 class DataError(RuntimeError):
     """A token store cannot be built or read: one line, what and where."""
+
+
+class CallbackError(RuntimeError):
+    """A callback raised: which one, in which hook, and its error, in one line."""

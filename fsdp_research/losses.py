@@ -1,6 +1,9 @@
-"""The losses: a training batch's next-token cross-entropy (plus a mixture of experts' load-balancing loss where
-its config asks for it), and the token-weighted mean over the held-out set."""
+"""The losses: a training batch's loss (loss=cross_entropy with its z-loss and label smoothing, or the user's
+loss._target_; plus a mixture of experts' load-balancing loss where its config asks for it), and the
+token-weighted mean cross-entropy over the held-out set."""
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -10,6 +13,51 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .data.pipeline import Data
+from .errors import ConfigError
+from .targets import check_call, kwargs_of, resolve
+
+# loss's own keys: with loss._target_ the others are its keyword arguments.
+_OWN = ("name", "z_loss", "label_smoothing")
+# (logits [tokens, vocab], labels [tokens]) -> (loss, parts to log apart)
+LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+def check_loss(cfg) -> None:
+    if cfg.get("_target_"):
+        check_call(resolve(cfg._target_, "loss._target_"), kwargs_of(cfg, _OWN), "loss._target_", "logits", "labels")
+        return
+    if cfg.name != "cross_entropy":
+        raise ConfigError("loss.name", f"unknown loss {cfg.name!r}", "use loss=cross_entropy, or loss._target_")
+    unknown = sorted(set(cfg.keys()) - {*_OWN, "_target_"})
+    if unknown:
+        raise ConfigError(f"loss.{unknown[0]}", f"cross_entropy has no key {unknown[0]!r}", "remove it")
+    if cfg.z_loss < 0:
+        raise ConfigError("loss.z_loss", f"{cfg.z_loss} is negative", "use 0 (off) or e.g. 1e-4")
+    if not 0 <= cfg.label_smoothing < 1:
+        raise ConfigError("loss.label_smoothing", f"{cfg.label_smoothing} is not in [0, 1)", "use e.g. 0.1")
+
+
+def _cross_entropy(logits, labels, z_loss: float, label_smoothing: float):
+    loss = F.cross_entropy(logits.float(), labels, label_smoothing=label_smoothing)
+    if not z_loss:
+        return loss, {}
+    z = z_loss * torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+    return loss + z, {"z_loss": z.detach()}
+
+
+def _user_loss(fn: Callable, logits, labels):
+    return fn(logits, labels), {}
+
+
+_plain = functools.partial(_cross_entropy, z_loss=0.0, label_smoothing=0.0)
+
+
+def build_loss(cfg) -> LossFn:
+    if cfg.get("_target_"):
+        return functools.partial(
+            _user_loss, functools.partial(resolve(cfg._target_, "loss._target_"), **kwargs_of(cfg, _OWN))
+        )
+    return functools.partial(_cross_entropy, z_loss=cfg.z_loss, label_smoothing=cfg.label_smoothing)
 
 
 @dataclass(frozen=True)
@@ -42,16 +90,16 @@ def _expert_tokens(router_logits, router: Router) -> torch.Tensor | None:
     return torch.bincount(chosen, minlength=router.experts).float()
 
 
-def train_loss(model: nn.Module, batch: torch.Tensor, amp, router: Router | None = None):
-    """(loss, to log) of a batch of seq_len + 1 tokens: next-token cross-entropy, plus the router's weighted
-    load-balancing loss; for a mixture of experts, its aux loss and the tokens routed to each expert (summed over
-    its MoE layers) to log, where the family computes them (a router trained without an aux loss has none)."""
+def train_loss(model: nn.Module, batch: torch.Tensor, amp, loss_fn: LossFn | None = None, router: Router | None = None):
+    """(loss, to log) of a batch of seq_len + 1 tokens: the configured next-token loss (and its parts to log), plus
+    the router's weighted load-balancing loss; for a mixture of experts, its aux loss and the tokens routed to each
+    expert (summed over its MoE layers) to log, where the family computes them (a router trained without an aux
+    loss has none)."""
     with amp:
         out = model(input_ids=batch[:, :-1], **({"output_router_logits": True} if router else {}))
-    loss = F.cross_entropy(out.logits.float().flatten(0, 1), batch[:, 1:].flatten())
+    loss, stats = (loss_fn or _plain)(out.logits.flatten(0, 1), batch[:, 1:].flatten())
     if router is None:
-        return loss, {}
-    stats = {}
+        return loss, stats
     aux = getattr(out, "aux_loss", None)
     if isinstance(aux, torch.Tensor):
         stats["aux_loss"] = aux.detach().float()

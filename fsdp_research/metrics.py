@@ -84,18 +84,24 @@ def active_parameters(model: torch.nn.Module, d: ModelDims) -> int:
     return total - experts + experts * d.experts_per_token // d.experts
 
 
-def router_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
-    """A mixture of experts' load-balancing loss (mean over ranks) and the share of the routed tokens that the least
-    and the most loaded expert got (1 / experts when balanced), each where the family computes it. A collective
-    (every rank has the same keys: they depend on the family only); nothing for a dense model."""
-    parts = [stats[k].reshape(-1).float() for k in ("aux_loss", "expert_tokens") if k in stats]
+# Per-step losses besides the training loss, logged as their mean over ranks.
+MEAN_LOSSES = ("aux_loss", "z_loss")
+
+
+def loss_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The loss's parts logged apart (a mixture of experts' load-balancing loss, the z-loss: means over ranks) and
+    the share of the routed tokens that the least and the most loaded expert got (1 / experts when balanced), each
+    where the run computes it. A collective (every rank has the same keys: they depend on the config and the
+    family only); nothing for a dense model with the plain loss."""
+    means = [k for k in MEAN_LOSSES if k in stats]
+    parts = [stats[k].reshape(-1).float() for k in (*means, "expert_tokens") if k in stats]
     if not parts:
         return {}
     values = torch.cat(parts)
     dist.all_reduce(values)
     out = {}
-    if "aux_loss" in stats:
-        out["aux_loss"], values = values[0].item() / dist.get_world_size(), values[1:]
+    for key in means:
+        out[key], values = values[0].item() / dist.get_world_size(), values[1:]
     if "expert_tokens" in stats:
         share = values / values.sum()
         out.update(expert_fraction_min=share.min().item(), expert_fraction_max=share.max().item())

@@ -54,6 +54,8 @@ class Console:
     def log(self, metrics: dict[str, Any]) -> None:
         step = metrics["step"]
         text = " | ".join(_fmt(k, metrics[k]) for k in self.KEYS if k in metrics)
+        if not text:  # a callback's record: metrics.jsonl and W&B have it
+            return
         if not self.tty:
             log.info(f"step {step}/{self.max_steps} | {text}")
             return

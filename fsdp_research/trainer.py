@@ -3,9 +3,9 @@ meta device -> shard and materialize it -> optimizer -> resume -> loop {data -> 
 step -> metrics -> maybe checkpoint} -> export. Starting the processes that run it is fsdp_research.launch."""
 
 import contextlib
+import functools
 import logging
 import os
-import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,13 +19,13 @@ from omegaconf import DictConfig, OmegaConf
 from . import rundir
 from .balancing import BiasBalancer
 from .build import planned_model, shard_model
+from .callbacks.hooks import Callbacks, RunHandle
 from .checkpoint import Checkpointer, config_files
 from .config import Strategy, typed
-from .data.pipeline import Build, Data, Prefetcher, build_data
-from .dimensions import ModelDims, dims
+from .data.pipeline import Data, Prefetcher
+from .dimensions import dims
 from .distributed import (
     broadcast_object,
-    cores_per_rank,
     device_for,
     init_distributed,
     launch_env,
@@ -36,15 +36,16 @@ from .distributed import (
 from .doctor import diagnose, report
 from .export import export_dtype, export_model, parse_size
 from .layout import Layout, layout
-from .losses import Router, held_out_loss, router_of, train_loss
-from .metrics import PeakMemory, Throughput, active_parameters, router_metrics
-from .models import build_hf_config, dropout_in
-from .optim import build_optimizer, clip_grad_norm
-from .precision import LossScaler, autocast, dtypes
+from .losses import LossFn, Router, build_loss, held_out_loss, router_of, train_loss
+from .metrics import MEAN_LOSSES, PeakMemory, Throughput, loss_metrics
+from .models import build_hf_config
+from .optim import build_optimizer, clip_, clip_grad_norm, grad_norm
+from .precision import LossScaler, autocast
 from .preemption import NONE, Agreement, Signals
 from .profiling import StepProfiler, region
 from .sharding import ShardingPlan, grad_sync
 from .sinks import Sinks, build_sinks, setup_logging
+from .startup import open_data, seed_rng, throughput_of
 from .state import TrainResult, TrainState
 from .validation import check_config
 
@@ -68,7 +69,10 @@ class Run:
     data: Data
     batches: Prefetcher
     amp: Any
+    loss_fn: LossFn
     router: Router | None
+    callbacks: Callbacks
+    handle: RunHandle
     balancer: BiasBalancer
     checkpointer: Checkpointer
     sinks: Sinks
@@ -131,26 +135,6 @@ def _prepare(cfg: DictConfig, run_dir: str) -> tuple[torch.device, str, Any, nn.
     return device, run_dir, hf_config, model, plan, resume_dir
 
 
-def _data(cfg: DictConfig, vocab_size: int) -> Data:
-    """The run's data. Where a token store is missing every rank builds its share with its share of the node's
-    cores (rank 0 logs the progress); opening existing stores takes milliseconds."""
-    rank, started = dist.get_rank(), time.perf_counter()
-
-    def progress(done: int, total: int, seconds: float) -> None:
-        log.info(f"tokenizing: {done}/{total} parts of the token store done after {seconds:.0f} s")
-
-    build = Build(
-        rank=rank,
-        world=dist.get_world_size(),
-        workers=cfg.data.build_workers or cores_per_rank(),
-        name=on_rank0(lambda: secrets.token_hex(8)),
-        report=progress if rank == 0 else None,
-    )
-    data = build_data(cfg.data, vocab_size, cfg.trainer.seed, build)
-    log.info(f"data: {data.describe()}; ready in {time.perf_counter() - started:.2f} s")
-    return data
-
-
 def _observe(
     cfg: DictConfig, run_dir: str, device: torch.device, plan: ShardingPlan, state: TrainState, resources
 ) -> tuple[Sinks, StepProfiler]:
@@ -175,46 +159,17 @@ def _observe(
     return sinks, profiler
 
 
-def _throughput(
-    cfg: DictConfig, d: ModelDims, model: nn.Module, plan: ShardingPlan, device: torch.device, start: int
-) -> Throughput:
-    """Throughput and MFU (from the parameters a token is multiplied with: a mixture of experts' active ones, no
-    embedding lookups; against the device's peak in the compute dtype)."""
-    t, world = cfg.trainer, dist.get_world_size()
-    n_params, active = sum(p.numel() for p in model.parameters()), active_parameters(model, d)
-    moe = f" ({active / 1e6:.2f}M active per token)" if active != n_params else ""
-    log.info(
-        f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters{moe}, {len(plan.blocks)} blocks, "
-        f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
-        f"starting at step {start}"
-    )
-    if d.unknown:
-        log.info(f"MFU: no attention found in {', '.join(d.unknown)}: their parameters counted, not their mixing")
-    return Throughput.of(
-        model, d, t.global_batch_size, cfg.data.seq_len, world, dtypes(cfg.precision)[0], device, t.peak_tflops
-    )
-
-
-def _seed(model: nn.Module, seed: int, rank: int, world: int) -> None:
-    """The global RNG (dropout) seeded per rank from trainer.seed: the same command draws the same masks again
-    (a resume restores each rank's RNG state instead)."""
-    torch.manual_seed(seed * 1_000_003 + rank)
-    dropout = dropout_in(getattr(model, "module", model))  # under torch DDP, the model it wraps
-    if dropout and rank == 0:
-        log.info(
-            f"dropout is on ({', '.join(dropout[:4])}): each rank draws its own masks, so the losses repeat at "
-            f"this world size ({world}), not at another"
-        )
-
-
 def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextlib.ExitStack) -> Run:
     device, run_dir, hf_config, model, plan, resume_dir = _prepare(cfg, run_dir)
     rank, world, t = dist.get_rank(), dist.get_world_size(), cfg.trainer
     # Read before sharding, which renames the classes it wraps.
     d = dims(model, plan.blocks)
     model = shard_model(model, plan, cfg, device, world)
-    _seed(model, t.seed, rank, world)
-    optimizer, scheduler = build_optimizer(model, cfg.optim, t.max_steps)
+    seed_rng(model, t.seed, rank, world)
+    optimizer, scheduler = build_optimizer(model, cfg, plan.blocks)
+    callbacks = Callbacks(cfg.callbacks)
+    handle = RunHandle(model, optimizer, cfg, rank, world, run_dir, device, plan.blocks)
+    callbacks.call("setup", handle)
     balancer = BiasBalancer(model, cfg.model.moe.bias_update_rate)
     _close_on_exit(resources, lambda failed: balancer.close())
     state = TrainState(scheduler, LossScaler(cfg.precision))
@@ -225,9 +180,11 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     if agreement is not None:
         _close_on_exit(resources, agreement.close)
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
-        state.load_state_dict(checkpointer.load(resume_dir, model, optimizer))
-    data = _data(cfg, hf_config.vocab_size)
-    throughput = _throughput(cfg, d, model, plan, device, state.step)
+        trainer_state, callback_state = checkpointer.load(resume_dir, model, optimizer, callbacks.state_dict())
+        state.load_state_dict(trainer_state)
+        callbacks.load_state_dict(callback_state)
+    data = open_data(cfg, hf_config.vocab_size)
+    throughput = throughput_of(cfg, d, model, plan, device, state.step)
     sinks, profiler = _observe(cfg, run_dir, device, plan, state, resources)
     batches = Prefetcher(
         lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
@@ -237,7 +194,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     )
     _close_on_exit(resources, batches.close)
     amp = autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp_classic)
-    return Run(
+    run = Run(
         cfg=cfg,
         run_dir=run_dir,
         device=device,
@@ -251,7 +208,10 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         data=data,
         batches=batches,
         amp=amp,
+        loss_fn=build_loss(cfg.loss),
         router=router_of(hf_config, d.experts, d.experts_per_token),
+        callbacks=callbacks,
+        handle=handle,
         balancer=balancer,
         checkpointer=checkpointer,
         sinks=sinks,
@@ -261,6 +221,10 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         signals=signals,
         agreement=agreement,
     )
+    handle.step = state.step
+    handle._log, handle._evaluate = sinks.log, functools.partial(evaluate, run)
+    handle._export = functools.partial(_export, run)
+    return run
 
 
 @dataclass
@@ -268,7 +232,10 @@ class StepResult:
     loss: torch.Tensor  # this rank's, over its micro-batches
     grad_norm: torch.Tensor  # global
     lr: float  # the one the step used
-    router: dict[str, torch.Tensor]  # a mixture of experts': aux loss, tokens routed to each expert
+    stats: dict[str, torch.Tensor]  # the loss's parts to log apart; a mixture of experts' tokens per expert
+    # For the callbacks: the loss's mean over ranks; whether a callback skipped the optimizer step.
+    mean_loss: float | None = None
+    skipped: bool = False
 
 
 def train_step(run: Run, step: int) -> StepResult:
@@ -279,55 +246,84 @@ def train_step(run: Run, step: int) -> StepResult:
     with region("data"):
         batch = run.batches.get(step).to(run.device, non_blocking=True)
     loss_sum = torch.zeros((), device=run.device)
-    router: dict[str, torch.Tensor] = {}
+    totals: dict[str, torch.Tensor] = {}
     for i, micro in enumerate(batch.split(t.micro_batch_size)):
         with grad_sync(run.model, i == micro_steps - 1, t.defer_grad_sync):
             with region("forward"):
-                loss, stats = train_loss(run.model, micro, run.amp, run.router)
+                loss, stats = train_loss(run.model, micro, run.amp, run.loss_fn, run.router)
                 loss = loss / micro_steps
             with region("backward"):
                 scaler.scale_loss(loss).backward()
         loss_sum += loss.detach()
         for k, v in stats.items():
-            router[k] = router.get(k, 0) + (v / micro_steps if k == "aux_loss" else v)
+            totals[k] = totals.get(k, 0) + (v / micro_steps if k in MEAN_LOSSES else v)
+    out = StepResult(loss_sum, loss_sum, 0.0, totals)
     with region("optimizer"):
         finite = scaler.unscale_and_check(run.model.parameters())
-        grad_norm = clip_grad_norm(run.model, run.cfg.optim.grad_clip)
-        if finite:
+        if run.callbacks:
+            out.grad_norm, out.mean_loss, out.skipped = _before_optimizer_step(run, step, loss_sum)
+        else:
+            out.grad_norm = clip_grad_norm(run.model, run.cfg.optim.grad_clip)
+        if finite and not out.skipped:
             run.optimizer.step()
-        run.balancer.step(apply=finite)
+        run.balancer.step(apply=finite and not out.skipped)
         scaler.update(finite)
         run.optimizer.zero_grad(set_to_none=True)
-    lr = run.state.scheduler.get_last_lr()[0]
+    out.lr = run.state.scheduler.get_last_lr()[0]
     run.state.scheduler.step()
     run.state.step = step + 1
     run.state.tokens_seen += t.global_batch_size * run.cfg.data.seq_len
-    return StepResult(loss_sum, grad_norm, lr, router)
+    return out
+
+
+def _before_optimizer_step(run: Run, step: int, loss_sum: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
+    """The callbacks see the step's mean loss and unclipped global gradient norm (and the gradients) before the
+    clip and the update; any rank's skip request is every rank's. Returns (norm, mean loss, skipped)."""
+    norm, grads = grad_norm(run.model)
+    mean_loss, skip = _mean_over_ranks(loss_sum), False
+    if run.callbacks.has("on_before_optimizer_step"):
+        run.handle.step = step + 1
+        run.callbacks.call(
+            "on_before_optimizer_step", run.handle, step + 1, {"loss": mean_loss, "grad_norm": norm.item()}
+        )
+        skip = run.callbacks.agree(run.handle)[0]
+    clip_(grads, norm, run.cfg.optim.grad_clip)
+    return norm, mean_loss, skip
 
 
 def _loop(run: Run, result: TrainResult) -> None:
-    """Steps until max_steps or a preemption signal. Throughput windows run from one log to the next, without
-    the time of eval and checkpoint saves."""
-    t = run.cfg.trainer
+    """Steps until max_steps, a preemption signal or a callback's stop. Throughput windows run from one log to the
+    next, without the time of eval and checkpoint saves."""
+    t, callbacks, handle = run.cfg.trainer, run.callbacks, run.handle
+    callbacks.call("on_train_start", handle)
     run.throughput.start()
     run.peak.reset()
     last_logged = run.state.step
     for step in range(run.state.step, t.max_steps):
         out = train_step(run, step)
-        done = step + 1
+        done = handle.step = step + 1
+        logged = {}
         if done % t.log_interval == 0 or done == t.max_steps:
-            _log_step(run, result, done - last_logged, out)
+            logged = _log_step(run, result, done - last_logged, out)
             last_logged = done
             run.throughput.start()
             run.peak.reset()
+        stopped_by_callback = False
+        if callbacks:
+            metrics = {"loss": out.mean_loss, "grad_norm": out.grad_norm.item(), "lr": out.lr, "skipped": out.skipped}
+            callbacks.call("on_step_end", handle, done, {**logged, **metrics})
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.max_steps):
             with run.throughput.paused():
-                run.sinks.log({"step": done, **evaluate(run)})
+                metrics = {"step": done, **evaluate(run)}
+                run.sinks.log(metrics)
+                callbacks.call("on_eval", handle, done, metrics)
+        if callbacks:
+            stopped_by_callback = callbacks.agree(handle)[1]
         # Before the checkpoint, so that the run's final save stays out of the profiled window (the summary
         # times saves on their own).
         run.profiler.step(done)
         result.stop = _at_boundary(run)
-        if run.checkpointer.due(done, t.max_steps) or result.stop:
+        if run.checkpointer.due(done, t.max_steps) or result.stop or stopped_by_callback:
             with run.throughput.paused():
                 _save(run)
         if result.stop:
@@ -335,6 +331,9 @@ def _loop(run: Run, result: TrainResult) -> None:
                 f"preemption signal ({run.signals.received or 'on another rank'}): stopped after step {done} "
                 "with a resume checkpoint"
             )
+            return
+        if stopped_by_callback:
+            log.info(f"a callback asked to stop: stopped after step {done} with a checkpoint")
             return
 
 
@@ -350,8 +349,8 @@ def _at_boundary(run: Run) -> int:
     return agreed[0]
 
 
-def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> None:
-    """The metrics of the `steps` steps since the last log, to every sink."""
+def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> dict[str, Any]:
+    """The metrics of the `steps` steps since the last log, to every sink; returns them."""
     done, scaler = run.state.step, run.state.scaler
     metrics = {
         "step": done,
@@ -360,7 +359,7 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> Non
         "loss": _mean_over_ranks(out.loss),
         "lr": out.lr,
         "grad_norm": out.grad_norm.item(),
-        **router_metrics(out.router),
+        **loss_metrics(out.stats),
         **run.throughput.stop(steps),
         **run.peak.window(),
     }
@@ -369,6 +368,7 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> Non
     result.losses.append(metrics["loss"])
     run.rates.append(metrics["tokens_per_s"])
     run.sinks.log(metrics)
+    return metrics
 
 
 def evaluate(run: Run) -> dict[str, float]:
@@ -379,10 +379,25 @@ def evaluate(run: Run) -> dict[str, float]:
 
 
 def _save(run: Run) -> None:
-    started = time.perf_counter()
-    run.checkpointer.save(run.state.step, run.model, run.optimizer, run.state.state_dict(run.layout.world_size))
+    started, step = time.perf_counter(), run.state.step
+    trainer_state = run.state.state_dict(run.layout.world_size)
+    run.checkpointer.save(step, run.model, run.optimizer, trainer_state, run.callbacks.state_dict())
     # What a save blocks training for (with checkpoint.async, only the staging).
     run.save_times.append(time.perf_counter() - started)
+    run.callbacks.call("on_save", run.handle, step, os.path.join(run.checkpointer.root, f"step_{step}"))
+
+
+def _export(run: Run, out_dir: str) -> None:
+    """The model's weights as they are now, as a Hugging Face directory (a collective: every rank gathers)."""
+    cfg = run.cfg
+    export_model(
+        run.model,
+        run.hf_config,
+        out_dir,
+        export_dtype(cfg),
+        parse_size(cfg.checkpoint.export_shard_size),
+        cfg.data.tokenizer,
+    )
 
 
 def _finish(run: Run, result: TrainResult, wall_time_s: float) -> None:
@@ -394,14 +409,8 @@ def _finish(run: Run, result: TrainResult, wall_time_s: float) -> None:
         run.agreement.close()
     run.checkpointer.wait()
     if cfg.checkpoint.export and not result.preempted:
-        export_model(
-            run.model,
-            run.hf_config,
-            os.path.join(run.run_dir, "export"),
-            export_dtype(cfg),
-            parse_size(cfg.checkpoint.export_shard_size),
-            cfg.data.tokenizer,
-        )
+        _export(run, os.path.join(run.run_dir, "export"))
+    run.callbacks.call("on_train_end", run.handle, result)
     rates = sorted(run.rates)
     result.summary = {
         "final_loss": result.losses[-1] if result.losses else None,

@@ -5,13 +5,13 @@ and the planner run the same checks."""
 import torch
 from omegaconf import DictConfig
 
+from .callbacks.hooks import check_callbacks
 from .config import (
     ActivationCheckpointingConfig,
     CheckpointConfig,
     DataConfig,
     DataKind,
     ModelConfig,
-    OptimConfig,
     PrecisionConfig,
     ShardingConfig,
     Strategy,
@@ -23,8 +23,9 @@ from .dimensions import max_positions
 from .distributed import backend_for
 from .errors import ConfigError
 from .export import parse_size
+from .losses import check_loss
 from .models import pretrained_dir
-from .optim import check_no_decay
+from .optim import check_optim
 from .precision import dtypes, parse_dtype
 from .pretrained import check_weights
 
@@ -122,12 +123,6 @@ def check_activation_checkpointing(cfg: ActivationCheckpointingConfig) -> None:
         )
 
 
-def check_optim(cfg: OptimConfig) -> None:
-    if cfg.name != "adamw":
-        raise ConfigError("optim.name", f"unknown optimizer {cfg.name!r}", "use optim=adamw")
-    check_no_decay(cfg.no_decay)
-
-
 def check_checkpoint(cfg: CheckpointConfig) -> None:
     parse_size(cfg.export_shard_size)
     if cfg.export_dtype is not None:
@@ -155,5 +150,7 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     backend_for(cfg.distributed.backend, device)
     check_precision(cfg.precision, device)
     check_activation_checkpointing(cfg.activation_checkpointing)
-    check_optim(cfg.optim)
+    check_optim(cfg.optim, cfg.schedule)
+    check_loss(cfg.loss)
+    check_callbacks(cfg.callbacks)
     check_checkpoint(cfg.checkpoint)

@@ -7,10 +7,13 @@ from transformers import AutoModelForCausalLM
 from fsdp_research.composition import compose
 from fsdp_research.config import typed
 from fsdp_research.errors import ConfigError
-from fsdp_research.optim import param_groups
-from fsdp_research.validation import check_optim
+from fsdp_research.optim import check_optim, param_groups
 from tests.helpers.reference import decay_groups
 from tests.helpers.zoo import hf_config
+
+
+def groups_of(model, o):
+    return param_groups(model, o.weight_decay, o.no_decay)
 
 
 def _names(model, groups) -> list[tuple[float, set[str]]]:
@@ -24,22 +27,23 @@ def test_decay_groups_as_configured(family, no_decay):
     model = AutoModelForCausalLM.from_config(hf_config(family, tie_word_embeddings=family == "gpt2"))
     o = typed(compose([f"optim.no_decay=[{','.join(no_decay)}]"])).optim
     if family == "gpt2" and "embedding" in no_decay:  # its position table is an embedding too
-        assert {"transformer.wpe.weight", "transformer.wte.weight"} <= _names(model, param_groups(model, o))[-1][1]
+        assert {"transformer.wpe.weight", "transformer.wte.weight"} <= _names(model, groups_of(model, o))[-1][1]
         return
-    assert _names(model, param_groups(model, o)) == _names(model, decay_groups(model, o))
+    assert _names(model, groups_of(model, o)) == _names(model, decay_groups(model, o))
 
 
 def test_norms_and_biases_are_not_decayed_by_default():
     model = AutoModelForCausalLM.from_config(hf_config("gpt2"))
-    decayed, exempt = _names(model, param_groups(model, typed(compose([])).optim))
+    decayed, exempt = _names(model, groups_of(model, typed(compose([])).optim))
     assert decayed[0] == 0.1 and exempt[0] == 0.0
     assert "transformer.h.0.ln_1.weight" in exempt[1] and "transformer.h.0.attn.c_attn.bias" in exempt[1]
     assert "transformer.h.0.attn.c_attn.weight" in decayed[1] and "transformer.wte.weight" in decayed[1]
 
 
 def test_an_unknown_kind_is_named():
+    cfg = typed(compose(["optim.no_decay=[norms]"]))
     with pytest.raises(ConfigError, match=r"optim.no_decay: unknown kind\(s\) 'norms'.*use some of bias, 1d"):
-        check_optim(typed(compose(["optim.no_decay=[norms]"])).optim)
+        check_optim(cfg.optim, cfg.schedule)
 
 
 def _resume_groups(checkpoint_cfg, saved_cfg, resumed_cfg, run_dir: str) -> list[float]:
@@ -54,13 +58,13 @@ def _resume_groups(checkpoint_cfg, saved_cfg, resumed_cfg, run_dir: str) -> list
 
     init_distributed(typed(compose([])).distributed, torch.device("cpu"))
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
-    saved, _ = build_optimizer(model, saved_cfg, 10)
+    saved, _ = build_optimizer(model, saved_cfg)
     model(torch.ones(2, 4)).sum().backward()
     saved.step()
     model.zero_grad(set_to_none=True)  # as at a resume: no gradients, so DCP makes the state to load into
     checkpointer = Checkpointer(checkpoint_cfg, run_dir, {})
     checkpointer.save(1, model, saved, {"step": 1})
-    optimizer, _ = build_optimizer(model, resumed_cfg, 10)
+    optimizer, _ = build_optimizer(model, resumed_cfg)
     checkpointer.load(f"{run_dir}/checkpoints/step_1", model, optimizer)
     return [group["weight_decay"] for group in optimizer.param_groups]
 
@@ -69,5 +73,5 @@ def test_resume_takes_the_configured_decay(tmp_path):
     from tests.helpers.dist import run_distributed
 
     saved, resumed = typed(compose(["optim.weight_decay=0.5"])), typed(compose([]))
-    decays = run_distributed(_resume_groups, 1, resumed.checkpoint, saved.optim, resumed.optim, str(tmp_path))
+    decays = run_distributed(_resume_groups, 1, resumed.checkpoint, saved, resumed, str(tmp_path))
     assert decays == [0.1, 0.0]  # the checkpoint's 0.5 without the config winning

@@ -64,7 +64,7 @@ def _measure_each(configs: dict[str, Any]) -> dict[str, dict[str, int]]:
         init_distributed(cfg.distributed, device)
         hf_config = build_hf_config(cfg.model)
         model, _ = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
-        optimizer, _ = build_optimizer(model, cfg.optim, cfg.trainer.max_steps)
+        optimizer, _ = build_optimizer(model, cfg)
         gen = torch.Generator().manual_seed(dist.get_rank())
         batch = torch.randint(
             0, hf_config.vocab_size, (cfg.trainer.micro_batch_size, cfg.data.seq_len + 1), generator=gen

@@ -1,0 +1,74 @@
+"""An exponential moving average of the weights (ema = decay x ema + (1 - decay) x weights after every step),
+held as the model holds its weights (each rank its shards), saved in the resume checkpoints, its held-out loss
+logged at every eval (ema_eval_loss) and, with export, written beside the run's export (<run dir>/export_ema)."""
+
+import contextlib
+import os
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class EMA:
+    def __init__(self, decay: float = 0.999, evaluate: bool = True, export: bool = False):
+        if not 0 <= decay < 1:
+            raise ValueError("decay must be in [0, 1)")
+        self.decay, self.evaluate, self.export = decay, evaluate, export
+        self.weights: dict[str, torch.Tensor] = {}
+        self._params: list[torch.Tensor] = []
+
+    def _attach(self, model: torch.nn.Module) -> None:
+        named = list(model.named_parameters())
+        self.weights = {name: p.detach().clone() for name, p in named}
+        self._params = [p for _, p in named]
+
+    def setup(self, run) -> None:
+        self._attach(run.model)
+
+    @torch.no_grad()
+    def on_step_end(self, run, step: int, metrics: dict) -> None:
+        shadows = [_local(w) for w in self.weights.values()]
+        torch._foreach_lerp_(shadows, [_local(p.detach()) for p in self._params], 1 - self.decay)
+
+    @contextlib.contextmanager
+    def swapped(self):
+        """The model holds the averaged weights inside, its own again after (bitwise)."""
+        pairs = [(_local(p.detach()), _local(w)) for p, w in zip(self._params, self.weights.values())]
+        with torch.no_grad():
+            for live, average in pairs:
+                held = live.clone()
+                live.copy_(average)
+                average.copy_(held)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for live, average in pairs:
+                    held = live.clone()
+                    live.copy_(average)
+                    average.copy_(held)
+
+    def on_eval(self, run, step: int, metrics: dict) -> None:
+        if self.evaluate:
+            with self.swapped():
+                result = run.evaluate()
+            run.log({"ema_eval_loss": result["eval_loss"]}, step=step)
+
+    def on_train_end(self, run, result) -> None:
+        if self.export and not result.preempted:
+            with self.swapped():
+                run.export(os.path.join(run.run_dir, "export_ema"))
+
+    def state_dict(self) -> dict:
+        """The averaged weights by parameter name (DTensors where the model's are: DCP saves each rank's shards)."""
+        return {"decay": self.decay, "weights": self.weights}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            for name, value in state["weights"].items():
+                if value is not self.weights[name]:
+                    self.weights[name].copy_(value)

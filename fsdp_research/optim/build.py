@@ -1,0 +1,77 @@
+"""The optimizer a config names (optim._target_, called with the parameter groups and the group's other keys;
+with optim.others, a second optimizer for everything but the repeating blocks' 2-D weight matrices), and its
+schedule."""
+
+import inspect
+from collections.abc import Sequence
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
+
+from ..errors import ConfigError
+from ..models import clean_name
+from ..targets import check_call, kwargs_of, resolve
+from .combined import Combined
+from .groups import check_no_decay, check_patterns, param_groups
+from .schedules import build_scheduler, check_schedule
+
+# optim's own keys: the rest are the target's keyword arguments.
+OWN_KEYS = ("name", "no_decay", "param_groups", "others", "grad_clip", "warmup_steps", "min_lr_ratio")
+
+
+def _target_and_kwargs(node: DictConfig, key: str, exclude: Sequence[str] = ()) -> tuple[type, dict]:
+    target = resolve(node._target_, f"{key}._target_")
+    kwargs = kwargs_of(node, tuple(exclude))
+    check_call(target, kwargs, f"{key}._target_", "params")
+    return target, kwargs
+
+
+def check_optim(cfg: DictConfig, schedule: DictConfig) -> None:
+    """Everything about the optimizer and its schedule that needs no model: targets import, kwargs bind."""
+    check_no_decay(cfg.no_decay)
+    _target_and_kwargs(cfg, "optim", OWN_KEYS)
+    if cfg.others is not None:
+        if "_target_" not in cfg.others:
+            raise ConfigError("optim.others._target_", "is not set", "set it, e.g. torch.optim.AdamW")
+        _target_and_kwargs(cfg.others, "optim.others")
+    check_schedule(schedule)
+
+
+def block_matrices(model: nn.Module, block_paths: Sequence[str]) -> set[int]:
+    """The 2-D weight matrices inside the repeating blocks (ids): what Muon orthogonalizes."""
+    return {id(p) for path in block_paths for p in model.get_submodule(path).parameters() if p.ndim == 2}
+
+
+def _build_one(model, node: DictConfig, key: str, named, entries, no_decay, exclude=()) -> torch.optim.Optimizer:
+    target, kwargs = _target_and_kwargs(node, key, exclude)
+    accepted = inspect.signature(target).parameters
+    takes = lambda name: name in accepted or any(p.kind is p.VAR_KEYWORD for p in accepted.values())  # noqa: E731
+    # lr and weight_decay set per group (lr_scale, no_decay); passed on only to a target that takes them.
+    lr, weight_decay = kwargs.get("lr"), kwargs.get("weight_decay", 0.0)
+    kwargs = {k: v for k, v in kwargs.items() if takes(k)}
+    groups = param_groups(model, weight_decay, no_decay, entries, named, lr)
+    for group in groups:
+        if not takes("weight_decay"):
+            group.pop("weight_decay")
+    return target(groups, **kwargs)
+
+
+def build_optimizer(model: nn.Module, train_cfg: DictConfig, block_paths: Sequence[str] = ()):
+    """(optimizer, LR scheduler) of a run's config (optim, schedule, trainer.max_steps) over the model's
+    parameters; block_paths: the repeating blocks (with optim.others, their matrices get optim._target_)."""
+    cfg = train_cfg.optim
+    named = [(clean_name(n), p) for n, p in model.named_parameters()]
+    entries = OmegaConf.to_container(cfg.param_groups, resolve=True) if cfg.param_groups else []
+    check_patterns(entries, [n for n, _ in named])
+    if cfg.others is None:
+        optimizer = _build_one(model, cfg, "optim", named, entries, cfg.no_decay, OWN_KEYS)
+    else:
+        matrices = block_matrices(model, block_paths)
+        main = [(n, p) for n, p in named if id(p) in matrices]
+        rest = [(n, p) for n, p in named if id(p) not in matrices]
+        parts = [_build_one(model, cfg, "optim", main, entries, cfg.no_decay, OWN_KEYS)] if main else []
+        if rest:
+            parts.append(_build_one(model, cfg.others, "optim.others", rest, entries, cfg.no_decay))
+        optimizer = Combined(parts)
+    return optimizer, build_scheduler(optimizer, train_cfg.schedule, train_cfg.trainer.max_steps)

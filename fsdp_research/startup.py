@@ -1,0 +1,73 @@
+"""What a run sets up once beside the model: the data (token stores built where missing), the global RNG seeded
+per rank, and the throughput/MFU meter with the start-up log line that describes the run."""
+
+import logging
+import secrets
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from .data.pipeline import Build, Data, build_data
+from .dimensions import ModelDims
+from .distributed import cores_per_rank, on_rank0
+from .metrics import Throughput, active_parameters
+from .models import dropout_in
+from .precision import dtypes
+from .sharding import ShardingPlan
+
+log = logging.getLogger("fsdp_research")
+
+
+def open_data(cfg: DictConfig, vocab_size: int) -> Data:
+    """The run's data. Where a token store is missing every rank builds its share with its share of the node's
+    cores (rank 0 logs the progress); opening existing stores takes milliseconds."""
+    rank, started = dist.get_rank(), time.perf_counter()
+
+    def progress(done: int, total: int, seconds: float) -> None:
+        log.info(f"tokenizing: {done}/{total} parts of the token store done after {seconds:.0f} s")
+
+    build = Build(
+        rank=rank,
+        world=dist.get_world_size(),
+        workers=cfg.data.build_workers or cores_per_rank(),
+        name=on_rank0(lambda: secrets.token_hex(8)),
+        report=progress if rank == 0 else None,
+    )
+    data = build_data(cfg.data, vocab_size, cfg.trainer.seed, build)
+    log.info(f"data: {data.describe()}; ready in {time.perf_counter() - started:.2f} s")
+    return data
+
+
+def throughput_of(
+    cfg: DictConfig, d: ModelDims, model: nn.Module, plan: ShardingPlan, device: torch.device, start: int
+) -> Throughput:
+    """Throughput and MFU (from the parameters a token is multiplied with: a mixture of experts' active ones, no
+    embedding lookups; against the device's peak in the compute dtype)."""
+    t, world = cfg.trainer, dist.get_world_size()
+    n_params, active = sum(p.numel() for p in model.parameters()), active_parameters(model, d)
+    moe = f" ({active / 1e6:.2f}M active per token)" if active != n_params else ""
+    log.info(
+        f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters{moe}, {len(plan.blocks)} blocks, "
+        f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
+        f"starting at step {start}"
+    )
+    if d.unknown:
+        log.info(f"MFU: no attention found in {', '.join(d.unknown)}: their parameters counted, not their mixing")
+    return Throughput.of(
+        model, d, t.global_batch_size, cfg.data.seq_len, world, dtypes(cfg.precision)[0], device, t.peak_tflops
+    )
+
+
+def seed_rng(model: nn.Module, seed: int, rank: int, world: int) -> None:
+    """The global RNG (dropout) seeded per rank from trainer.seed: the same command draws the same masks again
+    (a resume restores each rank's RNG state instead)."""
+    torch.manual_seed(seed * 1_000_003 + rank)
+    dropout = dropout_in(getattr(model, "module", model))  # under torch DDP, the model it wraps
+    if dropout and rank == 0:
+        log.info(
+            f"dropout is on ({', '.join(dropout[:4])}): each rank draws its own masks, so the losses repeat at "
+            f"this world size ({world}), not at another"
+        )
