@@ -63,13 +63,13 @@ def batches(cfg: DictConfig, vocab_size: int):
     return batch
 
 
-def lr_at(cfg: DictConfig, step: int) -> float:
-    """Linear warmup over warmup_steps, then cosine decay to lr * min_lr_ratio at max_steps."""
-    o, total = cfg.optim, cfg.trainer.max_steps
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    progress = min(1.0, (step - o.warmup_steps) / max(1, total - o.warmup_steps))
-    return o.lr * (o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+def factor_at(cfg: DictConfig, step: int) -> float:
+    """Linear warmup over warmup_steps, then cosine decay to min_lr_ratio at max_steps."""
+    s, total = cfg.schedule, cfg.trainer.max_steps
+    if step < s.warmup_steps:
+        return (step + 1) / s.warmup_steps
+    progress = min(1.0, (step - s.warmup_steps) / max(1, total - s.warmup_steps))
+    return s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def decay_groups(model, o) -> list[dict]:
@@ -115,29 +115,37 @@ def expert_bias_updates(model, rate: float):
     return update
 
 
-def reference_run(cfg, initial: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+def adamw(model, cfg) -> list[tuple[torch.optim.Optimizer, float]]:
+    """torch's AdamW over the decay groups; with its base learning rate."""
+    o = cfg.optim
+    return [(torch.optim.AdamW(decay_groups(model, o), lr=o.lr, betas=tuple(o.betas), eps=o.eps), o.lr)]
+
+
+def reference_run(cfg, initial: str, optimizers=adamw) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Per-step losses and final weights of the whole global batch in one forward, from the weights in `initial`
-    (a directory written by save_pretrained)."""
+    (a directory written by save_pretrained); optimizers(model, cfg): [(optimizer, its base lr), ...]."""
     from transformers import AutoModelForCausalLM
 
     cfg = typed(cfg)
     model = AutoModelForCausalLM.from_pretrained(initial, dtype=torch.float32)
     o = cfg.optim
-    optimizer = torch.optim.AdamW(decay_groups(model, o), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    parts = optimizers(model, cfg)
     batch = batches(cfg, model.config.vocab_size)
     balance = expert_bias_updates(model, cfg.model.moe.bias_update_rate)
     losses = []
     for step in range(cfg.trainer.max_steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(cfg, step)
+        for optimizer, base in parts:
+            for group in optimizer.param_groups:
+                group["lr"] = base * factor_at(cfg, step)
         tokens = batch(step)
         logits = model(input_ids=tokens[:, :-1]).logits
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
-        optimizer.step()
+        for optimizer, _ in parts:
+            optimizer.step()
         balance()
-        optimizer.zero_grad()
+        model.zero_grad()
         losses.append(loss.item())
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
