@@ -9,19 +9,28 @@ from omegaconf import DictConfig
 from .activation_checkpointing import apply_activation_checkpointing
 from .compilation import apply_compile
 from .config import Strategy
+from .dimensions import dims
 from .initialization import init_weights, materialize
-from .models import block_class_name, build_model, find_blocks, pretrained_dir
+from .models import block_class_name, build_model, build_own_model, find_blocks, pretrained_dir
 from .precision import build_mp_policy, dtypes, kept_in_fp32
 from .pretrained import load_pretrained
 from .sharding import ShardingPlan, apply_ddp, apply_fsdp, build_mesh, build_plan
+from .validation import check_data_fits
 
 
 def planned_model(cfg: DictConfig, hf_config) -> tuple[nn.Module, ShardingPlan]:
-    """The model on the meta device, prepared in the trainer's order (activation checkpointing, compile), and
-    its sharding plan: nothing allocated, no process group needed. Raises ConfigError for a block class the
-    model does not have."""
-    model = build_model(hf_config, cfg.trainer.seed)
+    """The model on the meta device (hf_config None: a model of one's own, built by its factory), prepared in the
+    trainer's order (activation checkpointing, compile), and its sharding plan: nothing allocated, no process group
+    needed. Raises ConfigError for a block class the model does not have, or a model of one's own whose vocabulary
+    the data does not fit."""
+    if hf_config is None:
+        model = build_own_model(cfg.model, cfg.trainer.seed)
+    else:
+        model = build_model(hf_config, cfg.trainer.seed)
     blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
+    if hf_config is None:
+        paths = {module: path for path, module in model.named_modules()}
+        check_data_fits(cfg.data, dims(model, [paths[b] for b in blocks]).vocab, None)
     # Before sharding, so that FSDP shards the wrapped block; compile too, so FSDP's hooks stay outside it.
     blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
     apply_compile(blocks, cfg.trainer.compile)

@@ -312,5 +312,9 @@ class Checkpointer:
 
 
 def config_files(cfg: DictConfig, hf_config) -> dict[str, str]:
-    """What an offline export needs besides the weights: the model config and the run's config."""
-    return {"config.json": hf_config.to_json_string(), "train_config.yaml": OmegaConf.to_yaml(cfg, resolve=True)}
+    """What an offline export needs besides the weights: the model config (a transformers model's) and the run's
+    config."""
+    files = {"train_config.yaml": OmegaConf.to_yaml(cfg, resolve=True)}
+    if hf_config is not None:
+        files["config.json"] = hf_config.to_json_string()
+    return files

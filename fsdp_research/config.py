@@ -164,7 +164,8 @@ class ScheduleConfig:
     """The learning rate multiplier of each step. `_target_`: a function (step, max_steps, **kwargs) -> multiplier,
     or an LRScheduler class (called with the optimizer and the group's other keys)."""
 
-    name: ScheduleName = ScheduleName.cosine
+    # cosine, linear, constant, wsd, inverse_sqrt (ScheduleName); any name with _target_.
+    name: str = "cosine"
     _target_: str | None = None
     # Linear from 1/warmup_steps to 1 over the first warmup_steps steps (every named schedule).
     warmup_steps: int = 10

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from .models import block_class_name, find_blocks
+from .models import block_class_name, find_blocks, input_embedding, output_layer
 
 # A module's attributes that hold its number of attention heads, its query/key and value head sizes (first found).
 _HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")
@@ -88,7 +88,7 @@ def _attention(block: nn.Module, hf_config) -> Attention | None:
         sources = [module, getattr(module, "config", None) or hf_config]
         heads, qk = _attr(sources, _HEADS), _attr(sources, _QK_DIM)
         if qk is None and heads:
-            hidden = _attr(sources, ("hidden_size", "embed_dim"))
+            hidden = _attr(sources, ("hidden_size", "embed_dim", "n_embd", "d_model"))
             qk = hidden // heads if hidden else None
         if not (heads and qk):
             continue
@@ -135,16 +135,18 @@ def dims(model: nn.Module, block_paths: Sequence[str] | None = None) -> ModelDim
     """The dimensions of a model (on the meta device or materialized; before sharding, which renames classes)
     and its repeating blocks (their paths, as the sharding plan has them; by default found as the trainer finds
     them, without model.block_class)."""
-    hf_config = model.config
+    hf_config = getattr(model, "config", None)  # None for a model of one's own
     if block_paths is None:
         blocks = find_blocks(model, block_class_name(model, None))
     else:
         blocks = [model.get_submodule(path) for path in block_paths]
     blocks = [getattr(b, "_checkpoint_wrapped_module", b) for b in blocks]
-    embedding = model.get_input_embeddings()
-    output = model.get_output_embeddings()
+    embedding, output = input_embedding(model), output_layer(model)
     hidden = getattr(embedding, "embedding_dim", None) or _attr([hf_config], ("hidden_size", "n_embd", "d_model"))
-    vocab = output.weight.shape[0] if output is not None and hasattr(output, "weight") else hf_config.vocab_size
+    if output is not None and hasattr(output, "weight"):
+        vocab = output.weight.shape[0]
+    else:
+        vocab = getattr(hf_config, "vocab_size", None) or getattr(embedding, "num_embeddings", 0)
     attention = tuple(_attention(block, hf_config) for block in blocks)
     unknown = sorted({type(b).__name__ for b, a in zip(blocks, attention) if a is None})
     experts = _experts(model)

@@ -1,9 +1,11 @@
 """Weights out: one Hugging Face directory (config.json, model.safetensors, sharded with an index above a
-size, the tokenizer when one is used) that AutoModelForCausalLM.from_pretrained loads.
+size, the tokenizer when one is used) that AutoModelForCausalLM.from_pretrained loads; for a model of one's own
+(model._target_), its state_dict as safetensors (model.safetensors, or shards and an index), the tokenizer beside.
 
 At the end of training the full weights are gathered once; `fsdp-research export <step dir> <out dir>`
 converts any resume checkpoint offline, with no process group and no GPU."""
 
+import os
 import re
 import warnings
 
@@ -62,15 +64,32 @@ def write_hf_dir(
         load_tokenizer(tokenizer).save(out_dir)
 
 
+def write_state_dir(
+    state: dict[str, torch.Tensor], out_dir: str, dtype: torch.dtype, shard_size: int, tokenizer: str | None = None
+) -> None:
+    """A model of one's own: its state_dict (wrapper names stripped, tied tensors once) in safetensors files."""
+    from huggingface_hub import save_torch_state_dict
+
+    tensors = {clean_name(k): v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    os.makedirs(out_dir, exist_ok=True)
+    save_torch_state_dict(tensors, out_dir, max_shard_size=shard_size)
+    if tokenizer:
+        load_tokenizer(tokenizer).save(out_dir)
+
+
 def export_model(
     model: torch.nn.Module, hf_config, out_dir: str, dtype: torch.dtype, shard_size: int, tokenizer: str | None
 ) -> None:
-    """Gather the full weights (a collective, every rank calls it) and write them from rank 0."""
+    """Gather the full weights (a collective, every rank calls it) and write them from rank 0 (hf_config None:
+    a model of one's own)."""
     state = get_model_state_dict(
         getattr(model, "module", model), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
     )
     if dist.get_rank() == 0:
-        write_hf_dir(state, hf_config, out_dir, dtype, shard_size, tokenizer)
+        if hf_config is None:
+            write_state_dir(state, out_dir, dtype, shard_size, tokenizer)
+        else:
+            write_hf_dir(state, hf_config, out_dir, dtype, shard_size, tokenizer)
 
 
 def load_checkpoint_weights(step_dir: str) -> dict[str, torch.Tensor]:

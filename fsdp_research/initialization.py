@@ -29,9 +29,20 @@ def materialize(model: nn.Module, params: torch.device, device: torch.device) ->
         for module in model.modules()
         for name, buf in module.named_buffers(recurse=False)
     }
+    places: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                places.setdefault(id(param), []).append((module, name))
     model.to_empty(device=params)
-    # to_empty gives each module its own new tensor, which unties shared weights: tie them again.
-    model.tie_weights()
+    # to_empty gives each module its own new tensor, which unties shared weights: tie them again (transformers'
+    # models by their own rule, any other as they were).
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    else:
+        for (first, first_name), *others in places.values():
+            for module, name in others:
+                module._parameters[name] = first._parameters[first_name]
     for (module, name), buf in buffers.items():
         module._buffers[name] = buf
 
@@ -64,12 +75,14 @@ def _keep_shard(target: nn.Parameter, full: torch.Tensor) -> None:
 
 
 def _init_fn(model: nn.Module, path: str):
-    """The _init_weights of the innermost sub-model (PreTrainedModel) that holds the module at path."""
+    """The _init_weights of the innermost sub-model (PreTrainedModel) that holds the module at path; none for a
+    model of one's own, whose values are kept as its factory built them."""
     from transformers import PreTrainedModel
 
     parts = path.split(".") if path else []
     owners = [model.get_submodule(".".join(parts[:i])) for i in range(len(parts) + 1)]
-    return [m for m in owners if isinstance(m, PreTrainedModel)][-1]._init_weights
+    found = [m for m in owners if isinstance(m, PreTrainedModel)]
+    return found[-1]._init_weights if found else (lambda module: None)
 
 
 def _stand_in(module: nn.Module, name: str, shape: torch.Size, generator: torch.Generator) -> nn.Parameter:

@@ -97,7 +97,14 @@ def train_loss(model: nn.Module, batch: torch.Tensor, amp, loss_fn: LossFn | Non
     loss has none)."""
     with amp:
         out = model(input_ids=batch[:, :-1], **({"output_router_logits": True} if router else {}))
-    loss, stats = (loss_fn or _plain)(out.logits.flatten(0, 1), batch[:, 1:].flatten())
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        raise ConfigError(
+            "model._target_",
+            f"the model's forward returned a {type(out).__name__} without .logits",
+            "return an object with .logits (e.g. transformers' CausalLMOutput)",
+        )
+    loss, stats = (loss_fn or _plain)(logits.flatten(0, 1), batch[:, 1:].flatten())
     if router is None:
         return loss, stats
     aux = getattr(out, "aux_loss", None)

@@ -1,5 +1,5 @@
-"""Hugging Face causal LMs without allocating them: the config, the model on the meta device, its repeating
-blocks (dimensions: fsdp_research.dimensions)."""
+"""Models without allocating them: a Hugging Face causal LM from its config, or any model a factory builds
+(model._target_), on the meta device, and its repeating blocks (dimensions: fsdp_research.dimensions)."""
 
 import contextlib
 import logging
@@ -12,13 +12,28 @@ from torch.nn.modules.module import register_module_module_registration_hook
 
 from .config import ModelConfig
 from .errors import ConfigError
+from .targets import build as build_target
+
+# model's own keys: with model._target_ the others are the factory's keyword arguments.
+OWN_KEYS = ("name", "name_or_path", "model_type", "config", "load_weights", "block_class", "moe")
 
 log = logging.getLogger("fsdp_research")
 
 
 def build_hf_config(cfg: ModelConfig):
+    """transformers' config of the model; None for a model of one's own (model._target_)."""
     from transformers import AutoConfig
 
+    if cfg.get("_target_"):
+        _check_own_model(cfg)
+        return None
+    unknown = sorted(set(cfg.keys()) - {*OWN_KEYS, "_target_"})
+    if unknown:
+        raise ConfigError(
+            f"model.{unknown[0]}",
+            "is not a key of a transformers model (only a model._target_ factory takes other keys)",
+            "remove it, or put the family's config values under model.config",
+        )
     if not (cfg.name_or_path or cfg.model_type):
         raise ConfigError(
             "model.model_type",
@@ -38,6 +53,22 @@ def build_hf_config(cfg: ModelConfig):
         ) from None
 
 
+def _check_own_model(cfg: ModelConfig) -> None:
+    given = [k for k in ("name_or_path", "model_type") if cfg.get(k)] + (["config"] if cfg.config else [])
+    if given:
+        raise ConfigError(
+            "model._target_",
+            f"is set together with model.{given[0]} (a transformers model)",
+            "use a model option of your own (_target_ and block_class alone), or drop model._target_",
+        )
+    if cfg.load_weights:
+        raise ConfigError("model.load_weights", "a model._target_ factory loads its own weights", "set it to false")
+    if not cfg.block_class:
+        raise ConfigError(
+            "model.block_class", "is not set for a model._target_ factory", "name its repeating block's class"
+        )
+
+
 # A parameter up to this size (vectors, small tables) keeps the values its module's constructor gave it; a larger
 # one only their mean and spread (a block's weights are never all held on the CPU at once).
 _KEPT_AS_BUILT = 2**16
@@ -50,11 +81,27 @@ def as_built(module: nn.Module, name: str) -> torch.Tensor | tuple[float, float]
     return module.__dict__.get("_as_built", {}).get(name)
 
 
-def _noted(param: torch.Tensor) -> torch.Tensor | tuple[float, float]:
+def _noted(param: torch.Tensor, keep_all: bool) -> torch.Tensor | tuple[float, float]:
     values = param.detach().float()
-    if values.numel() <= _KEPT_AS_BUILT:
+    if keep_all or values.numel() <= _KEPT_AS_BUILT:
         return values.clone()
     return values.mean().item(), values.std().item() if values.numel() > 1 else 0.0
+
+
+def _meta(param: nn.Parameter) -> nn.Parameter:
+    # Shared (tied) parameters stay one parameter: the real one notes its meta twin, and goes when unused.
+    if not hasattr(param, "_on_meta"):
+        param._on_meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+    return param._on_meta
+
+
+def _to_meta(module: nn.Module, keep_all: bool = False) -> None:
+    """Every parameter of the module on the meta device, with a note of what it held (keep_all: every value)."""
+    for m in module.modules():
+        for name, param in m._parameters.items():
+            if param is not None and not param.is_meta:
+                m.__dict__.setdefault("_as_built", {})[name] = _noted(param, keep_all)
+                m._parameters[name] = _meta(param)
 
 
 @contextlib.contextmanager
@@ -62,25 +109,10 @@ def _parameters_on_meta() -> Iterator:
     """Parameters go to the meta device once the module holding them is built (when it is registered in its
     parent: its constructor has finished), with a note of what they hold; buffers (rotary tables) stay real, so
     they need no recomputation after materialization. Only a module's own parameters are real at a time (its
-    children's went when they were registered in it). Yields the function that moves a module's parameters (for
-    the root's own)."""
-
-    def meta(param: nn.Parameter) -> nn.Parameter:
-        # Shared (tied) parameters stay one parameter: the real one notes its meta twin, and goes when unused.
-        if not hasattr(param, "_on_meta"):
-            param._on_meta = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
-        return param._on_meta
-
-    def to_meta(module: nn.Module) -> None:
-        for m in module.modules():
-            for name, param in m._parameters.items():
-                if param is not None and not param.is_meta:
-                    m.__dict__.setdefault("_as_built", {})[name] = _noted(param)
-                    m._parameters[name] = meta(param)
-
-    handle = register_module_module_registration_hook(lambda parent, name, child: to_meta(child) if child else None)
+    children's went when they were registered in it)."""
+    handle = register_module_module_registration_hook(lambda parent, name, child: _to_meta(child) if child else None)
     try:
-        yield to_meta
+        yield
     finally:
         handle.remove()
 
@@ -91,10 +123,10 @@ def build_model(hf_config, seed: int = 0) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
     try:
-        with _parameters_on_meta() as to_meta, torch.random.fork_rng(devices=[]):
+        with _parameters_on_meta(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-            to_meta(model)  # the root's own parameters
+            _to_meta(model)  # the root's own parameters
     except (ValueError, TypeError, AttributeError, RuntimeError) as err:
         raise ConfigError(
             "model.config",
@@ -103,6 +135,29 @@ def build_model(hf_config, seed: int = 0) -> nn.Module:
         ) from None
     # A fixed, deterministic attention kernel (no padding here, so no mask is needed).
     model.config.use_cache = False
+    return model
+
+
+def build_own_model(cfg: ModelConfig, seed: int = 0) -> nn.Module:
+    """A model of one's own (model._target_, its other keys the factory's keyword arguments), built whole on the
+    CPU from `seed` as its factory builds it, every value noted as built (whatever and however its constructor
+    initialises), then its parameters on the meta device: each rank later keeps its shards of those values. So
+    one full copy of the model passes through each rank's host memory at the start."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        try:
+            model = build_target(cfg, "model._target_", exclude=OWN_KEYS)
+        except ConfigError:
+            raise
+        except Exception as err:  # the factory's own error, said in one line
+            raise ConfigError(
+                "model._target_", f"{cfg._target_} raised {_first_line(err)}", "fix the factory or its arguments"
+            ) from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(
+            "model._target_", f"{cfg._target_} returned a {type(model).__name__}, not an nn.Module", "return the model"
+        )
+    _to_meta(model, keep_all=True)
     return model
 
 
@@ -118,7 +173,7 @@ def block_class_name(model: nn.Module, override: str | None) -> str:
     are joined by commas."""
     if override:
         return override
-    if model.config.model_type in _PART_BLOCKS:
+    if getattr(getattr(model, "config", None), "model_type", None) in _PART_BLOCKS:
         return _PART_BLOCKS[model.config.model_type]
     declared = set(getattr(model, "_no_split_modules", None) or [])
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 1]
@@ -168,10 +223,9 @@ def _first_line(err: BaseException) -> str:
 def dropout_in(model: nn.Module) -> list[str]:
     """Where the model drops out at training time: its nn.Dropout modules with p > 0 and the config's dropout
     probabilities above 0 (attention's dropout is often a functional argument)."""
+    settings = model.config.to_dict() if hasattr(model, "config") else {}
     config = {
-        f"{k}={v}"
-        for k, v in model.config.to_dict().items()
-        if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
+        f"{k}={v}" for k, v in settings.items() if ("dropout" in k or "pdrop" in k) and isinstance(v, float) and v > 0
     }
     modules = {f"{type(m).__name__}(p={m.p})" for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0}
     return sorted(config) + sorted(modules)
@@ -179,6 +233,20 @@ def dropout_in(model: nn.Module) -> list[str]:
 
 # The path components FSDP, activation checkpointing and torch.compile insert; a real name's `module` is kept.
 _WRAPPERS = {"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"}
+
+
+def input_embedding(model: nn.Module) -> nn.Module | None:
+    """The token embedding: transformers' accessor, else a model's first nn.Embedding."""
+    if hasattr(model, "get_input_embeddings"):
+        return model.get_input_embeddings()
+    return next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+
+
+def output_layer(model: nn.Module) -> nn.Module | None:
+    """The layer that makes the logits: transformers' accessor, else a model's last nn.Linear."""
+    if hasattr(model, "get_output_embeddings"):
+        return model.get_output_embeddings()
+    return next((m for m in reversed(list(model.modules())) if isinstance(m, nn.Linear)), None)
 
 
 def clean_name(name: str) -> str:

@@ -183,7 +183,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         trainer_state, callback_state = checkpointer.load(resume_dir, model, optimizer, callbacks.state_dict())
         state.load_state_dict(trainer_state)
         callbacks.load_state_dict(callback_state)
-    data = open_data(cfg, hf_config.vocab_size)
+    data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
     throughput = throughput_of(cfg, d, model, plan, device, state.step)
     sinks, profiler = _observe(cfg, run_dir, device, plan, state, resources)
     batches = Prefetcher(

@@ -64,14 +64,24 @@ def check_sources(cfg: DataConfig) -> None:
         raise ConfigError("data.build_workers", f"{cfg.build_workers} is negative", "use 0 (all cores) or N")
 
 
-def check_data(cfg: DataConfig, t: TrainerConfig, hf_config) -> None:
-    limit = max_positions(hf_config)
+def _check_seq_len(cfg: DataConfig, limit: int | None) -> None:
     if cfg.seq_len < 1 or (limit and cfg.seq_len > limit):
         raise ConfigError(
             "data.seq_len",
             f"{cfg.seq_len} is not within the model's 1..{limit or 'any'} positions",
             f"set data.seq_len to {f'at most {limit}' if limit else '1 or more'}",
         )
+
+
+def check_data_fits(cfg: DataConfig, vocab_size: int, limit: int | None) -> None:
+    """The data against a model's vocabulary and positions (a model of one's own: once it is built)."""
+    _check_seq_len(cfg, limit)
+    check_tokenizer(cfg, vocab_size)
+
+
+def check_data(cfg: DataConfig, t: TrainerConfig, hf_config) -> None:
+    """hf_config None (a model of one's own): the fit to the model is checked when it is built."""
+    _check_seq_len(cfg, max_positions(hf_config) if hf_config is not None else None)
     check_sources(cfg)
     if not 0 <= cfg.eval_fraction < 1:
         raise ConfigError("data.eval_fraction", f"{cfg.eval_fraction} is not in [0, 1)", "use e.g. 0.05")
@@ -81,7 +91,8 @@ def check_data(cfg: DataConfig, t: TrainerConfig, hf_config) -> None:
             "eval needs held-out data but data.eval_fraction is 0",
             "set data.eval_fraction above 0, or trainer.eval_interval=0",
         )
-    check_tokenizer(cfg, hf_config.vocab_size)
+    if hf_config is not None:
+        check_tokenizer(cfg, hf_config.vocab_size)
 
 
 def check_offload_backend(cfg: ShardingConfig, backend: str) -> None:

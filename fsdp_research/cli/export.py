@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from ..checkpoint import verify
 from ..errors import ConfigError
-from ..export import export_dtype, load_checkpoint_weights, parse_size, write_hf_dir
+from ..export import export_dtype, load_checkpoint_weights, parse_size, write_hf_dir, write_state_dir
 from .common import fail
 
 
@@ -36,13 +36,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype, shard_size = export_dtype(train_cfg), parse_size(args.shard_size)
     except ConfigError as err:
         return fail(err)
-    write_hf_dir(
-        load_checkpoint_weights(args.step_dir),
-        AutoConfig.from_pretrained(args.step_dir),
-        args.out_dir,
-        dtype,
-        shard_size,
-        train_cfg.data.tokenizer,
-    )
+    weights = load_checkpoint_weights(args.step_dir)
+    if os.path.exists(os.path.join(args.step_dir, "config.json")):
+        write_hf_dir(
+            weights,
+            AutoConfig.from_pretrained(args.step_dir),
+            args.out_dir,
+            dtype,
+            shard_size,
+            train_cfg.data.tokenizer,
+        )
+    else:  # a model of one's own (model._target_): its state_dict
+        write_state_dir(weights, args.out_dir, dtype, shard_size, train_cfg.data.tokenizer)
     print(f"wrote {args.out_dir}")
     return 0

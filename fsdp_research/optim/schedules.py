@@ -60,6 +60,12 @@ def check_schedule(cfg: DictConfig) -> None:
         else:
             check_call(target, kwargs, "schedule._target_", "step", "max_steps")
         return
+    if cfg.name not in {s.value for s in ScheduleName}:
+        raise ConfigError(
+            "schedule.name",
+            f"unknown schedule {cfg.name!r}",
+            f"use one of {', '.join(s.value for s in ScheduleName)}, or schedule._target_",
+        )
     unknown = sorted(set(cfg.keys()) - {*_OWN, "_target_"})
     if unknown:
         raise ConfigError(f"schedule.{unknown[0]}", f"the {cfg.name} schedule has no key {unknown[0]!r}", "remove it")

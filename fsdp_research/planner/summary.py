@@ -13,7 +13,7 @@ from ..config import Strategy
 from ..dimensions import dims
 from ..layout import layout
 from ..metrics import active_parameters
-from ..models import build_hf_config
+from ..models import build_hf_config, input_embedding, output_layer
 from ..precision import dtypes
 from ..sharding import ShardingPlan, owner
 
@@ -107,12 +107,13 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
     for name, (rows, row) in owned[""]:
         if block_of(name) is not None:
             root_in_block[block_of(name)] += rows * row
-    embedding = model.get_input_embeddings().weight
-    tied = any(p is embedding for p in model.get_output_embeddings().parameters())
+    embedding = input_embedding(model).weight
+    output = output_layer(model)
+    tied = output is not None and any(p is embedding for p in output.parameters())
     d = dims(model, plan.blocks)
     return ModelSummary(
         name=cfg.model.name,
-        model_type=hf_config.model_type,
+        model_type=hf_config.model_type if hf_config is not None else cfg.model._target_,
         n_params=sum(p.numel() for p in model.parameters()),
         active_params=active_parameters(model, d),
         experts=d.experts,
@@ -123,7 +124,7 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         kv_dim=d.kv_heads * d.head_dim,
         vocab=d.vocab,
         n_blocks=len(plan.blocks),
-        sdpa=model.config._attn_implementation != "eager",
+        sdpa=getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") != "eager",
         strategy=plan.strategy,
         checkpointed=tuple(isinstance(model.get_submodule(b), CheckpointWrapper) for b in plan.blocks),
         units=units[:-1] if plan.units else (),
