@@ -4,14 +4,15 @@ initialised or read from a checkpoint -> torch's DDP for the classic baseline.""
 
 import torch
 import torch.nn as nn
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from .activation_checkpointing import apply_activation_checkpointing
 from .compilation import apply_compile
 from .config import Strategy
 from .dimensions import dims
 from .initialization import init_weights, materialize
-from .models import block_class_name, build_model, build_own_model, find_blocks, pretrained_dir
+from .models import block_class_name, build_model, build_own_model, clean_name, find_blocks, pretrained_dir
+from .optim.groups import check_patterns
 from .precision import build_mp_policy, dtypes, kept_in_fp32
 from .pretrained import load_pretrained
 from .sharding import ShardingPlan, apply_ddp, apply_fsdp, build_mesh, build_plan
@@ -31,6 +32,8 @@ def planned_model(cfg: DictConfig, hf_config) -> tuple[nn.Module, ShardingPlan]:
     if hf_config is None:
         paths = {module: path for path, module in model.named_modules()}
         check_data_fits(cfg.data, dims(model, [paths[b] for b in blocks]).vocab, None)
+    names = [clean_name(n) for n, _ in model.named_parameters()]
+    check_patterns(OmegaConf.to_container(cfg.optim.param_groups, resolve=True), names)
     # Before sharding, so that FSDP shards the wrapped block; compile too, so FSDP's hooks stay outside it.
     blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
     apply_compile(blocks, cfg.trainer.compile)

@@ -23,11 +23,13 @@ from .dimensions import max_positions
 from .distributed import backend_for
 from .errors import ConfigError
 from .export import parse_size
+from .layout import layout
 from .losses import check_loss
 from .models import pretrained_dir
 from .optim import check_optim
 from .precision import dtypes, parse_dtype
 from .pretrained import check_weights
+from .targets import resolve
 
 
 def check_trainer(t: TrainerConfig, world_size: int) -> None:
@@ -134,6 +136,19 @@ def check_activation_checkpointing(cfg: ActivationCheckpointingConfig) -> None:
         )
 
 
+def check_optimizer_sharding(cfg: DictConfig, world_size: int) -> None:
+    """torch's Adafactor reduces each matrix over its rows in place, which DTensor refuses for FSDP's row shards."""
+    if (
+        layout(cfg, world_size).shard_group > 1
+        and resolve(cfg.optim._target_, "optim._target_") is torch.optim.Adafactor
+    ):
+        raise ConfigError(
+            "optim",
+            "torch.optim.Adafactor cannot step FSDP2's row shards (its in-place column reductions need whole rows)",
+            "use sharding=ddp (replicated, exact), one rank, or another optimizer",
+        )
+
+
 def check_checkpoint(cfg: CheckpointConfig) -> None:
     parse_size(cfg.export_shard_size)
     if cfg.export_dtype is not None:
@@ -162,6 +177,7 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     check_precision(cfg.precision, device)
     check_activation_checkpointing(cfg.activation_checkpointing)
     check_optim(cfg.optim, cfg.schedule)
+    check_optimizer_sharding(cfg, world_size)
     check_loss(cfg.loss)
     check_callbacks(cfg.callbacks)
     check_checkpoint(cfg.checkpoint)

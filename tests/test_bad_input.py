@@ -39,10 +39,14 @@ APP_ERRORS = {
     "unknown_family": ("model.model_type", ["model=custom", "model.model_type=nope"]),
     "not_a_causal_lm": ("model.config", ["model=custom", "model.model_type=t5"]),
     "no_decay": ("optim.no_decay", ["optim.no_decay=[norms]"]),
+    "optim_target": ("optim._target_", ["optim._target_=mypkg.opt.Lion"]),
+    "param_group": ("optim.param_groups[0].match", ["optim.param_groups=[{match: nothing_here}]"]),
     "nccl_on_cpu": ("distributed.backend", ["distributed.backend=nccl", "trainer.device=cpu"]),
     "nccl_spawned": ("distributed.backend", ["distributed.nproc_per_node=2", "distributed.backend=nccl"]),
 }
 MESSAGES = {
+    "optim_target": "cannot import 'mypkg.opt.Lion'",
+    "param_group": "'nothing_here' matches no parameter",
     "other_architecture": "does not fit LlamaForCausalLM: missing lm_head.weight, model.embed_tokens.weight",
     "missing_shard": "index lists model-00002-of-",
     "reshaped": "model.layers.0.mlp.down_proj.weight is [64, 96] in the model, [64, 128] in the checkpoint",

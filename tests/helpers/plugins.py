@@ -1,0 +1,71 @@
+"""Plug-ins the tests load by `_target_`, as a user's package would be: callbacks that record what every rank saw
+or ask for a skip or a stop on one rank only, one that raises, and a schedule function that spikes the lr."""
+
+import json
+import os
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+def _checksum(model) -> float:
+    """This rank's shards, summed with position weights (a step that changed nothing keeps it bitwise)."""
+    total = 0.0
+    for p in model.parameters():
+        local = (p.to_local() if isinstance(p, DTensor) else p).detach().double().flatten()
+        total += float((local * torch.arange(1, local.numel() + 1, dtype=torch.float64)).sum())
+    return total
+
+
+class Recorder:
+    """Writes <run dir>/seen_rank<r>.json: per step, this rank's weight checksum and the hooks' metrics."""
+
+    def __init__(self):
+        self.seen: dict[str, list] = {"hooks": [], "checksums": {}}
+
+    def setup(self, run) -> None:
+        self.seen["hooks"].append("setup")
+
+    def on_train_start(self, run) -> None:
+        self.seen["hooks"].append(f"on_train_start@{run.step}")
+
+    def on_step_end(self, run, step: int, metrics: dict) -> None:
+        self.seen["checksums"][step] = _checksum(run.model)
+        self.seen.setdefault("skipped", {})[step] = metrics["skipped"]
+
+    def on_eval(self, run, step: int, metrics: dict) -> None:
+        self.seen["hooks"].append(f"on_eval@{step}")
+
+    def on_save(self, run, step: int, path: str) -> None:
+        self.seen["hooks"].append(f"on_save@{step}:{os.path.basename(path)}")
+
+    def on_train_end(self, run, result) -> None:
+        self.seen["hooks"].append("on_train_end")
+        with open(os.path.join(run.run_dir, f"seen_rank{run.rank}.json"), "w") as f:
+            json.dump(self.seen, f)
+
+
+class AskOnOneRank:
+    """On rank `rank` only: skip the optimizer step of step `skip_at`, stop after step `stop_at`."""
+
+    def __init__(self, rank: int = 1, skip_at: int = 0, stop_at: int = 0):
+        self.rank, self.skip_at, self.stop_at = rank, skip_at, stop_at
+
+    def on_before_optimizer_step(self, run, step: int, metrics: dict) -> None:
+        if run.rank == self.rank and step == self.skip_at:
+            run.skip_step()
+
+    def on_step_end(self, run, step: int, metrics: dict) -> None:
+        if run.rank == self.rank and step == self.stop_at:
+            run.request_stop()
+
+
+class Raises:
+    def on_step_end(self, run, step: int, metrics: dict) -> None:
+        if step == 2:
+            raise ValueError("this callback fails at step 2")
+
+
+def spike_lr(step: int, max_steps: int, at: int = 8, factor: float = 300.0) -> float:
+    """Constant, but `factor` times higher at step `at` (0-based): the next step's loss spikes."""
+    return factor if step == at else 1.0
