@@ -19,15 +19,15 @@ from .sharding import ShardingPlan, apply_ddp, apply_fsdp, build_mesh, build_pla
 from .validation import check_data_fits
 
 
-def planned_model(cfg: DictConfig, hf_config) -> tuple[nn.Module, ShardingPlan]:
+def planned_model(cfg: DictConfig, hf_config, values: bool = True) -> tuple[nn.Module, ShardingPlan]:
     """The model on the meta device (hf_config None: a model of one's own, built by its factory), prepared in the
     trainer's order (activation checkpointing, compile), and its sharding plan: nothing allocated, no process group
     needed. Raises ConfigError for a block class the model does not have, or a model of one's own whose vocabulary
-    the data does not fit."""
+    the data does not fit. values=False: shapes only, for the planner and the checks (see models.build_model)."""
     if hf_config is None:
         model = build_own_model(cfg.model, cfg.trainer.seed)
     else:
-        model = build_model(hf_config, cfg.trainer.seed)
+        model = build_model(hf_config, cfg.trainer.seed, values)
     blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
     if hf_config is None:
         paths = {module: path for path, module in model.named_modules()}

@@ -67,10 +67,16 @@ def write_hf_dir(
 def write_state_dir(
     state: dict[str, torch.Tensor], out_dir: str, dtype: torch.dtype, shard_size: int, tokenizer: str | None = None
 ) -> None:
-    """A model of one's own: its state_dict (wrapper names stripped, tied tensors once) in safetensors files."""
+    """A model of one's own: its state_dict (wrapper names stripped) in safetensors files, every name with its
+    own copy (tied weights too), so that model.load_state_dict(safetensors.torch.load_file(...)) takes it whole."""
     from huggingface_hub import save_torch_state_dict
 
-    tensors = {clean_name(k): v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    tensors, seen = {}, set()
+    for name, value in state.items():
+        value = value.to(dtype) if value.is_floating_point() else value
+        key = (value.untyped_storage().data_ptr(), value.storage_offset())
+        tensors[clean_name(name)] = value.clone() if key in seen else value
+        seen.add(key)
     os.makedirs(out_dir, exist_ok=True)
     save_torch_state_dict(tensors, out_dir, max_shard_size=shard_size)
     if tokenizer:

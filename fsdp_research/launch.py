@@ -104,7 +104,7 @@ def _check_before_spawning(cfg: DictConfig, run_dir: str) -> None:
     try:
         hf_config = build_hf_config(cfg.model)
         check_config(cfg, cfg.distributed.nproc_per_node, hf_config, device_for(cfg.trainer.device, 0))
-        planned_model(cfg, hf_config)
+        planned_model(cfg, hf_config, values=False)
     except ConfigError as err:
         rundir.write_status(run_dir, "failed", one_line(err))
         raise

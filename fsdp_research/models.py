@@ -117,11 +117,21 @@ def _parameters_on_meta() -> Iterator:
         handle.remove()
 
 
-def build_model(hf_config, seed: int = 0) -> nn.Module:
+def build_model(hf_config, seed: int = 0, values: bool = True) -> nn.Module:
     """The model with every parameter on the meta device: nothing is allocated or initialised yet. Built from
-    `seed` (what constructors draw is the same on every rank)."""
+    `seed` (what constructors draw is the same on every rank), each module's parameters noted as built (what
+    initialisation needs); values=False: shapes only (the planner, the checks before a launch), built on the meta
+    device outright, which skips a large model's minute of constructor initialisation."""
     from transformers import AutoModelForCausalLM
 
+    if not values:
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+            model.config.use_cache = False
+            return model
+        except Exception:  # a constructor that needs real values: the full build below says what is wrong
+            pass
     try:
         with _parameters_on_meta(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)

@@ -1,6 +1,7 @@
 """The memory planner (fsdp_research.planner). (a) Its prediction against what torch's FSDP memory tracker
 (torch.distributed._tools.fsdp2_mem_tracker) measures in one real step on 2 processes (gloo, CPU), for llama_tiny and
-a mid-size llama (hidden 512, 8 blocks, grouped-query attention), with and without activation checkpointing: every
+a mid-size llama (hidden 512, 8 blocks, grouped-query attention), with and without activation checkpointing, with
+AdamW and with Muon: every
 category the tracker keeps apart, and the total peak, within 10%. (b) The llama_7b plan for 8 ranks, without
 allocating it.
 
@@ -41,6 +42,8 @@ CASES = {
     ],
     "mid": MID,
     "mid-reshard_all-every_2nd": MID + ["sharding=reshard_all", "activation_checkpointing=every_2nd"],
+    # Muon's one momentum per matrix beside AdamW's two moments for the rest.
+    "mid-muon": MID + ["optim=muon"],
 }
 WORLD = 2
 

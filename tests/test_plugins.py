@@ -21,9 +21,9 @@ from fsdp_research.optim import build_optimizer, param_groups
 from fsdp_research.optim.combined import Combined
 from fsdp_research.optim.muon import Muon
 from fsdp_research.optim.schedules import multiplier
+from fsdp_research.sinks import read_records
 from fsdp_research.validation import check_config
 from tests.conftest import FAST
-from fsdp_research.sinks import read_records
 from tests.helpers.checkpointing import assert_bitwise_equal, checkpoint_tensors, train, with_overrides
 from tests.helpers.zoo import hf_config
 

@@ -59,7 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         launch, overrides = split_launch(args.overrides)
         cfg, hf_config, world_size = checked_config(overrides, launch.get("world_size", 0))
         nodes = launch.get("nodes") or planned_nodes()
-        model, plan = planned_model(cfg, hf_config)
+        model, plan = planned_model(cfg, hf_config, values=False)
     except ConfigError as err:
         return fail(err)
     measured = None

@@ -9,21 +9,20 @@ from ..config import Strategy
 from ..distributed import device_for
 from ..errors import ConfigError
 from ..planner.format import format_compare, format_plan
-from ..planner.summary import ModelSummary, Run, run_settings, summary_for
+from ..planner.summary import run_settings, summaries_by_sharding
 from .common import checked_config, fail, split_launch
 
 
-def _compare_rows(overrides: Sequence[str], world_size: int, device_type: str) -> list[tuple[ModelSummary, Run]]:
-    rows = []
+def _compare_configs(overrides: Sequence[str], world_size: int) -> list:
+    configs = []
     for strategy in Strategy:
         options = [f"sharding={strategy.value}"]
         if strategy is Strategy.hsdp:
             if world_size < 4 or world_size % 2:
                 continue  # hsdp needs two replicas of at least two shards each
             options.append("sharding.replicate=2")
-        cfg = compose([*overrides, *options])
-        rows.append((summary_for(cfg), run_settings(cfg, world_size, device_type)))
-    return rows
+        configs.append(compose([*overrides, *options]))
+    return configs
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -42,10 +41,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         launch, overrides = split_launch(args.overrides)
         cfg, _, world_size = checked_config(overrides, launch.get("world_size", 0))
         device_type = args.device or device_for(cfg.trainer.device, 0).type
-        print(format_plan(summary_for(cfg), run_settings(cfg, world_size, device_type)))
+        others = _compare_configs(overrides, world_size) if args.compare else []
+        # One model build for the plan and every row of the comparison (a large model's build is most of the time).
+        summaries = summaries_by_sharding([cfg, *others])
+        print(format_plan(summaries[0], run_settings(cfg, world_size, device_type)))
         if args.compare:
             print()
-            print(format_compare(_compare_rows(overrides, world_size, device_type)))
+            rows = [(m, run_settings(c, world_size, device_type)) for m, c in zip(summaries[1:], others)]
+            print(format_compare(rows))
     except ConfigError as err:
         return fail(err)
     return 0

@@ -46,7 +46,11 @@ def format_plan(m: ModelSummary, run: Run) -> str:
             mem.sharded_grads,
             "param.grad + DDP buckets" if replicated else "",
         ),
-        ("optimizer state (AdamW, 2 x fp32)", mem.optimizer, ""),
+        (
+            f"optimizer state ({m.optimizer}, {m.optimizer_copies:.3g} x fp32)",
+            mem.optimizer,
+            "" if m.optimizer_known else "assumed: an optimizer the planner does not know",
+        ),
         (
             f"parameters gathered in flight ({e})",
             mem.gathered,
@@ -81,6 +85,8 @@ def format_plan(m: ModelSummary, run: Run) -> str:
         f"  {'reduce-scatter':<44}{_gib(comm.reduce_scatter):>9}",
         f"  {'all-reduce':<44}{_gib(comm.all_reduce):>9}",
     ]
+    if comm.all_to_all:
+        lines.append(f"  {'all-to-all (whole matrices for ' + m.optimizer + ')':<44}{_gib(comm.all_to_all):>9}")
     return "\n".join(lines + _accumulation(m, run))
 
 

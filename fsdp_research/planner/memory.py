@@ -8,7 +8,8 @@ group (world_size, or world_size / replicate for hsdp). tests/test_plan.py check
 tracker.
 
 State: parameters fp32 (FSDP2 pads each dim 0 to a multiple of n), gradients the same (FSDP2 keeps sharded
-gradients in the sharded parameter's dtype), AdamW 2 x fp32 (ddp is FSDP2 over a shard group of one rank).
+gradients in the sharded parameter's dtype), the optimizer's state (AdamW 2 x fp32; fsdp_research.optim.state
+knows others; Muon's matrices 1 x) (ddp is FSDP2 over a shard group of one rank).
 ddp_classic (torch's DDP) replicates all three, holds its gradients twice (param.grad and DDP's flat all-reduce
 buckets), and its autocast saves a compute-dtype copy of every weight.
 
@@ -46,7 +47,8 @@ Communication per rank per step: what each rank receives, (n-1)/n of each collec
 unit in forward and every unit that resharded again in backward, per micro-batch, in the compute dtype.
 Reduce-scatter: every unit's gradients in the reduce dtype, once per step with defer_grad_sync (else per
 micro-batch). hsdp and ddp add an all-reduce of the gradient shards across replicas, once per step (accumulated
-into the shards before it); ddp_classic all-reduces fp32 gradients.
+into the shards before it); ddp_classic all-reduces fp32 gradients. Muon (optim=muon) adds two all-to-alls of the
+blocks' matrices in fp32 per step, within the shard group.
 """
 
 from collections.abc import Callable, Sequence
@@ -86,6 +88,8 @@ class Traffic:
     all_gather_backward: int
     reduce_scatter: int
     all_reduce: int
+    # Whole-matrix optimizers (Muon): each rank's shards of every block matrix to its owner and back (fp32).
+    all_to_all: int = 0
 
 
 # Activations, per token (bytes); see the module docstring.
@@ -233,7 +237,7 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
 
     def state(done: Sequence[UnitSize]) -> dict[str, int]:
         grads = shards if sharded_before else FP32 * sum(u.shard_numel(n) for u in done)
-        return dict(params=shards, optimizer=2 * shards, grads=grads)
+        return dict(params=shards, optimizer=int(m.optimizer_copies * shards), grads=grads)
 
     def resident(before: int) -> int:
         return e * sum(u.numel for u in units[:before] if not u.reshard_after_forward)
@@ -290,7 +294,7 @@ def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> lis
     before = params if run.micro_steps > 1 else 0
 
     def state(grads: int) -> dict[str, int]:
-        return dict(params=params, optimizer=2 * params, grads=params + max(before, grads))
+        return dict(params=params, optimizer=int(m.optimizer_copies * params), grads=params + max(before, grads))
 
     top = FP32 * (m.root.numel - sum(m.root_in_block))
     moments = [
@@ -367,4 +371,6 @@ def traffic(m: ModelSummary, run: Run) -> Traffic:
     replicas = run.replicas
     # Across replicas the gradient shards accumulate and are all-reduced once per step.
     across = 2 * (replicas - 1) / replicas * r * sum(u.shard_numel(n) for u in units)
-    return Traffic(int(forward + backward), int(backward), int(reduce), int(across))
+    # Muon: a rank receives the other ranks' slices of the 1/n of the matrices it owns, then its slices of the rest.
+    whole = 2 * received * FP32 * m.whole_matrices / n
+    return Traffic(int(forward + backward), int(backward), int(reduce), int(across), int(whole))

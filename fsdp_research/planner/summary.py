@@ -14,8 +14,11 @@ from ..dimensions import dims
 from ..layout import layout
 from ..metrics import active_parameters
 from ..models import build_hf_config, input_embedding, output_layer
-from ..precision import dtypes
-from ..sharding import ShardingPlan, owner
+from ..optim.build import block_matrices
+from ..optim.state import state_copies
+from ..precision import dtypes, kept_in_fp32
+from ..sharding import ShardingPlan, build_plan, owner
+from ..targets import kwargs_of
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,13 @@ class ModelSummary:
     root_in_block: tuple[int, ...]
     # The input embedding when untied: its gradient only appears at the very end of backward.
     input_embedding: int
+    # The optimizer: fp32 copies of a parameter in its state, averaged over the parameters (AdamW 2, Muon's
+    # matrices 1 beside AdamW for the rest), its name, whether the copies are known (else assumed 2).
+    optimizer_copies: float = 2.0
+    optimizer: str = "AdamW"
+    optimizer_known: bool = True
+    # Parameters in the blocks' 2-D matrices that a whole-matrix optimizer (Muon: optim.others set) exchanges.
+    whole_matrices: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,6 +141,27 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         root=units[-1],
         root_in_block=tuple(root_in_block),
         input_embedding=0 if tied else embedding.numel(),
+        **_optimizer(cfg, model, plan),
+    )
+
+
+def _optimizer(cfg: DictConfig, model: nn.Module, plan: ShardingPlan) -> dict:
+    """The optimizer's state per parameter: optim._target_'s, with optim.others for all but the blocks' 2-D
+    matrices."""
+    o = cfg.optim
+    main = state_copies(o._target_, kwargs_of(o))
+    total = sum(p.numel() for p in model.parameters())
+    if o.others is None:
+        return dict(optimizer_copies=main[0], optimizer=o._target_.rsplit(".", 1)[-1], optimizer_known=main[1])
+    matrices = block_matrices(model, plan.blocks)
+    inside = sum(p.numel() for p in model.parameters() if id(p) in matrices)
+    rest = state_copies(o.others._target_, kwargs_of(o.others))
+    names = f"{o._target_.rsplit('.', 1)[-1]} + {o.others._target_.rsplit('.', 1)[-1]}"
+    return dict(
+        optimizer_copies=(main[0] * inside + rest[0] * (total - inside)) / total,
+        optimizer=names,
+        optimizer_known=main[1] and rest[1],
+        whole_matrices=inside,
     )
 
 
@@ -156,5 +187,15 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str) -> Run:
 
 def summary_for(cfg: DictConfig) -> ModelSummary:
     hf_config = build_hf_config(cfg.model)
-    model, plan = planned_model(cfg, hf_config)
+    model, plan = planned_model(cfg, hf_config, values=False)
     return summarize(cfg, model, plan, hf_config)
+
+
+def summaries_by_sharding(configs: list[DictConfig]) -> list[ModelSummary]:
+    """The summaries of configs that differ in their sharding only, from one model build (a large model's takes
+    most of the planner's time)."""
+    hf_config = build_hf_config(configs[0].model)
+    model, first = planned_model(configs[0], hf_config, values=False)
+    blocks = [model.get_submodule(path) for path in first.blocks]
+    fp32 = kept_in_fp32(model, dtypes(configs[0].precision)[0])
+    return [summarize(cfg, model, build_plan(model, blocks, cfg.sharding, fp32), hf_config) for cfg in configs]

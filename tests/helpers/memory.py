@@ -63,8 +63,8 @@ def _measure_each(configs: dict[str, Any]) -> dict[str, dict[str, int]]:
         cfg = typed(container)
         init_distributed(cfg.distributed, device)
         hf_config = build_hf_config(cfg.model)
-        model, _ = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
-        optimizer, _ = build_optimizer(model, cfg)
+        model, plan = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
+        optimizer, _ = build_optimizer(model, cfg, plan.blocks)
         gen = torch.Generator().manual_seed(dist.get_rank())
         batch = torch.randint(
             0, hf_config.vocab_size, (cfg.trainer.micro_batch_size, cfg.data.seq_len + 1), generator=gen
