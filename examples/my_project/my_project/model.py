@@ -43,7 +43,9 @@ class Block(nn.Module):
 
 
 class TinyGPT(nn.Module):
-    def __init__(self, vocab_size: int = 512, block_size: int = 256, n_layer: int = 4, n_head: int = 4, n_embd: int = 128):
+    def __init__(
+        self, vocab_size: int = 512, block_size: int = 256, n_layer: int = 4, n_head: int = 4, n_embd: int = 128
+    ):
         super().__init__()
         self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(block_size, n_embd)
         self.h = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
