@@ -1,22 +1,31 @@
 """What a run sets up once beside the model: the data (token stores built where missing), the global RNG seeded
-per rank, and the throughput/MFU meter with the start-up log line that describes the run."""
+per rank, the throughput/MFU meter with the start-up log line that describes the run, and what observes it (the
+sinks, status.json, the doctor's findings, the profiler), closed however the run ends."""
 
+import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from . import rundir
 from .data.pipeline import Build, Data, build_data
 from .dimensions import ModelDims
-from .distributed import cores_per_rank, on_rank0
+from .distributed import cores_per_rank, members, on_rank0, planned_nodes
+from .doctor import diagnose, report
 from .metrics import Throughput, active_parameters
 from .models import dropout_in
 from .precision import dtypes
+from .profiling import StepProfiler
 from .sharding import ShardingPlan
+from .sinks import Sinks, build_sinks
+from .state import TrainState
 
 log = logging.getLogger("fsdp_research")
 
@@ -71,3 +80,37 @@ def seed_rng(model: nn.Module, seed: int, rank: int, world: int) -> None:
             f"dropout is on ({', '.join(dropout[:4])}): each rank draws its own masks, so the losses repeat at "
             f"this world size ({world}), not at another"
         )
+
+
+def close_on_exit(resources: contextlib.ExitStack, close: Callable[[bool], Any]) -> None:
+    """close(failed) when the run ends, whether it returns or raises."""
+
+    def on_exit(exc_type, exc, tb) -> bool:
+        close(exc_type is not None)
+        return False
+
+    resources.push(on_exit)
+
+
+def observe(
+    cfg: DictConfig, run_dir: str, device: torch.device, plan: ShardingPlan, state: TrainState, resources
+) -> tuple[Sinks, StepProfiler]:
+    """The sinks (rank 0's console, metrics.jsonl, W&B), status.json, the doctor's start-up findings, and the
+    profiler; closed when the run ends."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sinks = build_sinks(
+        cfg.logger,
+        run_dir,
+        rank,
+        cfg.trainer.max_steps,
+        OmegaConf.to_container(cfg, resolve=True),
+        state.wandb_run_id,
+        state.step,
+    )
+    close_on_exit(resources, sinks.finish)
+    if rank == 0:
+        rundir.write_status(run_dir, "running", ranks=members())
+        report(diagnose(cfg, plan, world, planned_nodes()), sinks, state.step)
+    profiler = StepProfiler(cfg.trainer.profile_steps, run_dir, rank, device, sinks)
+    close_on_exit(resources, lambda failed: profiler.close())
+    return sinks, profiler

@@ -7,14 +7,13 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from . import rundir
 from .balancing import BiasBalancer
@@ -29,11 +28,8 @@ from .distributed import (
     device_for,
     init_distributed,
     launch_env,
-    members,
     on_rank0,
-    planned_nodes,
 )
-from .doctor import diagnose, report
 from .export import export_dtype, export_model, parse_size
 from .layout import Layout, layout
 from .losses import LossFn, Router, build_loss, held_out_loss, router_of, train_loss
@@ -44,8 +40,8 @@ from .precision import LossScaler, autocast
 from .preemption import NONE, Agreement, Signals
 from .profiling import StepProfiler, region
 from .sharding import ShardingPlan, grad_sync
-from .sinks import Sinks, build_sinks, setup_logging
-from .startup import open_data, seed_rng, throughput_of
+from .sinks import Sinks, setup_logging
+from .startup import close_on_exit, observe, open_data, seed_rng, throughput_of
 from .state import TrainResult, TrainState
 from .validation import check_config
 
@@ -107,16 +103,6 @@ def train(cfg: Any, run_dir: str) -> TrainResult:
         return result
 
 
-def _close_on_exit(resources: contextlib.ExitStack, close: Callable[[bool], Any]) -> None:
-    """close(failed) when the run ends, whether it returns or raises."""
-
-    def on_exit(exc_type, exc, tb) -> bool:
-        close(exc_type is not None)
-        return False
-
-    resources.push(on_exit)
-
-
 def _prepare(cfg: DictConfig, run_dir: str) -> tuple[torch.device, str, Any, nn.Module, ShardingPlan, str | None]:
     """Join the group, check everything, plan the model; only then touch the run dir (a bad config leaves an
     existing run as it was) and find the checkpoint to resume from."""
@@ -135,30 +121,6 @@ def _prepare(cfg: DictConfig, run_dir: str) -> tuple[torch.device, str, Any, nn.
     return device, run_dir, hf_config, model, plan, resume_dir
 
 
-def _observe(
-    cfg: DictConfig, run_dir: str, device: torch.device, plan: ShardingPlan, state: TrainState, resources
-) -> tuple[Sinks, StepProfiler]:
-    """The sinks (rank 0's console, metrics.jsonl, W&B), status.json, the doctor's start-up findings, and the
-    profiler; closed when the run ends."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    sinks = build_sinks(
-        cfg.logger,
-        run_dir,
-        rank,
-        cfg.trainer.max_steps,
-        OmegaConf.to_container(cfg, resolve=True),
-        state.wandb_run_id,
-        state.step,
-    )
-    _close_on_exit(resources, sinks.finish)
-    if rank == 0:
-        rundir.write_status(run_dir, "running", ranks=members())
-        report(diagnose(cfg, plan, world, planned_nodes()), sinks, state.step)
-    profiler = StepProfiler(cfg.trainer.profile_steps, run_dir, rank, device, sinks)
-    _close_on_exit(resources, lambda failed: profiler.close())
-    return sinks, profiler
-
-
 def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextlib.ExitStack) -> Run:
     device, run_dir, hf_config, model, plan, resume_dir = _prepare(cfg, run_dir)
     rank, world, t = dist.get_rank(), dist.get_world_size(), cfg.trainer
@@ -171,28 +133,28 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     handle = RunHandle(model, optimizer, cfg, rank, world, run_dir, device, plan.blocks)
     callbacks.call("setup", handle)
     balancer = BiasBalancer(model, cfg.model.moe.bias_update_rate)
-    _close_on_exit(resources, lambda failed: balancer.close())
+    close_on_exit(resources, lambda failed: balancer.close())
     state = TrainState(scheduler, LossScaler(cfg.precision))
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
-    _close_on_exit(resources, checkpointer.close)
+    close_on_exit(resources, checkpointer.close)
     # Only when there is something to agree on: a signal to catch, or async saves to publish.
     agreement = Agreement(width=2) if signals.enabled or checkpointer.is_async else None
     if agreement is not None:
-        _close_on_exit(resources, agreement.close)
+        close_on_exit(resources, agreement.close)
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
         trainer_state, callback_state = checkpointer.load(resume_dir, model, optimizer, callbacks.state_dict())
         state.load_state_dict(trainer_state)
         callbacks.load_state_dict(callback_state)
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
     throughput = throughput_of(cfg, d, model, plan, device, state.step)
-    sinks, profiler = _observe(cfg, run_dir, device, plan, state, resources)
+    sinks, profiler = observe(cfg, run_dir, device, plan, state, resources)
     batches = Prefetcher(
         lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
         state.step,
         t.max_steps,
         pin=device.type == "cuda",
     )
-    _close_on_exit(resources, batches.close)
+    close_on_exit(resources, batches.close)
     amp = autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp_classic)
     run = Run(
         cfg=cfg,
