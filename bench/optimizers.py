@@ -27,13 +27,8 @@ from fsdp_research.losses import train_loss  # noqa: E402
 from fsdp_research.models import build_hf_config  # noqa: E402
 from fsdp_research.optim import build_optimizer  # noqa: E402
 
-# A mid-size llama (hidden 512, 8 blocks, GQA), as tests/test_plan.py's.
 MID = [
-    "model.config.hidden_size=512",
-    "model.config.num_hidden_layers=8",
-    "model.config.intermediate_size=1376",
-    "model.config.num_attention_heads=8",
-    "model.config.num_key_value_heads=4",
+    "model=llama_mid",
     "precision=fp32",
     "logger=none",
     "trainer.micro_batch_size=4",

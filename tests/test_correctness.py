@@ -7,12 +7,11 @@ that raises is named by its own test, the others still run."""
 
 import pytest
 import torch
-from transformers import AutoConfig
 
 from fsdp_research.composition import compose
 from tests.conftest import FAST
-from tests.helpers.dist import ok, train_distributed
-from tests.helpers.reference import reference_run, save_initial
+from tests.helpers.dist import ok
+from tests.helpers.reference import reference_run, trained_from_initial
 
 BASE = FAST + ["trainer.max_steps=10", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"]
 SHARDINGS = ["blockwise", "reshard_all", "no_reshard", "root_only", "per_linear", "ddp", "ddp_classic", "hsdp"]
@@ -36,10 +35,7 @@ RUNS_4 = {
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("correctness")
-    initial = save_initial(AutoConfig.for_model("llama", **compose(BASE).model.config), str(out / "initial"))
-    base = BASE + ["model=pretrained", f"model.name_or_path={initial}"]
-    runs = train_distributed({n: compose(base + extra) for n, extra in RUNS.items()}, 2, str(out / "w2"))
-    runs.update(train_distributed({n: compose(base + extra) for n, extra in RUNS_4.items()}, 4, str(out / "w4")))
+    base, initial, runs = trained_from_initial(out, BASE, {2: RUNS, 4: RUNS_4})
     return reference_run(compose(base), initial), runs
 
 

@@ -193,3 +193,18 @@ def test_mfu_flops_of_an_own_model_match_torchs_counter(project, monkeypatch):
         model(tokens).logits.sum().backward()
     counted = counter.get_total_flops() / tokens.numel()
     assert predicted == pytest.approx(counted, rel=0.02)
+
+
+def test_an_own_model_without_its_block_class_is_refused(project, monkeypatch):
+    from fsdp_research.build import planned_model
+    from fsdp_research.composition import compose
+    from fsdp_research.errors import ConfigError
+
+    project, _ = project
+    monkeypatch.syspath_prepend(project)
+    cfg = compose([f"hydra.searchpath=[file://{project}/conf]", "model=tiny_gpt", "model.block_class=Layer"])
+    with pytest.raises(ConfigError, match=r"^model.block_class: TinyGPT has no module of class Layer; fix: use one"):
+        planned_model(cfg, None)
+    cfg = compose([f"hydra.searchpath=[file://{project}/conf]", "model=tiny_gpt", "model.n_layers=2"])
+    with pytest.raises(ConfigError, match=r"^model.n_layers: TinyGPT takes no argument 'n_layers'"):
+        planned_model(cfg, None)

@@ -7,13 +7,12 @@ torch's, bitwise."""
 
 import pytest
 import torch
-from transformers import AutoConfig
 
 from fsdp_research.composition import compose
 from fsdp_research.optim.muon import Muon, newton_schulz
 from tests.conftest import FAST
-from tests.helpers.dist import ok, train_distributed
-from tests.helpers.reference import decay_groups, reference_run, save_initial
+from tests.helpers.dist import ok
+from tests.helpers.reference import decay_groups, reference_run, trained_from_initial
 
 # 342 rows: 86, 86, 86, 84 on 4 ranks.
 BASE = FAST + [
@@ -61,10 +60,7 @@ def others_cfg(o):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("muon")
-    initial = save_initial(AutoConfig.for_model("llama", **compose(BASE).model.config), str(out / "initial"))
-    base = BASE + ["model=pretrained", f"model.name_or_path={initial}"]
-    runs = train_distributed({n: compose(base + extra) for n, extra in RUNS_2.items()}, 2, str(out / "w2"))
-    runs.update(train_distributed({n: compose(base + extra) for n, extra in RUNS_4.items()}, 4, str(out / "w4")))
+    base, initial, runs = trained_from_initial(out, BASE, {2: RUNS_2, 4: RUNS_4})
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(torch.optim._muon, "_zeropower_via_newtonschulz", _ns_float32)
         reference = reference_run(compose(base), initial, _torch_muon)

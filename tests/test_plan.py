@@ -26,13 +26,7 @@ from fsdp_research.planner.memory import memory, recompute_share, step_moments, 
 from fsdp_research.planner.summary import run_settings, summary_for
 from tests.helpers.memory import measure_step_memory
 
-MID = [
-    "model.config.hidden_size=512",
-    "model.config.num_hidden_layers=8",
-    "model.config.intermediate_size=1376",
-    "model.config.num_attention_heads=8",
-    "model.config.num_key_value_heads=4",
-]
+MID = ["model=llama_mid"]
 CASES = {
     "llama_tiny": [],
     "llama_tiny-fp32-no_reshard-every_block": [

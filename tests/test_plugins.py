@@ -125,6 +125,13 @@ def test_bad_plugin_config_is_one_line_naming_the_key(name):
     assert text.startswith(message) and "; fix: " in text and "\n" not in text, text
 
 
+def test_callbacks_are_added_and_removed_from_the_command_line():
+    cfg = compose(
+        ["callbacks=[spike,ema]", "~callbacks.spike", "+callbacks.mine._target_=tests.helpers.plugins.Recorder"]
+    )
+    assert list(cfg.callbacks) == ["ema", "mine"]
+
+
 def test_a_param_group_matching_nothing_is_refused_when_the_model_is_planned():
     from fsdp_research.build import planned_model
     from fsdp_research.models import build_hf_config

@@ -150,6 +150,25 @@ def reference_run(cfg, initial: str, optimizers=adamw) -> tuple[list[float], dic
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def trained_from_initial(out, base: list[str], by_world: dict[int, dict[str, list[str]]]):
+    """The llama of `base` as transformers initialises it, written once by save_pretrained; each named config
+    (base + its overrides) trained from it on its world size, the configs of one world size in one group of
+    processes. Returns (base overrides that load it, its directory, {name: losses and final weights})."""
+    from transformers import AutoConfig
+
+    from fsdp_research.composition import compose
+    from tests.helpers.dist import train_distributed
+
+    initial = save_initial(AutoConfig.for_model("llama", **compose(base).model.config), str(out / "initial"))
+    base = base + ["model=pretrained", f"model.name_or_path={initial}"]
+    runs = {}
+    for world, configs in by_world.items():
+        runs.update(
+            train_distributed({n: compose(base + extra) for n, extra in configs.items()}, world, str(out / f"w{world}"))
+        )
+    return base, initial, runs
+
+
 def save_initial(hf_config, out_dir: str, seed: int = 0) -> str:
     """Initial weights as transformers makes them (from_config), written by save_pretrained."""
     from transformers import AutoModelForCausalLM
