@@ -184,8 +184,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         agreement=agreement,
     )
     handle.step = state.step
-    handle._log, handle._evaluate = sinks.log, functools.partial(evaluate, run)
-    handle._export = functools.partial(_export, run)
+    handle.bind(sinks.log, functools.partial(evaluate, run), functools.partial(_export, run))
     return run
 
 
@@ -219,35 +218,33 @@ def train_step(run: Run, step: int) -> StepResult:
         loss_sum += loss.detach()
         for k, v in stats.items():
             totals[k] = totals.get(k, 0) + (v / micro_steps if k in MEAN_LOSSES else v)
-    out = StepResult(loss_sum, loss_sum, 0.0, totals)
     with region("optimizer"):
         finite = scaler.unscale_and_check(run.model.parameters())
-        if run.callbacks:
-            out.grad_norm, out.mean_loss, out.skipped = _before_optimizer_step(run, step, loss_sum)
-        else:
-            out.grad_norm = clip_grad_norm(run.model, run.cfg.optim.grad_clip)
-        if finite and not out.skipped:
+        norm, mean_loss, skipped = _clip(run, step, loss_sum)
+        if finite and not skipped:
             run.optimizer.step()
-        run.balancer.step(apply=finite and not out.skipped)
+        run.balancer.step(apply=finite and not skipped)
         scaler.update(finite)
         run.optimizer.zero_grad(set_to_none=True)
-    out.lr = run.state.scheduler.get_last_lr()[0]
+    lr = run.state.scheduler.get_last_lr()[0]
     run.state.scheduler.step()
     run.state.step = step + 1
     run.state.tokens_seen += t.global_batch_size * run.cfg.data.seq_len
-    return out
+    return StepResult(loss_sum, norm, lr, totals, mean_loss, skipped)
 
 
-def _before_optimizer_step(run: Run, step: int, loss_sum: torch.Tensor) -> tuple[torch.Tensor, float, bool]:
-    """The callbacks see the step's mean loss and unclipped global gradient norm (and the gradients) before the
-    clip and the update; any rank's skip request is every rank's. Returns (norm, mean loss, skipped)."""
+def _clip(run: Run, step: int, loss_sum: torch.Tensor) -> tuple[torch.Tensor, float | None, bool]:
+    """The global gradient norm, the gradients clipped to optim.grad_clip. With callbacks, they see the step's
+    mean loss and the unclipped norm (and the gradients) first, and any rank may ask to skip the update: every
+    rank then skips it. Returns (norm, mean loss or None, skipped)."""
+    if not run.callbacks:
+        return clip_grad_norm(run.model, run.cfg.optim.grad_clip), None, False
     norm, grads = grad_norm(run.model)
     mean_loss, skip = _mean_over_ranks(loss_sum), False
     if run.callbacks.has("on_before_optimizer_step"):
         run.handle.step = step + 1
-        run.callbacks.call(
-            "on_before_optimizer_step", run.handle, step + 1, {"loss": mean_loss, "grad_norm": norm.item()}
-        )
+        metrics = {"loss": mean_loss, "grad_norm": norm.item()}
+        run.callbacks.call("on_before_optimizer_step", run.handle, step + 1, metrics)
         skip = run.callbacks.agree(run.handle)[0]
     clip_(grads, norm, run.cfg.optim.grad_clip)
     return norm, mean_loss, skip
@@ -270,7 +267,6 @@ def _loop(run: Run, result: TrainResult) -> None:
             last_logged = done
             run.throughput.start()
             run.peak.reset()
-        stopped_by_callback = False
         if callbacks:
             metrics = {"loss": out.mean_loss, "grad_norm": out.grad_norm.item(), "lr": out.lr, "skipped": out.skipped}
             callbacks.call("on_step_end", handle, done, {**logged, **metrics})
@@ -279,8 +275,8 @@ def _loop(run: Run, result: TrainResult) -> None:
                 metrics = {"step": done, **evaluate(run)}
                 run.sinks.log(metrics)
                 callbacks.call("on_eval", handle, done, metrics)
-        if callbacks:
-            stopped_by_callback = callbacks.agree(handle)[1]
+        # Any rank's stop request is every rank's.
+        stopped_by_callback = bool(callbacks) and callbacks.agree(handle)[1]
         # Before the checkpoint, so that the run's final save stays out of the profiled window (the summary
         # times saves on their own).
         run.profiler.step(done)

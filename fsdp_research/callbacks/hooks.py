@@ -46,6 +46,10 @@ class RunHandle:
     _skip: bool = field(default=False, repr=False)
     _stop: bool = field(default=False, repr=False)
 
+    def bind(self, log, evaluate, export) -> None:
+        """The trainer's sinks, eval and export, once they exist."""
+        self._log, self._evaluate, self._export = log, evaluate, export
+
     def log(self, values: Mapping[str, Any], step: int | None = None) -> None:
         """A record of values to every sink (rank 0's; others drop it), at `step` (default: the current one)."""
         self._log({"step": self.step if step is None else step, **values})
