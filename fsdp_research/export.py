@@ -5,6 +5,7 @@ size, the tokenizer when one is used) that AutoModelForCausalLM.from_pretrained 
 At the end of training the full weights are gathered once; `fsdp-research export <step dir> <out dir>`
 converts any resume checkpoint offline, with no process group and no GPU."""
 
+import logging
 import os
 import re
 import warnings
@@ -19,6 +20,8 @@ from .data.tokenizer import load_tokenizer
 from .errors import ConfigError
 from .models import build_model, clean_name
 from .precision import fp32_names, parse_dtype
+
+log = logging.getLogger("fsdp_research")
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -78,7 +81,13 @@ def write_state_dir(
         tensors[clean_name(name)] = value.clone() if key in seen else value
         seen.add(key)
     os.makedirs(out_dir, exist_ok=True)
-    save_torch_state_dict(tensors, out_dir, max_shard_size=shard_size)
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.WARNING)  # not its "Model weights successfully saved" line: the run says where
+    try:
+        save_torch_state_dict(tensors, out_dir, max_shard_size=shard_size)
+    finally:
+        hub_log.setLevel(level)
     if tokenizer:
         load_tokenizer(tokenizer).save(out_dir)
 
@@ -96,6 +105,7 @@ def export_model(
             write_state_dir(state, out_dir, dtype, shard_size, tokenizer)
         else:
             write_hf_dir(state, hf_config, out_dir, dtype, shard_size, tokenizer)
+        log.info(f"exported the weights to {out_dir}")
 
 
 def load_checkpoint_weights(step_dir: str) -> dict[str, torch.Tensor]:
