@@ -9,6 +9,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -121,10 +122,6 @@ def _mismatches(step_dir: str, state: dict[str, dict[str, Any]]) -> list[list[st
         if ours[k] != saved[k]
     ]
     return [kind for kind in (missing, unexpected, reshaped) if kind]
-
-
-# A group's keys that the checkpoint restores; every other (weight decay, betas, momentum, ...) is the config's.
-_SCHEDULED = ("params", "lr", "initial_lr")
 
 
 class Checkpointer:
@@ -274,11 +271,17 @@ class Checkpointer:
         ) from err
 
     def load(
-        self, step_dir: str, model: torch.nn.Module, optimizer, callbacks: dict[str, Any] | None = None
+        self,
+        step_dir: str,
+        model: torch.nn.Module,
+        optimizer,
+        callbacks: dict[str, Any] | None = None,
+        configured: Collection[str] = ("weight_decay", "betas", "eps"),
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """Load model, optimizer, the callbacks' state (into callbacks: name -> state_dict, those the checkpoint
         has) and this rank's RNG state (DCP reshards to this world size); returns (the trainer state, the callbacks'
-        loaded state). Checks every tensor key and shape first, so a mismatch changes nothing."""
+        loaded state). The group keys in `configured` keep the config's values. Checks every tensor key and shape
+        first, so a mismatch changes nothing."""
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         saved = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
@@ -300,9 +303,9 @@ class Checkpointer:
             dcp.load(state, checkpoint_id=step_dir)
         # The config's hyperparameters win over the checkpoint's (which DCP copies into the groups, and maps onto
         # the last group where the checkpoint has fewer); the learning rate is the schedule's.
-        configured = [{k: v for k, v in g.items() if k not in _SCHEDULED} for g in optimizer.param_groups]
+        kept = [{k: g[k] for k in configured if k in g} for g in optimizer.param_groups]
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        for group, values in zip(optimizer.param_groups, configured):
+        for group, values in zip(optimizer.param_groups, kept):
             group.update(values)
         rng = os.path.join(step_dir, f"rng_rank{self.rank}.pt")
         if os.path.exists(rng):  # absent when resuming at a larger world size

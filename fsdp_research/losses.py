@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from .data.pipeline import Data
 from .errors import ConfigError
-from .targets import check_call, kwargs_of, resolve
+from .targets import check_call, kwargs_of, named_in, resolve
 
 # loss's own keys: with loss._target_ the others are its keyword arguments.
 _OWN = ("name", "z_loss", "label_smoothing")
@@ -22,9 +22,21 @@ _OWN = ("name", "z_loss", "label_smoothing")
 LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
 
+def _target_kwargs(cfg, target) -> dict:
+    """The group's other keys; z_loss and label_smoothing too where the target's signature names them."""
+    own = named_in(target, {"z_loss": cfg.z_loss, "label_smoothing": cfg.label_smoothing})
+    return {**own, **kwargs_of(cfg, _OWN)}
+
+
 def check_loss(cfg) -> None:
     if cfg.get("_target_"):
-        check_call(resolve(cfg._target_, "loss._target_"), kwargs_of(cfg, _OWN), "loss._target_", "logits", "labels")
+        target = resolve(cfg._target_, "loss._target_")
+        check_call(target, _target_kwargs(cfg, target), "loss._target_", "logits", "labels")
+        unused = [k for k in ("z_loss", "label_smoothing") if cfg[k] and k not in named_in(target, {k: 0})]
+        if unused:
+            raise ConfigError(
+                f"loss.{unused[0]}", f"{cfg._target_} does not take it", f"set loss.{unused[0]}=0, or take it"
+            )
         return
     if cfg.name != "cross_entropy":
         raise ConfigError("loss.name", f"unknown loss {cfg.name!r}", "use loss=cross_entropy, or loss._target_")
@@ -54,9 +66,8 @@ _plain = functools.partial(_cross_entropy, z_loss=0.0, label_smoothing=0.0)
 
 def build_loss(cfg) -> LossFn:
     if cfg.get("_target_"):
-        return functools.partial(
-            _user_loss, functools.partial(resolve(cfg._target_, "loss._target_"), **kwargs_of(cfg, _OWN))
-        )
+        target = resolve(cfg._target_, "loss._target_")
+        return functools.partial(_user_loss, functools.partial(target, **_target_kwargs(cfg, target)))
     return functools.partial(_cross_entropy, z_loss=cfg.z_loss, label_smoothing=cfg.label_smoothing)
 
 

@@ -253,10 +253,14 @@ def input_embedding(model: nn.Module) -> nn.Module | None:
 
 
 def output_layer(model: nn.Module) -> nn.Module | None:
-    """The layer that makes the logits: transformers' accessor, else a model's last nn.Linear."""
+    """The layer that makes the logits: transformers' accessor, else a model's last nn.Linear as wide as its token
+    embedding is long (None where there is none: a head computed from the embedding's weight)."""
     if hasattr(model, "get_output_embeddings"):
         return model.get_output_embeddings()
-    return next((m for m in reversed(list(model.modules())) if isinstance(m, nn.Linear)), None)
+    embedding = input_embedding(model)
+    vocab = embedding.num_embeddings if embedding is not None else None
+    heads = [m for m in model.modules() if isinstance(m, nn.Linear) and m.out_features == vocab]
+    return heads[-1] if heads else None
 
 
 def clean_name(name: str) -> str:

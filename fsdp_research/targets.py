@@ -79,6 +79,15 @@ def check_call(target: Callable, kwargs: Mapping[str, Any], key: str, *given: st
         raise ConfigError(key, f"{getattr(target, '__qualname__', target)}: {err}", "fix its arguments") from None
 
 
+def named_in(target: Callable, values: Mapping[str, Any]) -> dict[str, Any]:
+    """The values whose names target's signature lists (the framework's own keys that a plug-in may take)."""
+    try:
+        names = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {k: v for k, v in values.items() if k in names}
+
+
 def build(node: DictConfig, key: str, *args: Any, exclude: tuple[str, ...] = ()) -> Any:
     """node._target_(*args, **its other keys), checked first."""
     target = resolve(node._target_, key)

@@ -35,7 +35,7 @@ from .layout import Layout, layout
 from .losses import LossFn, Router, build_loss, held_out_loss, router_of, train_loss
 from .metrics import MEAN_LOSSES, PeakMemory, Throughput, loss_metrics
 from .models import build_hf_config
-from .optim import build_optimizer, clip_, clip_grad_norm, grad_norm
+from .optim import build_optimizer, clip_, clip_grad_norm, configured_keys, grad_norm
 from .precision import LossScaler, autocast
 from .preemption import NONE, Agreement, Signals
 from .profiling import StepProfiler, region
@@ -142,7 +142,9 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     if agreement is not None:
         close_on_exit(resources, agreement.close)
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
-        trainer_state, callback_state = checkpointer.load(resume_dir, model, optimizer, callbacks.state_dict())
+        trainer_state, callback_state = checkpointer.load(
+            resume_dir, model, optimizer, callbacks.state_dict(), configured_keys(cfg.optim)
+        )
         state.load_state_dict(trainer_state)
         callbacks.load_state_dict(callback_state)
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)

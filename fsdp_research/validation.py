@@ -138,12 +138,11 @@ def check_activation_checkpointing(cfg: ActivationCheckpointingConfig) -> None:
 
 def check_optimizer_sharding(cfg: DictConfig, world_size: int) -> None:
     """torch's Adafactor reduces each matrix over its rows in place, which DTensor refuses for FSDP's row shards."""
-    if (
-        layout(cfg, world_size).shard_group > 1
-        and resolve(cfg.optim._target_, "optim._target_") is torch.optim.Adafactor
-    ):
+    parts = [("optim", cfg.optim)] + ([("optim.others", cfg.optim.others)] if cfg.optim.others else [])
+    adafactor = [key for key, node in parts if resolve(node._target_, f"{key}._target_") is torch.optim.Adafactor]
+    if layout(cfg, world_size).shard_group > 1 and adafactor:
         raise ConfigError(
-            "optim",
+            adafactor[0],
             "torch.optim.Adafactor cannot step FSDP2's row shards (its in-place column reductions need whole rows)",
             "use sharding=ddp (replicated, exact), one rank, or another optimizer",
         )

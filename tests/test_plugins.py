@@ -12,12 +12,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from fsdp_research.composition import compose
 from fsdp_research.errors import ConfigError
 from fsdp_research.losses import build_loss, check_loss
-from fsdp_research.optim import build_optimizer, param_groups
+from fsdp_research.optim import build_optimizer, check_optim, param_groups
 from fsdp_research.optim.combined import Combined
 from fsdp_research.optim.muon import Muon
 from fsdp_research.optim.schedules import multiplier
@@ -56,6 +56,10 @@ def test_param_groups_by_pattern_first_match_wins():
         "model.embed_tokens.weight",
         "lm_head.weight",
     }
+    # An entry's weight decay is for what it decays: no_decay's kinds keep 0.
+    groups = _names(model, param_groups(model, 0.1, ["1d"], [{"match": "model.layers.0.*", "weight_decay": 0.5}]))
+    assert [g[0]["weight_decay"] for g in groups] == [0.5, 0.0, 0.1, 0.0]
+    assert all(n.endswith("layernorm.weight") for n in groups[1][1])
 
 
 @pytest.mark.parametrize(
@@ -81,6 +85,14 @@ def test_muon_takes_the_block_matrices_adamw_the_rest():
     assert lrs["model.layers.0.mlp.up_proj.weight"] == pytest.approx(0.02 / 10)
 
 
+def test_an_optimizer_without_weight_decay_or_lr_scale_keys():
+    # torch's Rprop takes no weight_decay: the framework's per-group keys are not forced on it.
+    cfg = compose(["optim._target_=torch.optim.Rprop", "~optim.betas", "~optim.eps", "+optim.etas=[0.4,1.3]"])
+    check_optim(cfg.optim, cfg.schedule)
+    optimizer, _ = build_optimizer(_llama(), cfg)
+    assert type(optimizer) is torch.optim.Rprop and optimizer.defaults["etas"] == [0.4, 1.3]
+
+
 def test_a_users_optimizer_class_and_kwargs():
     optimizer, _ = build_optimizer(
         _llama(), compose(["optim._target_=torch.optim.RMSprop", "~optim.betas", "~optim.eps", "+optim.alpha=0.9"])
@@ -101,6 +113,11 @@ BAD = {
     "schedule_fn": (["schedule._target_=math.sqrt"], "schedule._target_: sqrt"),
     "loss_key": (["+loss.z_los=1e-4"], "loss.z_los: cross_entropy has no key 'z_los'"),
     "loss_target": (["loss._target_=torch.nn.functional.nope"], "loss._target_: module 'torch.nn.functional'"),
+    "loss_unused": (
+        ["loss._target_=torch.nn.functional.nll_loss", "loss.z_loss=1e-4"],
+        "loss.z_loss: torch.nn.functional.nll_loss does not take it",
+    ),
+    "others_lr": (["optim=muon", "~optim.others.lr"], "optim.others.lr: is not set"),
     "callback_target": (["+callbacks.mine._target_=no.such.Callback"], "callbacks.mine._target_: cannot import"),
     "callback_kwarg": (["callbacks=spike", "+callbacks.spike.windw=3"], "callbacks.spike.windw: SpikeMonitor takes"),
     "callback_hooks": (
@@ -138,6 +155,9 @@ def test_a_param_group_matching_nothing_is_refused_when_the_model_is_planned():
 
     cfg = compose(["optim.param_groups=[{match: nothing_here, lr_scale: 2}]"])
     with pytest.raises(ConfigError, match=r"^optim.param_groups\[0\].match: 'nothing_here' matches no parameter"):
+        planned_model(cfg, build_hf_config(cfg.model))
+    cfg = compose(["optim.param_groups=[{match: '*norm*', lr: 1e-3}]"])
+    with pytest.raises(ConfigError, match=r"^optim.param_groups\[0\].lr: .*; fix: use lr_scale"):
         planned_model(cfg, build_hf_config(cfg.model))
 
 
@@ -185,9 +205,33 @@ def test_schedule_target_function_and_lr_scheduler_class():
         optimizer.step()
         scheduler.step()
     assert lrs == pytest.approx([3e-3, 3e-3, 1.5e-2, 3e-3])
+    # The group's own keys go to a function whose signature names them.
+    _, scheduler = build_optimizer(
+        model, compose(["schedule._target_=tests.helpers.plugins.warm", "schedule.warmup_steps=4"])
+    )
+    assert scheduler.get_last_lr()[0] == pytest.approx(3e-3 / 4)
     cls = compose(["schedule._target_=torch.optim.lr_scheduler.StepLR", "+schedule.step_size=2", "+schedule.gamma=0.5"])
     _, scheduler = build_optimizer(model, cls)
     assert type(scheduler) is torch.optim.lr_scheduler.StepLR and scheduler.step_size == 2
+
+
+def test_spike_monitor_keeps_non_finite_values_out_of_its_window():
+    from fsdp_research.callbacks.spike import SpikeMonitor
+
+    class Run:
+        skips = 0
+
+        def skip_step(self):
+            self.skips += 1
+
+        def log(self, values, step):
+            pass
+
+    run, monitor = Run(), SpikeMonitor(window=10, threshold=6, skip=True, min_steps=3)
+    values = [float("inf"), 3.0, 2.9, 3.1, 3.0, 2.95, float("nan"), 3.05, 2.9, 3.0]
+    for step, value in enumerate(values, 1):
+        monitor.on_before_optimizer_step(run, step, {"loss": value, "grad_norm": 1.0 + 0.01 * step})
+    assert run.skips == 2 and float("inf") not in monitor.history["loss"]  # the inf and the nan only
 
 
 # ---------------------------------------------------------------------------------------------- losses
@@ -381,3 +425,44 @@ def test_ema_resumes_bitwise(runs):
     # The average as written out: the checkpoint's EMA of the head against the steps' exports is not at hand;
     # its distance to the live weights is what 8 steps at decay 0.9 leave.
     assert 0 < (ema["lm_head.weight"] - live["lm_head.weight"]).abs().max() < 0.1
+
+
+def _ema_logits(cfg, batch):
+    """Logits of the sharded model with the EMA's weights swapped in, after a forward that left every unit
+    gathered (no_reshard): the EMA here is half the live weights."""
+    import types
+
+    import torch.distributed as dist
+
+    from fsdp_research.build import build_sharded_model
+    from fsdp_research.callbacks.ema import EMA
+    from fsdp_research.distributed import init_distributed
+    from fsdp_research.models import build_hf_config
+    from tests.helpers.dist import full_state
+
+    init_distributed(cfg.distributed, torch.device("cpu"))
+    model, _ = build_sharded_model(cfg, build_hf_config(cfg.model), torch.device("cpu"), dist.get_world_size())
+    ema = EMA(decay=0.5)
+    ema.setup(types.SimpleNamespace(model=model))
+    with torch.no_grad():
+        for average in ema.weights.values():
+            average.mul_(0.5)
+        model(input_ids=batch)  # every unit stays gathered with the live weights
+        with ema.swapped():
+            averaged = model(input_ids=batch).logits
+        live = model(input_ids=batch).logits
+    return {"averaged": averaged, "live": live, "weights": full_state(model)}
+
+
+def test_ema_evaluates_its_own_weights_even_where_units_stay_gathered():
+    from tests.helpers.dist import run_distributed
+
+    cfg = compose(FAST + ["sharding=no_reshard"])
+    batch = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    got = run_distributed(_ema_logits, 2, cfg, batch)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **cfg.model.config))
+    model.load_state_dict({k: v * 0.5 for k, v in got["weights"].items()})
+    with torch.no_grad():
+        torch.testing.assert_close(got["averaged"], model(input_ids=batch).logits, rtol=1e-5, atol=1e-5)
+        model.load_state_dict(got["weights"])
+        torch.testing.assert_close(got["live"], model(input_ids=batch).logits, rtol=1e-5, atol=1e-5)

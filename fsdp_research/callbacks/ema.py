@@ -6,6 +6,7 @@ import contextlib
 import os
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 
@@ -20,8 +21,10 @@ class EMA:
         self.decay, self.evaluate, self.export = decay, evaluate, export
         self.weights: dict[str, torch.Tensor] = {}
         self._params: list[torch.Tensor] = []
+        self._units: list[FSDPModule] = []
 
     def _attach(self, model: torch.nn.Module) -> None:
+        self._units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         named = list(model.named_parameters())
         self.weights = {name: p.detach().clone() for name, p in named}
         self._params = [p for _, p in named]
@@ -34,23 +37,26 @@ class EMA:
         shadows = [_local(w) for w in self.weights.values()]
         torch._foreach_lerp_(shadows, [_local(p.detach()) for p in self._params], 1 - self.decay)
 
-    @contextlib.contextmanager
-    def swapped(self):
-        """The model holds the averaged weights inside, its own again after (bitwise)."""
-        pairs = [(_local(p.detach()), _local(w)) for p, w in zip(self._params, self.weights.values())]
+    def _exchange(self) -> None:
+        """The live shards and the averaged ones trade places; FSDP units that stayed gathered (not resharded after
+        forward: the root, the last block) drop their gathered copies, so the next forward gathers the new ones."""
         with torch.no_grad():
-            for live, average in pairs:
+            for p, w in zip(self._params, self.weights.values()):
+                live, average = _local(p.detach()), _local(w)
                 held = live.clone()
                 live.copy_(average)
                 average.copy_(held)
+        for unit in self._units:
+            unit.reshard()
+
+    @contextlib.contextmanager
+    def swapped(self):
+        """The model computes with the averaged weights inside, with its own again after (bitwise)."""
+        self._exchange()
         try:
             yield
         finally:
-            with torch.no_grad():
-                for live, average in pairs:
-                    held = live.clone()
-                    live.copy_(average)
-                    average.copy_(held)
+            self._exchange()
 
     def on_eval(self, run, step: int, metrics: dict) -> None:
         if self.evaluate:

@@ -16,8 +16,9 @@ class BlockGradNorms:
         if step % self.every:
             return
         squares, group = [], None
+        model = getattr(run.model, "module", run.model)  # under torch's DDP, the model it wraps
         for path in run.blocks:
-            grads = [p.grad for p in run.model.get_submodule(path).parameters() if p.grad is not None]
+            grads = [p.grad for p in model.get_submodule(path).parameters() if p.grad is not None]
             if grads and isinstance(grads[0], DTensor):
                 group = grads[0].device_mesh.get_group("shard")
                 grads = [g.to_local() for g in grads]

@@ -1,7 +1,7 @@
 """Loss and gradient-norm spikes (as OLMo-core's stability monitor): each step's value against the mean and spread
 of the last `window` steps' (the loss: its mean over ranks; the norm: the global one). A spike is logged as a
 record (spike_loss_z, spike_grad_norm_z, spike_skipped); with skip, its optimizer step is skipped (OLMo-core's
-SkipStepOptimizer), and spiking values stay out of the window."""
+SkipStepOptimizer), and spiking values stay out of the window. A non-finite value is a spike, and never enters it."""
 
 import math
 from collections import deque
@@ -16,6 +16,8 @@ class SpikeMonitor:
         self.spikes = 0
 
     def _z(self, key: str, value: float) -> float | None:
+        if not math.isfinite(value):
+            return math.inf
         past = self.history[key]
         if len(past) < self.min_steps:
             return None
@@ -34,14 +36,15 @@ class SpikeMonitor:
                 run.skip_step()
             run.log(
                 {
-                    **{f"spike_{k}_z": round(z, 3) for k, z in scores.items() if z is not None},
+                    **{f"spike_{k}_z": round(z, 3) for k, z in scores.items() if z is not None and math.isfinite(z)},
                     "spike_skipped": self.skip,
                 },
                 step=step,
             )
             return
         for key in self.history:
-            self.history[key].append(float(metrics[key]))
+            if math.isfinite(metrics[key]):  # an overflow the loss scaler skips stays out of the window
+                self.history[key].append(float(metrics[key]))
 
     def state_dict(self) -> dict:
         return {"loss": list(self.history["loss"]), "grad_norm": list(self.history["grad_norm"]), "spikes": self.spikes}

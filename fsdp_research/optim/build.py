@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from ..errors import ConfigError
 from ..models import clean_name
-from ..targets import check_call, kwargs_of, resolve
+from ..targets import check_call, kwargs_of, named_in, resolve
 from .combined import Combined
 from .groups import check_no_decay, check_patterns, param_groups
 from .schedules import build_scheduler, check_schedule
@@ -20,10 +20,15 @@ from .schedules import build_scheduler, check_schedule
 OWN_KEYS = ("name", "no_decay", "param_groups", "others", "grad_clip", "warmup_steps", "min_lr_ratio")
 
 
+# Set for every optimizer by the framework (per group): passed on to a target whose signature takes them only.
+_PER_GROUP = ("lr", "weight_decay")
+
+
 def _target_and_kwargs(node: DictConfig, key: str, exclude: Sequence[str] = ()) -> tuple[type, dict]:
     target = resolve(node._target_, f"{key}._target_")
     kwargs = kwargs_of(node, tuple(exclude))
-    check_call(target, kwargs, f"{key}._target_", "params")
+    checked = {k: v for k, v in kwargs.items() if k not in _PER_GROUP or k in named_in(target, kwargs)}
+    check_call(target, checked, f"{key}._target_", "params")
     return target, kwargs
 
 
@@ -32,10 +37,23 @@ def check_optim(cfg: DictConfig, schedule: DictConfig) -> None:
     check_no_decay(cfg.no_decay)
     _target_and_kwargs(cfg, "optim", OWN_KEYS)
     if cfg.others is not None:
-        if "_target_" not in cfg.others:
-            raise ConfigError("optim.others._target_", "is not set", "set it, e.g. torch.optim.AdamW")
+        for key in ("_target_", "lr"):
+            if key not in cfg.others:
+                raise ConfigError(f"optim.others.{key}", "is not set", "set it, e.g. torch.optim.AdamW and 3e-3")
         _target_and_kwargs(cfg.others, "optim.others")
     check_schedule(schedule)
+
+
+def configured_keys(cfg: DictConfig) -> set[str]:
+    """The parameter-group keys the config sets (on resume they win over the checkpoint's): the optimizers' keyword
+    arguments and the pattern entries' keys, and weight decay; not the lr (the schedule's), nor what an optimizer
+    keeps in its groups by itself (a schedule-free optimizer's step count)."""
+    keys = set(kwargs_of(cfg, OWN_KEYS)) | {"weight_decay"}
+    if cfg.others is not None:
+        keys |= set(kwargs_of(cfg.others))
+    for entry in cfg.param_groups:
+        keys |= set(entry) - {"match", "lr_scale"}
+    return keys - {"lr"}
 
 
 def block_matrices(model: nn.Module, block_paths: Sequence[str]) -> set[int]:
@@ -61,6 +79,7 @@ def build_optimizer(model: nn.Module, train_cfg: DictConfig, block_paths: Sequen
     """(optimizer, LR scheduler) of a run's config (optim, schedule, trainer.max_steps) over the model's
     parameters; block_paths: the repeating blocks (with optim.others, their matrices get optim._target_)."""
     cfg = train_cfg.optim
+    model = getattr(model, "module", model)  # under torch's DDP, the model it wraps (the same parameters)
     named = [(clean_name(n), p) for n, p in model.named_parameters()]
     entries = OmegaConf.to_container(cfg.param_groups, resolve=True) if cfg.param_groups else []
     check_patterns(entries, [n for n, _ in named])

@@ -38,6 +38,8 @@ def check_patterns(entries: Sequence[dict[str, Any]], names: Sequence[str]) -> N
         key = f"optim.param_groups[{i}]"
         if not isinstance(entry, dict) or "match" not in entry:
             raise ConfigError(key, "has no `match`", "give each entry {match: <glob or regex>, lr_scale: ...}")
+        if "lr" in entry:
+            raise ConfigError(f"{key}.lr", "a group's rate follows the schedule from optim.lr", "use lr_scale")
         if not any(matches(str(entry["match"]), n) for n in names):
             shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
             raise ConfigError(
@@ -56,9 +58,9 @@ def param_groups(
     lr: float | None = None,
 ) -> list[dict[str, Any]]:
     """The groups of `named` (name, parameter) pairs, by default all of the model's: for each pattern entry in
-    order (then the unmatched), the decayed parameters, then the others (the kinds in no_decay, weight decay 0;
-    an entry's own weight_decay applies to all it matches). Each group has lr x its lr_scale (when lr is given)
-    and the entry's other keys. Empty groups are left out."""
+    order (then the unmatched), the decayed parameters (the entry's weight_decay, if it has one), then the others
+    (the kinds in no_decay, weight decay 0). Each group has lr x its lr_scale (when lr is given) and the entry's
+    other keys. Empty groups are left out."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     kinds = set(no_decay)
     named = list(model.named_parameters()) if named is None else list(named)
@@ -76,11 +78,12 @@ def param_groups(
     groups = []
     for index, entry in enumerate([*entries, {}]):
         mine = [(n, p) for n, p in named if entry_of(n) == index]
-        extra = {k: v for k, v in entry.items() if k not in ("match", "lr_scale")}
+        extra = {k: v for k, v in entry.items() if k not in ("match", "lr_scale", "weight_decay")}
         scale = float(entry.get("lr_scale", 1.0))
         for skip in (False, True):
             params = [p for n, p in mine if exempt(n, p) == skip]
-            group = {"params": params, "weight_decay": 0.0 if skip else weight_decay, **extra}
+            decay = 0.0 if skip else entry.get("weight_decay", weight_decay)
+            group = {"params": params, "weight_decay": decay, **extra}
             if lr is not None:
                 group["lr"] = lr * scale
             groups.append(group)

@@ -1,7 +1,8 @@
 """Learning rate schedules (schedule=<name>): the multiplier of each group's lr at each step, from the step and
 trainer.max_steps alone, so a resume continues it exactly and a raised max_steps reshapes what is left of it
 (wsd: a longer stable phase). Or schedule._target_: a function (step, max_steps, **kwargs) -> multiplier, or an
-LRScheduler class."""
+LRScheduler class; the group's other keys are its keyword arguments, and so are warmup_steps, min_lr_ratio,
+decay_ratio and decay_shape where its signature names them."""
 
 import functools
 import math
@@ -13,7 +14,7 @@ from omegaconf import DictConfig
 
 from ..config import DecayShape, ScheduleName
 from ..errors import ConfigError
-from ..targets import check_call, kwargs_of, resolve
+from ..targets import check_call, kwargs_of, named_in, resolve
 
 # The group's keys that are not a target's keyword arguments.
 _OWN = ("name", "warmup_steps", "min_lr_ratio", "decay_ratio", "decay_shape")
@@ -45,10 +46,15 @@ def multiplier(cfg, step: int, max_steps: int) -> float:
     return _decayed(DecayShape.cosine if name is ScheduleName.cosine else DecayShape.linear, progress, floor)
 
 
+def _target_kwargs(cfg: DictConfig, target) -> dict:
+    own = {k: v for k, v in kwargs_of(cfg).items() if k in _OWN and k != "name"}
+    return {**named_in(target, own), **kwargs_of(cfg, _OWN)}
+
+
 def check_schedule(cfg: DictConfig) -> None:
     if cfg.get("_target_"):
         target = resolve(cfg._target_, "schedule._target_")
-        kwargs = kwargs_of(cfg, _OWN)
+        kwargs = _target_kwargs(cfg, target)
         if isinstance(target, type):
             if not issubclass(target, torch.optim.lr_scheduler.LRScheduler):
                 raise ConfigError(
@@ -83,7 +89,7 @@ def build_scheduler(
 ) -> torch.optim.lr_scheduler.LRScheduler:
     if cfg.get("_target_"):
         target = resolve(cfg._target_, "schedule._target_")
-        kwargs = kwargs_of(cfg, _OWN)
+        kwargs = _target_kwargs(cfg, target)
         if isinstance(target, type):
             return target(optimizer, **kwargs)
         factor: Callable[[int], float] = functools.partial(_call, functools.partial(target, **kwargs), max_steps)

@@ -69,3 +69,8 @@ class Raises:
 def spike_lr(step: int, max_steps: int, at: int = 8, factor: float = 300.0) -> float:
     """Constant, but `factor` times higher at step `at` (0-based): the next step's loss spikes."""
     return factor if step == at else 1.0
+
+
+def warm(step: int, max_steps: int, warmup_steps: int) -> float:
+    """A schedule function that takes the schedule group's warmup_steps."""
+    return min(1.0, (step + 1) / warmup_steps)
