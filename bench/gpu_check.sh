@@ -2,8 +2,8 @@
 # Every GPU check in one run of under 8 minutes on one GPU (a lent device has 15 minutes a session, all tries
 # together): the CUDA tests (1-GPU run against the CPU reference, bf16 MFU and the planner's peak against
 # torch.cuda.max_memory_allocated, cpu_offload, compile), the trainer's overhead against a bare fully_shard loop
-# (eager and compiled), our trainer against Accelerate's FSDP2, and llama_1b's MFU in bf16. Each step has its own
-# time limit (under 7 minutes in all); a failed step does not stop the others. Figures go to stdout and
+# (eager and compiled), our trainer against Accelerate's FSDP2, Muon's step against AdamW's, and llama_1b's MFU in
+# bf16. Each step has its own time limit (under 8 minutes in all); a failed step does not stop the others. Figures go to stdout and
 # $OUT/gpu_check.log (OUT: the device tool's folder, else outputs/gpu_check).
 #   bash bench/gpu_check.sh
 set -uo pipefail
@@ -27,6 +27,7 @@ step 100 "overhead, llama_1b bf16" "$PY" bench/overhead.py --nproc 1 --steps 30 
     model=llama_1b precision=bf16 data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=8
 step 90 "against Accelerate's FSDP2 (needs accelerate installed)" "$PY" bench/peers.py --nproc 1 --steps 30 \
     --repeats 1 model=llama_1b precision=bf16 data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=8
+step 60 "Muon's optimizer step against AdamW's" "$PY" bench/optimizers.py --nproc 1 --steps 5 --repeats 2
 step 80 "MFU, llama_1b bf16" "$PY" train.py model=llama_1b precision=bf16 data=synthetic data.seq_len=2048 \
     trainer.global_batch_size=8 trainer.micro_batch_size=8 trainer.max_steps=30 trainer.eval_interval=0 \
     checkpoint.interval=0 checkpoint.export=false logger=none hydra.run.dir="$OUT/mfu"
