@@ -3,8 +3,8 @@
 # together): the CUDA tests (1-GPU run against the CPU reference, bf16 MFU and the planner's peak against
 # torch.cuda.max_memory_allocated, cpu_offload, compile), the trainer's overhead against a bare fully_shard loop
 # (eager and compiled), our trainer against Accelerate's FSDP2, Muon's step against AdamW's, and llama_1b's MFU in
-# bf16. Each step has its own time limit (under 8 minutes in all); a failed step does not stop the others. Figures go to stdout and
-# $OUT/gpu_check.log (OUT: the device tool's folder, else outputs/gpu_check).
+# bf16. Each step has its own time limit (under 8 minutes in all); a failed step does not stop the others. Figures
+# go to stdout and $OUT/gpu_check.log (OUT: the device tool's folder, else outputs/gpu_check).
 #   bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
