@@ -30,6 +30,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from .errors import ConfigError
 from .models import build_model, clean_name
+from .sharding import local_shard
 
 _FIX = "use a checkpoint of this model's architecture (model.name_or_path), without model.config overrides of shapes"
 
@@ -296,14 +297,14 @@ def load_pretrained(model: nn.Module, path: str) -> None:
     for module, name, original in originals:
         loaded = module._parameters[name]
         if loaded is not original:
-            target = original.to_local() if isinstance(original, DTensor) else original
-            target.copy_(loaded.to_local() if isinstance(loaded, DTensor) else loaded)
+            target = local_shard(original)
+            target.copy_(local_shard(loaded))
             module._parameters[name] = original
     tensors = _tensors(model)
 
     def keep(name: str, full: torch.Tensor) -> None:
         target = tensors[clean_name(name)]
-        local = target.to_local() if isinstance(target, DTensor) else target
+        local = local_shard(target)
         if isinstance(target, DTensor):
             # src_data_rank=None: every rank has the whole tensor and slices its own, no communication.
             full = distribute_tensor(

@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .config import ShardingConfig, Strategy
@@ -40,6 +41,11 @@ class ShardingPlan:
     units: list[Unit]
     # The repeating blocks' paths, in forward order: what a reader of the plan (the doctor) holds units against.
     blocks: tuple[str, ...] = ()
+
+
+def local_shard(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: a DTensor's local shard, a plain tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def owner(name: str, unit_paths: list[str]) -> str:

@@ -15,7 +15,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from . import rundir
-from .data.pipeline import Build, Data, build_data
+from .data.pipeline import Build, Data, Prefetcher, build_data
 from .dimensions import ModelDims
 from .distributed import cores_per_rank, members, on_rank0, planned_nodes
 from .doctor import diagnose, report
@@ -48,6 +48,21 @@ def open_data(cfg: DictConfig, vocab_size: int) -> Data:
     data = build_data(cfg.data, vocab_size, cfg.trainer.seed, build)
     log.info(f"data: {data.describe()}; ready in {time.perf_counter() - started:.2f} s")
     return data
+
+
+def read_ahead(
+    data: Data, cfg: DictConfig, start: int, device: torch.device, resources: contextlib.ExitStack
+) -> Prefetcher:
+    """This rank's batches from step `start` on, read ahead on a thread (closed when the run ends)."""
+    t, rank, world = cfg.trainer, dist.get_rank(), dist.get_world_size()
+    batches = Prefetcher(
+        lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
+        start,
+        t.max_steps,
+        pin=device.type == "cuda",
+    )
+    close_on_exit(resources, batches.close)
+    return batches
 
 
 def throughput_of(

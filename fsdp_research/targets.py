@@ -79,13 +79,16 @@ def check_call(target: Callable, kwargs: Mapping[str, Any], key: str, *given: st
         raise ConfigError(key, f"{getattr(target, '__qualname__', target)}: {err}", "fix its arguments") from None
 
 
-def named_in(target: Callable, values: Mapping[str, Any]) -> dict[str, Any]:
-    """The values whose names target's signature lists (the framework's own keys that a plug-in may take)."""
+def named_in(target: Callable, values: Mapping[str, Any], or_any: bool = False) -> dict[str, Any]:
+    """The values whose names target's signature lists (the framework's own keys that a plug-in may take);
+    or_any: all of them where it takes **kwargs."""
     try:
-        names = inspect.signature(target).parameters
-    except (TypeError, ValueError):
-        return {}
-    return {k: v for k, v in values.items() if k in names}
+        params = inspect.signature(target).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: all, where it may take any (the call says)
+        return dict(values) if or_any else {}
+    if or_any and any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(values)
+    return {k: v for k, v in values.items() if k in params}
 
 
 def build(node: DictConfig, key: str, *args: Any, exclude: tuple[str, ...] = ()) -> Any:

@@ -41,7 +41,7 @@ from .preemption import NONE, Agreement, Signals
 from .profiling import StepProfiler, region
 from .sharding import ShardingPlan, grad_sync
 from .sinks import Sinks, setup_logging
-from .startup import close_on_exit, observe, open_data, seed_rng, throughput_of
+from .startup import close_on_exit, observe, open_data, read_ahead, seed_rng, throughput_of
 from .state import TrainResult, TrainState
 from .validation import check_config
 
@@ -121,6 +121,19 @@ def _prepare(cfg: DictConfig, run_dir: str) -> tuple[torch.device, str, Any, nn.
     return device, run_dir, hf_config, model, plan, resume_dir
 
 
+def _checkpointing(
+    cfg: DictConfig, run_dir: str, hf_config, signals: Signals, resources: contextlib.ExitStack
+) -> tuple[Checkpointer, Agreement | None]:
+    """The checkpointer, and the step-boundary agreement, only when there is something to agree on: a signal to
+    catch, or async saves to publish; both closed when the run ends."""
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
+    close_on_exit(resources, checkpointer.close)
+    agreement = Agreement(width=2) if signals.enabled or checkpointer.is_async else None
+    if agreement is not None:
+        close_on_exit(resources, agreement.close)
+    return checkpointer, agreement
+
+
 def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextlib.ExitStack) -> Run:
     device, run_dir, hf_config, model, plan, resume_dir = _prepare(cfg, run_dir)
     rank, world, t = dist.get_rank(), dist.get_world_size(), cfg.trainer
@@ -135,12 +148,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     balancer = BiasBalancer(model, cfg.model.moe.bias_update_rate)
     close_on_exit(resources, lambda failed: balancer.close())
     state = TrainState(scheduler, LossScaler(cfg.precision))
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
-    close_on_exit(resources, checkpointer.close)
-    # Only when there is something to agree on: a signal to catch, or async saves to publish.
-    agreement = Agreement(width=2) if signals.enabled or checkpointer.is_async else None
-    if agreement is not None:
-        close_on_exit(resources, agreement.close)
+    checkpointer, agreement = _checkpointing(cfg, run_dir, hf_config, signals, resources)
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
         trainer_state, callback_state = checkpointer.load(
             resume_dir, model, optimizer, callbacks.state_dict(), configured_keys(cfg.optim)
@@ -150,13 +158,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
     throughput = throughput_of(cfg, d, model, plan, device, state.step)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources)
-    batches = Prefetcher(
-        lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
-        state.step,
-        t.max_steps,
-        pin=device.type == "cuda",
-    )
-    close_on_exit(resources, batches.close)
+    batches = read_ahead(data, cfg, state.step, device, resources)
     amp = autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp_classic)
     run = Run(
         cfg=cfg,
@@ -316,7 +318,8 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> dic
         "step": done,
         # Wall clock (Unix seconds) when the window closed: what a reader holds step times against.
         "time": time.time(),
-        "loss": _mean_over_ranks(out.loss),
+        # Already reduced for the callbacks, where there are some.
+        "loss": out.mean_loss if out.mean_loss is not None else _mean_over_ranks(out.loss),
         "lr": out.lr,
         "grad_norm": out.grad_norm.item(),
         **loss_metrics(out.stats),

@@ -7,11 +7,8 @@ import os
 
 import torch
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from ..sharding import local_shard
 
 
 class EMA:
@@ -34,15 +31,15 @@ class EMA:
 
     @torch.no_grad()
     def on_step_end(self, run, step: int, metrics: dict) -> None:
-        shadows = [_local(w) for w in self.weights.values()]
-        torch._foreach_lerp_(shadows, [_local(p.detach()) for p in self._params], 1 - self.decay)
+        shadows = [local_shard(w) for w in self.weights.values()]
+        torch._foreach_lerp_(shadows, [local_shard(p.detach()) for p in self._params], 1 - self.decay)
 
     def _exchange(self) -> None:
         """The live shards and the averaged ones trade places; FSDP units that stayed gathered (not resharded after
         forward: the root, the last block) drop their gathered copies, so the next forward gathers the new ones."""
         with torch.no_grad():
             for p, w in zip(self._params, self.weights.values()):
-                live, average = _local(p.detach()), _local(w)
+                live, average = local_shard(p.detach()), local_shard(w)
                 held = live.clone()
                 live.copy_(average)
                 average.copy_(held)

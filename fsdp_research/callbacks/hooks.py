@@ -78,8 +78,8 @@ def check_callbacks(cfg: Mapping[str, Any]) -> None:
             raise ConfigError(key, "is not set", f"give callbacks.{name} a _target_ (a class), or remove it")
         target = resolve(node["_target_"], key)
         check_call(target, kwargs_of(node), key)
-        made = target if isinstance(target, type) else None
-        if made is not None and not any(hasattr(made, hook) for hook in HOOKS):
+        # A class can be checked for hooks here; what a factory returns only once it is called.
+        if isinstance(target, type) and not any(hasattr(target, hook) for hook in HOOKS):
             raise ConfigError(key, f"{node['_target_']} has none of the hooks", f"define some of {', '.join(HOOKS)}")
 
 

@@ -2,7 +2,6 @@
 with optim.others, a second optimizer for everything but the repeating blocks' 2-D weight matrices), and its
 schedule."""
 
-import inspect
 from collections.abc import Sequence
 
 import torch
@@ -63,14 +62,12 @@ def block_matrices(model: nn.Module, block_paths: Sequence[str]) -> set[int]:
 
 def _build_one(model, node: DictConfig, key: str, named, entries, no_decay, exclude=()) -> torch.optim.Optimizer:
     target, kwargs = _target_and_kwargs(node, key, exclude)
-    accepted = inspect.signature(target).parameters
-    takes = lambda name: name in accepted or any(p.kind is p.VAR_KEYWORD for p in accepted.values())  # noqa: E731
     # lr and weight_decay set per group (lr_scale, no_decay); passed on only to a target that takes them.
     lr, weight_decay = kwargs.get("lr"), kwargs.get("weight_decay", 0.0)
-    kwargs = {k: v for k, v in kwargs.items() if takes(k)}
+    kwargs = named_in(target, kwargs, or_any=True)
     groups = param_groups(model, weight_decay, no_decay, entries, named, lr)
-    for group in groups:
-        if not takes("weight_decay"):
+    if "weight_decay" not in named_in(target, {"weight_decay": 0}, or_any=True):
+        for group in groups:
             group.pop("weight_decay")
     return target(groups, **kwargs)
 

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from ..sharding import local_shard
+
 # Keller Jordan's quintic coefficients, torch.optim.Muon's defaults.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -94,23 +96,19 @@ class Muon(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             updates = []
             for p in params:
-                grad = _local(p.grad)
+                grad = local_shard(p.grad)
                 buf = self.state[p].get("momentum_buffer")
                 if buf is None:
                     buf = self.state[p]["momentum_buffer"] = torch.zeros_like(p.grad)
-                local_buf = _local(buf)
+                local_buf = local_shard(buf)
                 local_buf.lerp_(grad, 1 - group["momentum"])
                 updates.append(grad.lerp(local_buf, group["momentum"]) if group["nesterov"] else local_buf)
             orthogonal = _orthogonalize(params, updates, group)
             for p, update in zip(params, orthogonal):
-                local = _local(p)
+                local = local_shard(p)
                 local.mul_(1 - group["lr"] * group["weight_decay"])
                 local.add_(update, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], p.shape))
         return loss
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _shard_group(p: torch.Tensor):

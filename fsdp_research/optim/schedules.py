@@ -75,9 +75,8 @@ def check_schedule(cfg: DictConfig) -> None:
     unknown = sorted(set(cfg.keys()) - {*_OWN, "_target_"})
     if unknown:
         raise ConfigError(f"schedule.{unknown[0]}", f"the {cfg.name} schedule has no key {unknown[0]!r}", "remove it")
-    for key in ("warmup_steps",):
-        if cfg[key] < 0:
-            raise ConfigError(f"schedule.{key}", f"{cfg[key]} is negative", "use 0 or more")
+    if cfg.warmup_steps < 0:
+        raise ConfigError("schedule.warmup_steps", f"{cfg.warmup_steps} is negative", "use 0 or more")
     if not 0 <= cfg.min_lr_ratio <= 1:
         raise ConfigError("schedule.min_lr_ratio", f"{cfg.min_lr_ratio} is not in [0, 1]", "use e.g. 0.1")
     if not 0 <= cfg.decay_ratio <= 1:

@@ -77,8 +77,12 @@ def format_plan(m: ModelSummary, run: Run) -> str:
     if mem.host:
         rows.append(("host memory (cpu_offload)", mem.host, "sharded state, off the device"))
     lines += [f"  {label:<44}{_gib(value):>9}   {note}".rstrip() for label, value, note in rows]
+    return "\n".join(lines + _traffic_lines(m, run) + _accumulation(m, run))
+
+
+def _traffic_lines(m: ModelSummary, run: Run) -> list[str]:
     comm = traffic(m, run)
-    lines += [
+    lines = [
         "",
         "communication per rank per step (GiB received)",
         f"  {'all-gather':<44}{_gib(comm.all_gather):>9}   {_gib(comm.all_gather_backward)} of it in backward",
@@ -87,7 +91,7 @@ def format_plan(m: ModelSummary, run: Run) -> str:
     ]
     if comm.all_to_all:
         lines.append(f"  {'all-to-all (whole matrices for ' + m.optimizer + ')':<44}{_gib(comm.all_to_all):>9}")
-    return "\n".join(lines + _accumulation(m, run))
+    return lines
 
 
 def _accumulation(m: ModelSummary, run: Run) -> list[str]:

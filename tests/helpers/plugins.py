@@ -5,14 +5,15 @@ import json
 import os
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from fsdp_research.sharding import local_shard
 
 
 def _checksum(model) -> float:
     """This rank's shards, summed with position weights (a step that changed nothing keeps it bitwise)."""
     total = 0.0
     for p in model.parameters():
-        local = (p.to_local() if isinstance(p, DTensor) else p).detach().double().flatten()
+        local = local_shard(p).detach().double().flatten()
         total += float((local * torch.arange(1, local.numel() + 1, dtype=torch.float64)).sum())
     return total
 
