@@ -5,12 +5,14 @@ initialised or read from a checkpoint -> torch's DDP for the classic baseline.""
 import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.fsdp import FSDPModule
 
 from .activation_checkpointing import apply_activation_checkpointing
 from .compilation import apply_compile
 from .config import Strategy
 from .dimensions import dims
 from .initialization import init_weights, materialize
+from .losses import check_chunkable
 from .models import block_class_name, build_model, build_own_model, clean_name, find_blocks, pretrained_dir
 from .optim.groups import check_patterns
 from .precision import build_mp_policy, dtypes, kept_in_fp32
@@ -57,6 +59,14 @@ def shard_model(
                     module._buffers[name] = buf.to(device)
     else:
         init_weights(model, plan.blocks, cfg.trainer.seed)
+    if cfg.loss.chunks > 1:  # a forward of two tokens: the model's logits must be its output layer's
+        with torch.no_grad():
+            check_chunkable(model, device)
+        # Units that keep their parameters gathered after forward (the root, the last block) until a backward
+        # that never comes: sharded again, else the optimizer would get the gathered tensors.
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
     return apply_ddp(model, device) if plan.strategy is Strategy.ddp_classic else model
 
 

@@ -51,8 +51,16 @@ class ShardingConfig:
     # hsdp: number of replica groups; each shards over world_size / replicate ranks.
     replicate: int = 1
     cpu_offload: bool = False
-    # Block index -> reshard_after_forward, overriding the strategy for those blocks.
-    reshard_override: dict[int, bool] = field(default_factory=dict)
+    # null: the strategy's. true, false, or an int k (FSDP2 reshards to groups of k ranks after forward: the blocks'
+    # parameters stay sharded over k ranks, e.g. a node, until backward regathers them from there) for every block
+    # the strategy reshards (blockwise: all but the last).
+    reshard_after_forward: Any = None
+    # Block index -> reshard_after_forward (true, false or k), overriding the above for those blocks.
+    reshard_override: dict[int, Any] = field(default_factory=dict)
+    # Blocks all-gathered ahead: 0, FSDP2's implicit prefetch (the next block in backward); k, the next k blocks
+    # (set_modules_to_forward_prefetch / set_modules_to_backward_prefetch): more overlap, k blocks more memory.
+    prefetch_forward: int = 0
+    prefetch_backward: int = 0
 
 
 @dataclass
@@ -66,10 +74,33 @@ class PrecisionConfig:
     growth_interval: int = 200
 
 
+class CheckpointMode(str, Enum):
+    full = "full"
+    selective = "selective"
+
+
 @dataclass
 class ActivationCheckpointingConfig:
     # 0: off; 1: every block; k: every k-th block (blocks 0, k, 2k, ...).
     stride: int = 0
+    # full: a checkpointed block keeps its input only and recomputes its forward in backward; selective: it also
+    # keeps the outputs of save_ops (op level, torch.utils.checkpoint's selective checkpointing) and recomputes the
+    # rest: more memory than full, less recompute.
+    mode: CheckpointMode = CheckpointMode.full
+    # selective: torch operators (namespace.name, as in torch.ops) whose outputs are kept: matmuls, attention (SDPA's
+    # kernels), collectives, as torchtitan keeps them.
+    save_ops: list[str] = field(
+        default_factory=lambda: [
+            "aten.mm",
+            "aten._scaled_dot_product_efficient_attention",
+            "aten._scaled_dot_product_flash_attention",
+            "aten._scaled_dot_product_cudnn_attention",
+            "aten._scaled_dot_product_flash_attention_for_cpu",
+            "_c10d_functional.reduce_scatter_tensor",
+        ]
+    )
+    # selective: of the aten.mm outputs, keep the 1st, (1+n)-th, ... and recompute the others (torchtitan: 2).
+    mm_save_every: int = 2
 
 
 class DataKind(str, Enum):
@@ -186,6 +217,9 @@ class LossConfig:
     # PaLM's auxiliary z-loss: this x mean(logsumexp(logits)^2), logged apart as z_loss.
     z_loss: float = 0.0
     label_smoothing: float = 0.0
+    # n > 1: the output projection and the cross-entropy over n chunks of the tokens, each recomputed in backward
+    # (a checkpointed loop): the [tokens x vocab] logits never exist whole, for one more output projection.
+    chunks: int = 1
 
 
 @dataclass

@@ -210,3 +210,9 @@ def report(findings: list[Finding], sinks, step: int) -> None:
         sinks.note(step, "doctor", [asdict(f) for f in findings])
     else:
         log.info("doctor: no findings")
+
+
+if __name__ == "__main__":  # the old path, python -m fsdp_research.doctor
+    from .cli import run_moved
+
+    run_moved("fsdp_research.doctor", "doctor")

@@ -120,3 +120,9 @@ def load_checkpoint_weights(step_dir: str) -> dict[str, torch.Tensor]:
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=step_dir, no_dist=True)
     return {k[len("model.") :]: v for k, v in state.items()}
+
+
+if __name__ == "__main__":  # the old path, python -m fsdp_research.export
+    from .cli import run_moved
+
+    run_moved("fsdp_research.export", "export")

@@ -2,8 +2,9 @@
 loss._target_; plus a mixture of experts' load-balancing loss where its config asks for it), and the
 token-weighted mean cross-entropy over the held-out set."""
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -11,13 +12,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from .data.pipeline import Data
 from .errors import ConfigError
+from .models import output_layer
 from .targets import check_call, kwargs_of, named_in, resolve
 
 # loss's own keys: with loss._target_ the others are its keyword arguments.
-_OWN = ("name", "z_loss", "label_smoothing")
+_OWN = ("name", "z_loss", "label_smoothing", "chunks")
 # (logits [tokens, vocab], labels [tokens]) -> (loss, parts to log apart)
 LossFn = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
@@ -29,6 +33,12 @@ def _target_kwargs(cfg, target) -> dict:
 
 
 def check_loss(cfg) -> None:
+    if cfg.chunks < 1:
+        raise ConfigError("loss.chunks", f"{cfg.chunks} is below 1", "use 1 (whole logits) or n chunks, e.g. 8")
+    if cfg.chunks > 1 and cfg.get("_target_"):
+        raise ConfigError(
+            "loss.chunks", f"{cfg._target_} takes whole logits, never made in chunks", "use loss.chunks=1"
+        )
     if cfg.get("_target_"):
         target = resolve(cfg._target_, "loss._target_")
         check_call(target, _target_kwargs(cfg, target), "loss._target_", "logits", "labels")
@@ -64,11 +74,98 @@ def _user_loss(fn: Callable, logits, labels):
 _plain = functools.partial(_cross_entropy, z_loss=0.0, label_smoothing=0.0)
 
 
-def build_loss(cfg) -> LossFn:
+@dataclass(frozen=True)
+class ChunkedCrossEntropy:
+    """loss.chunks > 1: the output layer and cross_entropy over `chunks` slices of the tokens, each slice's logits
+    recomputed in backward (a checkpointed loop): one slice's logits exist at a time, for one more output
+    projection. Takes the hidden states the output layer would have taken."""
+
+    chunks: int
+    z_loss: float
+    label_smoothing: float
+
+    def _sums(self, hidden, weight, bias, labels):
+        logits = F.linear(hidden, weight, bias).float()
+        ce = F.cross_entropy(logits, labels, reduction="sum", label_smoothing=self.label_smoothing)
+        z = torch.logsumexp(logits, dim=-1).pow(2).sum() if self.z_loss else torch.zeros((), device=ce.device)
+        return ce, z
+
+    def __call__(self, hidden, labels, head: nn.Linear):
+        ce, z = 0.0, 0.0
+        for h, y in zip(hidden.chunk(self.chunks), labels.chunk(self.chunks)):
+            parts = checkpoint(self._sums, h, head.weight, head.bias, y, use_reentrant=False)
+            ce, z = ce + parts[0], z + parts[1]
+        if not self.z_loss:
+            return ce / labels.numel(), {}
+        z = self.z_loss * z / labels.numel()
+        return ce / labels.numel() + z, {"z_loss": z.detach()}
+
+
+def build_loss(cfg) -> LossFn | ChunkedCrossEntropy:
     if cfg.get("_target_"):
         target = resolve(cfg._target_, "loss._target_")
         return functools.partial(_user_loss, functools.partial(target, **_target_kwargs(cfg, target)))
+    if cfg.chunks > 1:
+        return ChunkedCrossEntropy(cfg.chunks, cfg.z_loss, cfg.label_smoothing)
     return functools.partial(_cross_entropy, z_loss=cfg.z_loss, label_smoothing=cfg.label_smoothing)
+
+
+def _head(model: nn.Module) -> nn.Module | None:
+    return output_layer(model.module if isinstance(model, DistributedDataParallel) else model)
+
+
+@contextlib.contextmanager
+def head_bypassed(model: nn.Module) -> Iterator[tuple[nn.Module, dict]]:
+    """The model's output layer passes its input through: the model returns its last hidden states as `logits`
+    (checked by bypassed_hidden). Yields (the output layer, what it saw)."""
+    head = _head(model)
+    if not isinstance(head, nn.Linear):
+        raise ConfigError(
+            "loss.chunks",
+            f"{type(model).__name__} has no nn.Linear output layer to compute in chunks",
+            "use loss.chunks=1",
+        )
+    seen = {}
+
+    def passthrough(hidden):
+        seen["hidden"], seen["version"] = hidden, hidden._version
+        return hidden
+
+    head.forward = passthrough
+    try:
+        yield head, seen
+    finally:
+        del head.forward
+
+
+def bypassed_hidden(logits: torch.Tensor, seen: dict) -> torch.Tensor:
+    """The hidden states the output layer got, where the model returned them untouched (a view of all of them
+    counts: transformers slices by logits_to_keep). A model that scales or soft-caps its logits after the output
+    layer (Gemma 2, Cohere, Granite) would train on a different loss in chunks: refused."""
+    hidden = seen.get("hidden")
+    base = hidden if hidden is None or hidden._base is None else hidden._base
+    same = logits is hidden or (logits._base is base and logits._base is not None)
+    if not (
+        same
+        and logits.shape == hidden.shape
+        and logits.stride() == hidden.stride()
+        and logits.storage_offset() == hidden.storage_offset()
+        and hidden._version == seen["version"]
+    ):
+        raise ConfigError(
+            "loss.chunks",
+            "the model changes its logits after the output layer (scaling, soft-capping), which chunks would skip",
+            "use loss.chunks=1",
+        )
+    return hidden
+
+
+def check_chunkable(model: nn.Module, device: torch.device) -> None:
+    """A two-token forward with the output layer bypassed (a collective under FSDP): the model must return what
+    its output layer makes, untouched. Raises ConfigError."""
+    with head_bypassed(model) as (_, seen):
+        out = model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
+    bypassed_hidden(out.logits, seen)
 
 
 @dataclass(frozen=True)
@@ -106,16 +203,21 @@ def train_loss(model: nn.Module, batch: torch.Tensor, amp, loss_fn: LossFn | Non
     the router's weighted load-balancing loss; for a mixture of experts, its aux loss and the tokens routed to each
     expert (summed over its MoE layers) to log, where the family computes them (a router trained without an aux
     loss has none)."""
-    with amp:
+    chunked = isinstance(loss_fn, ChunkedCrossEntropy)
+    with amp, head_bypassed(model) if chunked else contextlib.nullcontext((None, None)) as (head, seen):
         out = model(input_ids=batch[:, :-1], **({"output_router_logits": True} if router else {}))
-    logits = getattr(out, "logits", None)
-    if logits is None:
-        raise ConfigError(
-            "model._target_",
-            f"the model's forward returned a {type(out).__name__} without .logits",
-            "return an object with .logits (e.g. transformers' CausalLMOutput)",
-        )
-    loss, stats = (loss_fn or _plain)(logits.flatten(0, 1), batch[:, 1:].flatten())
+        logits = getattr(out, "logits", None)
+        if logits is None:
+            raise ConfigError(
+                "model._target_",
+                f"the model's forward returned a {type(out).__name__} without .logits",
+                "return an object with .logits (e.g. transformers' CausalLMOutput)",
+            )
+        labels = batch[:, 1:].flatten()
+        if chunked:
+            loss, stats = loss_fn(bypassed_hidden(logits, seen).flatten(0, 1), labels, head)
+    if not chunked:
+        loss, stats = (loss_fn or _plain)(logits.flatten(0, 1), labels)
     if router is None:
         return loss, stats
     aux = getattr(out, "aux_loss", None)

@@ -138,3 +138,9 @@ def plot(jobs: list[dict[str, Any]], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+if __name__ == "__main__":  # the old path, python -m fsdp_research.report
+    from .cli import run_moved
+
+    run_moved("fsdp_research.report", "report")

@@ -69,3 +69,9 @@ def plot(results: dict[str, dict[int, float]], path: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path)
+
+
+if __name__ == "__main__":  # the old path, python -m fsdp_research.scaling
+    from .cli import run_moved
+
+    run_moved("fsdp_research.scaling", "scaling")

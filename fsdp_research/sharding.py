@@ -19,10 +19,11 @@ from .precision import fp32_policy
 
 @dataclass(frozen=True)
 class Unit:
-    """One FSDP unit: the module at `path` ("" is the root) and whether it reshards after forward."""
+    """One FSDP unit: the module at `path` ("" is the root) and whether it reshards after forward (an int k: to
+    groups of k ranks)."""
 
     path: str
-    reshard_after_forward: bool
+    reshard_after_forward: bool | int
     # Other modules sharded together with it: they hold the same parameters (Zamba's shared transformer block).
     also: tuple[str, ...] = ()
     # Computes in fp32 whatever the training dtype: a module the family keeps in fp32 (a router's gate).
@@ -53,14 +54,15 @@ def owner(name: str, unit_paths: list[str]) -> str:
     return max((p for p in unit_paths if p == "" or name.startswith(p + ".")), key=len)
 
 
-def _block_reshard_flags(strategy: Strategy, n_blocks: int) -> list[bool]:
+def _block_reshard_flags(cfg: ShardingConfig, n_blocks: int) -> list[bool | int]:
+    strategy = Strategy(cfg.strategy)
     # ddp: a shard group of one rank has nothing to reshard.
     if strategy in (Strategy.no_reshard, Strategy.ddp):
         return [False] * n_blocks
-    if strategy is Strategy.reshard_all:
-        return [True] * n_blocks
-    # The last block's parameters are needed again as soon as backward starts: keep them.
-    return [True] * (n_blocks - 1) + [False]
+    # The last block's parameters are needed again as soon as backward starts: blockwise keeps them.
+    flags = [True] * n_blocks if strategy is Strategy.reshard_all else [True] * (n_blocks - 1) + [False]
+    value = cfg.reshard_after_forward
+    return [value if flag and value is not None else flag for flag in flags]
 
 
 def build_plan(
@@ -73,7 +75,14 @@ def build_plan(
     block_paths = tuple(paths[block] for block in blocks)
     if strategy is Strategy.ddp_classic:
         return ShardingPlan(strategy, [], block_paths)
-    flags = _block_reshard_flags(strategy, len(blocks))
+    if max(cfg.prefetch_forward, cfg.prefetch_backward) >= len(blocks):
+        key = "prefetch_forward" if cfg.prefetch_forward >= len(blocks) else "prefetch_backward"
+        raise ConfigError(
+            f"sharding.{key}",
+            f"{cfg[key]} blocks ahead, but the model has {len(blocks)} blocks",
+            f"use 0..{len(blocks) - 1}",
+        )
+    flags = _block_reshard_flags(cfg, len(blocks))
     for index, flag in cfg.reshard_override.items():
         if not 0 <= index < len(blocks):
             raise ConfigError(
@@ -84,7 +93,8 @@ def build_plan(
         flags[index] = flag
     units: list[Unit] = []
     if strategy is Strategy.per_linear:
-        units = [Unit(paths[m], True) for block in blocks for m in block.modules() if isinstance(m, nn.Linear)]
+        flag = True if cfg.reshard_after_forward is None else cfg.reshard_after_forward
+        units = [Unit(paths[m], flag) for block in blocks for m in block.modules() if isinstance(m, nn.Linear)]
     elif strategy is not Strategy.root_only:
         units = [Unit(paths[block], flag) for block, flag in zip(blocks, flags)]
     block_flags = dict(zip(block_paths, flags))
@@ -132,10 +142,22 @@ def build_mesh(cfg: ShardingConfig, device_type: str, world_size: int) -> Device
     return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
 
 
+def apply_prefetch(model: nn.Module, plan: ShardingPlan, cfg: ShardingConfig) -> None:
+    """Each block unit all-gathers the next prefetch_forward blocks as its forward starts, and the next
+    prefetch_backward blocks (in backward's order) as its backward starts; 0 leaves FSDP2's implicit prefetch."""
+    blocks = [model.get_submodule(path) for path in plan.blocks]
+    for index, block in enumerate(blocks):
+        if cfg.prefetch_forward:
+            block.set_modules_to_forward_prefetch(blocks[index + 1 : index + 1 + cfg.prefetch_forward])
+        if cfg.prefetch_backward:
+            block.set_modules_to_backward_prefetch(blocks[max(0, index - cfg.prefetch_backward) : index][::-1])
+
+
 def apply_fsdp(
     model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None, cfg: ShardingConfig
 ) -> nn.Module:
-    """fully_shard each unit of the plan, innermost first (the model may still be on the meta device)."""
+    """fully_shard each unit of the plan, innermost first (the model may still be on the meta device), then the
+    explicit prefetch between blocks."""
     kwargs = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
@@ -149,6 +171,7 @@ def apply_fsdp(
             reshard_after_forward=unit.reshard_after_forward,
             **{**kwargs, **policy},
         )
+    apply_prefetch(model, plan, cfg)
     return model
 
 

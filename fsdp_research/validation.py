@@ -5,10 +5,12 @@ and the planner run the same checks."""
 import torch
 from omegaconf import DictConfig
 
+from .activation_checkpointing import resolve_op
 from .callbacks.hooks import check_callbacks
 from .config import (
     ActivationCheckpointingConfig,
     CheckpointConfig,
+    CheckpointMode,
     DataConfig,
     DataKind,
     ModelConfig,
@@ -106,13 +108,46 @@ def check_offload_backend(cfg: ShardingConfig, backend: str) -> None:
         )
 
 
+# Strategies whose units are the blocks: what explicit prefetch names.
+_BLOCK_UNITS = (Strategy.blockwise, Strategy.reshard_all, Strategy.no_reshard, Strategy.hsdp, Strategy.ddp)
+
+
+def _check_reshard_value(key: str, value, shard_group: int) -> None:
+    """true, false, or k: a divisor of the shard group strictly between 1 and it (FSDP2's reshard to k ranks)."""
+    if isinstance(value, bool):
+        return
+    divisors = [k for k in range(2, shard_group) if shard_group % k == 0]
+    if not isinstance(value, int) or value not in divisors:
+        ints = f", or {' / '.join(map(str, divisors))} (divisors of it)" if divisors else ""
+        raise ConfigError(
+            key,
+            f"{value!r} is not true, false or a group size dividing the shard group of {shard_group} rank(s)",
+            f"use true, false{ints}",
+        )
+
+
 def check_sharding(cfg: ShardingConfig, world_size: int) -> None:
-    if cfg.strategy is Strategy.hsdp and (cfg.replicate < 1 or world_size % cfg.replicate):
+    strategy = Strategy(cfg.strategy)
+    if strategy is Strategy.hsdp and (cfg.replicate < 1 or world_size % cfg.replicate):
         raise ConfigError(
             "sharding.replicate",
             f"{cfg.replicate} replica groups do not divide the world size {world_size}",
             "use a divisor of the world size",
         )
+    shard_group = {Strategy.hsdp: world_size // cfg.replicate, Strategy.ddp: 1}.get(strategy, world_size)
+    if cfg.reshard_after_forward is not None:
+        _check_reshard_value("sharding.reshard_after_forward", cfg.reshard_after_forward, shard_group)
+    for index, value in cfg.reshard_override.items():
+        _check_reshard_value(f"sharding.reshard_override.{index}", value, shard_group)
+    for key in ("prefetch_forward", "prefetch_backward"):
+        if cfg[key] < 0:
+            raise ConfigError(f"sharding.{key}", f"{cfg[key]} is negative", "use 0 (FSDP2's implicit) or k blocks")
+        if cfg[key] and strategy not in _BLOCK_UNITS:
+            raise ConfigError(
+                f"sharding.{key}",
+                f"{strategy.value} has no block units to prefetch",
+                f"use sharding.{key}=0, or sharding=blockwise",
+            )
 
 
 def check_precision(cfg: PrecisionConfig, device: torch.device) -> None:
@@ -134,6 +169,15 @@ def check_activation_checkpointing(cfg: ActivationCheckpointingConfig) -> None:
             f"{cfg.stride} is negative",
             "use 0 (off), 1 (every block) or k (every k-th block)",
         )
+    if cfg.mode is CheckpointMode.selective:
+        for name in cfg.save_ops:
+            resolve_op(name)
+        if cfg.mm_save_every < 1:
+            raise ConfigError(
+                "activation_checkpointing.mm_save_every",
+                f"{cfg.mm_save_every} is below 1",
+                "use 1 (keep every matmul) or n (every n-th)",
+            )
 
 
 def check_optimizer_sharding(cfg: DictConfig, world_size: int) -> None:

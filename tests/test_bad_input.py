@@ -43,6 +43,32 @@ APP_ERRORS = {
     "param_group": ("optim.param_groups[0].match", ["optim.param_groups=[{match: nothing_here}]"]),
     "nccl_on_cpu": ("distributed.backend", ["distributed.backend=nccl", "trainer.device=cpu"]),
     "nccl_spawned": ("distributed.backend", ["distributed.nproc_per_node=2", "distributed.backend=nccl"]),
+    "reshard_int": (
+        "sharding.reshard_after_forward",
+        ["distributed.nproc_per_node=2", "sharding.reshard_after_forward=3"],
+    ),
+    "prefetch_depth": ("sharding.prefetch_backward", ["sharding.prefetch_backward=4"]),
+    "loss_chunks": ("loss.chunks", ["loss.chunks=0"]),
+    "save_ops": (
+        "activation_checkpointing.save_ops",
+        ["activation_checkpointing=selective", "activation_checkpointing.save_ops=[aten.no_such_op]"],
+    ),
+    # Gemma 2 soft-caps its logits after the output layer: chunks would train on another loss.
+    "chunks_softcap": (
+        "loss.chunks",
+        [
+            "loss.chunks=4",
+            "model=custom",
+            "model.model_type=gemma2",
+            "model.config.hidden_size=64",
+            "model.config.intermediate_size=128",
+            "model.config.num_hidden_layers=2",
+            "model.config.head_dim=16",
+            "model.config.num_attention_heads=4",
+            "model.config.num_key_value_heads=2",
+            "model.config.vocab_size=512",
+        ],
+    ),
 }
 MESSAGES = {
     "optim_target": "cannot import 'mypkg.opt.Lion'",
@@ -52,6 +78,10 @@ MESSAGES = {
     "reshaped": "model.layers.0.mlp.down_proj.weight is [64, 96] in the model, [64, 128] in the checkpoint",
     "unknown_family": "transformers has no config for it",
     "not_a_causal_lm": "transformers cannot build a causal LM of type 't5'",
+    "reshard_int": "3 is not true, false or a group size dividing the shard group of 2 rank(s)",
+    "prefetch_depth": "4 blocks ahead, but the model has 4 blocks",
+    "save_ops": "torch has no operator 'aten.no_such_op'",
+    "chunks_softcap": "the model changes its logits after the output layer",
 }
 HYDRA_ERRORS = {
     "unknown_key": ("Key 'max_stepz' not in 'TrainerConfig'", ["trainer.max_stepz=3"]),
@@ -66,6 +96,8 @@ EXISTING = {
     "status.json": '{"status": "completed", "error": null}',
 }
 INTO_EXISTING = {"batch", "seq_len"}
+# Found by a forward of two tokens on the sharded model, once the run has begun its log.
+AFTER_BUILD = {"chunks_softcap"}
 
 
 def _contents(run_dir):
@@ -122,7 +154,7 @@ def test_app_error_is_one_line_naming_key_and_fix(failed, name):
         assert _contents(cwd / name) == EXISTING
         return
     status = cwd / name / "status.json"
-    assert _contents(cwd / name).keys() <= {"status.json"}
+    assert _contents(cwd / name).keys() <= {"status.json", *(["train.log"] if name in AFTER_BUILD else [])}
     if status.exists():
         record = json.loads(status.read_text())
         assert record["status"] == "failed" and f"{APP_ERRORS[name][0]}: " in record["error"]

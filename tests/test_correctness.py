@@ -24,11 +24,35 @@ RUNS = {
     "ddp+accum": ["sharding=ddp", "trainer.micro_batch_size=2"],
     "hsdp+accum": ["sharding=hsdp", "trainer.micro_batch_size=1"],
     "hsdp+accum+defer": ["sharding=hsdp", "trainer.micro_batch_size=1", "trainer.defer_grad_sync=true"],
+    # The knobs of speed and memory change no number.
+    "blockwise+selective": ["activation_checkpointing=selective"],
+    "blockwise+selective2+accum": [
+        "activation_checkpointing=selective",
+        "activation_checkpointing.stride=2",
+        "activation_checkpointing.mm_save_every=1",
+        "trainer.micro_batch_size=2",
+    ],
+    "blockwise+prefetch": ["sharding.prefetch_forward=2", "sharding.prefetch_backward=3"],
+    "reshard_all+ac+prefetch": [
+        "sharding=reshard_all",
+        "activation_checkpointing=every_block",
+        "sharding.prefetch_backward=1",
+    ],
+    "blockwise+chunks": ["loss.chunks=3"],
+    "ddp_classic+chunks": ["sharding=ddp_classic", "loss.chunks=4"],
 }
 # At 4 ranks hsdp's replicate=2 is a (2, 2) mesh: each replica shards over 2 ranks.
 RUNS_4 = {
     "hsdp_2x2": ["sharding=hsdp", "trainer.micro_batch_size=2"],
     "hsdp_2x2+accum": ["sharding=hsdp", "trainer.micro_batch_size=1"],
+    # FSDP2's reshard to groups of 2 after forward, regathered from them in backward.
+    "blockwise_4+reshard2": ["sharding.reshard_after_forward=2", "trainer.micro_batch_size=2"],
+    "reshard_all_4+override_int": [
+        "sharding=reshard_all",
+        "sharding.reshard_override={0:2,3:false}",
+        "sharding.prefetch_forward=1",
+        "trainer.micro_batch_size=1",
+    ],
 }
 
 

@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "(default: as the launch would have) and nodes=N (default: from the launcher's environment)",
     )
     parser.add_argument("--measure", action="store_true", help="add findings from a short profiled run")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         launch, overrides = split_launch(args.overrides)
         cfg, hf_config, world_size = checked_config(overrides, launch.get("world_size", 0))

@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="float32, bfloat16 or float16 (default: the run's checkpoint.export_dtype, else its training dtype)",
     )
     parser.add_argument("--shard-size", default="5GB")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     from transformers import AutoConfig
 
     problem = verify(args.step_dir)

@@ -36,7 +36,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), help="the device type to plan for (default: the trainer's, trainer.device)"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         launch, overrides = split_launch(args.overrides)
         cfg, _, world_size = checked_config(overrides, launch.get("world_size", 0))

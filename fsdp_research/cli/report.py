@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-research report", description=__doc__.split(":", 1)[1].strip())
     parser.add_argument("sweep_dir", help="outputs/multirun/<date>/<time>")
     parser.add_argument("--out", help="PNG path (default: <sweep dir>/report.png)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     if not os.path.isdir(args.sweep_dir):
         return fail(f"no such sweep directory: {args.sweep_dir}")
     jobs = [load_job(d) for d in job_dirs(args.sweep_dir)]

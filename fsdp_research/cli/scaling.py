@@ -22,7 +22,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--ddp-micro-batch", type=int, default=None, help="the micro batch that fits under ddp (default: the same)"
     )
     parser.add_argument("--out", default="outputs/scaling")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     worlds = [int(w) for w in args.world_sizes.split(",")]
     base = compose(args.overrides)
     sharding = base.sharding.strategy.value

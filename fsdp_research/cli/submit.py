@@ -19,7 +19,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("override_file", help="one job per line: overrides as on the command line")
     parser.add_argument("--parallel", type=int, default=16, help="array tasks running at once (default 16)")
     parser.add_argument("--partition", help="default: the cluster's default partition")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     try:
         if args.parallel < 1:
             raise SubmitError(f"--parallel must be 1 or more, not {args.parallel}")

@@ -30,7 +30,7 @@ def _bar(done: int, total: int, seconds: float) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-research tokenize", description=__doc__.split(":", 1)[1].strip())
     parser.add_argument("overrides", nargs="*", help="Hydra overrides as for train.py (data.*)")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     env = launch_env()
     rank, world = (env.rank, env.world_size) if env else (0, 1)
     # Every task of one srun step names the same build; alone, any name will do.
