@@ -1,7 +1,6 @@
 """Throughput, MFU and peak memory, computed in one place and handed to whichever sinks are on."""
 
 import contextlib
-import re
 import resource
 import time
 from collections.abc import Iterator
@@ -10,38 +9,7 @@ import torch
 import torch.distributed as dist
 
 from .dimensions import ModelDims, expert_modules
-
-# Peak dense TFLOP/s per device from the vendors' datasheets (no sparsity): (16-bit tensor cores, fp32 without
-# TF32, which torch leaves off for matmuls by default). Matched in order against torch.cuda.get_device_name(),
-# lowercased, on whole words: the variants of a part (H100 SXM/PCIe/NVL, L4/L40/L40S) differ by up to 1.3x.
-PEAK_TFLOPS = (
-    (r"\b(h100|h800)\b.*\bpcie\b", 756.0, 51.0),
-    (r"\b(h100|h200)\b.*\bnvl\b", 835.0, 60.0),
-    (r"\b(gh200|h200|h100|h800)\b", 989.0, 67.0),
-    (r"\bgb200\b", 2500.0, 80.0),
-    (r"\bb200\b", 2250.0, 75.0),
-    (r"\b(a100|a800)\b", 312.0, 19.5),
-    (r"\ba10g?\b", 125.0, 31.2),
-    (r"\bl40s\b", 362.0, 91.6),
-    (r"\bl40\b", 181.0, 90.5),
-    (r"\bl4\b", 121.0, 30.3),
-    (r"\bv100\b.*\bpcie\b", 112.0, 14.0),
-    (r"\bv100\b", 125.0, 15.7),
-    (r"\bt4\b", 65.0, 8.1),
-    (r"\brtx 4090\b", 165.0, 82.6),
-    (r"\brtx 3090\b", 71.0, 35.6),
-    (r"\bmi300x\b", 1307.0, 163.4),
-    (r"\bmi250x?\b", 383.0, 95.7),
-)
-
-
-def peak_for(device_name: str, dtype: torch.dtype) -> float | None:
-    """A device's peak TFLOP/s for matmuls in dtype, by its name; None for a device not in the table."""
-    name = device_name.lower()
-    for pattern, half, single in PEAK_TFLOPS:
-        if re.search(pattern, name):
-            return single if dtype is torch.float32 else half
-    return None
+from .hardware import peak_for
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None) -> float | None:

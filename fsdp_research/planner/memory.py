@@ -90,6 +90,8 @@ class Traffic:
     all_reduce: int
     # Whole-matrix optimizers (Muon): each rank's shards of every block matrix to its owner and back (fp32).
     all_to_all: int = 0
+    # The part of all_gather_backward within the smaller groups of reshard_after_forward=k (a node's links).
+    regather_within: int = 0
 
 
 # Activations, per token (bytes); see the module docstring.
@@ -108,10 +110,36 @@ def block_activation_bytes(m: ModelSummary, e: int, seq_len: int) -> int:
     return 2 * _norm_bytes(m, e) + attention + 4 * e * m.intermediate + scores
 
 
+def _matmul_widths(m: ModelSummary) -> list[int]:
+    """The output widths of a llama block's matmuls in forward order: q, k, v, o, gate, up, down."""
+    return [m.hidden, m.kv_dim, m.kv_dim, m.hidden, m.intermediate, m.intermediate, m.hidden]
+
+
+def selective_bytes(m: ModelSummary, e: int, seq_len: int) -> int:
+    """What a selectively checkpointed block saves per token: its input, the kept matmul outputs, attention's
+    output and logsumexp (when an SDPA kernel is kept). Other families: half of a block's full activations."""
+    if m.model_type not in LLAMA_LIKE:
+        return e * m.hidden + block_activation_bytes(m, e, seq_len) // 2
+    kept = sum(w for index, w in enumerate(_matmul_widths(m)) if index % m.selective_every == 0)
+    attention = e * m.hidden + FP32 * m.heads if m.selective_attention else 0
+    return e * (m.hidden + kept) + attention
+
+
 def saved_activations(m: ModelSummary, e: int, seq_len: int, checkpointed: Sequence[bool]) -> list[int]:
     """Per token, what each block holds between its forward and its backward."""
     full = block_activation_bytes(m, e, seq_len)
-    return [e * m.hidden if ckpt else full for ckpt in checkpointed]
+    kept = selective_bytes(m, e, seq_len) if m.selective_every else e * m.hidden
+    return [kept if ckpt else full for ckpt in checkpointed]
+
+
+def selective_recompute(m: ModelSummary) -> float:
+    """The share of a selectively checkpointed llama block's forward FLOPs recomputed: the matmuls not kept
+    (the rest it recomputes, norms and activations, costs no matmul); attention's too when it is not kept."""
+    widths = _matmul_widths(m)
+    inputs = [m.hidden] * 4 + [m.hidden] * 2 + [m.intermediate]
+    flops = [w * i for w, i in zip(widths, inputs)]
+    redone = sum(f for index, f in enumerate(flops) if index % m.selective_every)
+    return redone / sum(flops)
 
 
 def _norm_backward_bytes(m: ModelSummary, e: int) -> int:
@@ -168,11 +196,15 @@ def _phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> _Phases:
             ("reduction", sum(saved[:k]), incoming, 0),
         ]
 
+    # loss.chunks: one slice's logits at a time, made again in backward, where its gradients join them; the
+    # model's forward itself returns the hidden states.
+    c = run.loss_chunks
+    chunked = c > 1
     return _Phases(
-        forward_end=sum(saved) + norm + _logits_forward(m, e) * tok,
-        root_forward_end=sum(saved) + norm + e * m.vocab * tok,
-        backward_start=sum(saved) + norm + FP32 * m.vocab * tok,
-        loss_grads=2 * FP32 * m.vocab * tok,
+        forward_end=sum(saved) + norm + _logits_forward(m, e) * tok // c,
+        root_forward_end=sum(saved) + norm + (0 if chunked else e * m.vocab * tok),
+        backward_start=sum(saved) + norm + (0 if chunked else FP32 * m.vocab * tok),
+        loss_grads=(_logits_forward(m, e) + 2 * FP32 * m.vocab) * tok // c if chunked else 2 * FP32 * m.vocab * tok,
         block=[inside(k) for k in range(m.n_blocks)],
     )
 
@@ -199,7 +231,9 @@ def _fsdp_backward(
         inside = [j for j, u in enumerate(units) if u.block == k]
         j = max(inside, key=lambda i: units[i].numel) if inside else None
         unit = units[j].numel if j is not None else 0
-        prefetch = units[j - 1].numel if j and units[j - 1].reshard_after_forward else 0
+        # The units backward gathers ahead (FSDP2's implicit: the next one), unless kept gathered since forward.
+        ahead = units[max(0, (j or 0) - max(1, run.prefetch_backward)) : j or 0]
+        prefetch = sum(u.numel for u in ahead if u.reshard_after_forward is not False)
         # FSDP2 keeps the previous unit's reduce-scatter input until this unit's reduction starts.
         previous = units[j + 1].numel if j is not None and j + 1 < len(units) else 0
         # The root's gradients stay unsharded until its reduction at the very end of backward; the input
@@ -225,6 +259,37 @@ def _fsdp_backward(
     return moments
 
 
+def _forward_prefetch(
+    m: ModelSummary,
+    run: Run,
+    phases: _Phases,
+    state: dict[str, int],
+    resident: Callable[[int], int],
+    deferred: int,
+) -> list[tuple[str, dict[str, int]]]:
+    """Forward of each block with explicit prefetch: its unit and the next prefetch_forward gathered at once."""
+    e, units = run.compute_bytes, list(m.units)
+    moments = []
+    for k in range(m.n_blocks):
+        inside = [j for j, u in enumerate(units) if u.block == k]
+        if not inside:
+            continue
+        j = max(inside, key=lambda i: units[i].numel)
+        ahead = sum(u.numel for u in units[j : j + 1 + run.prefetch_forward])
+        moments.append(
+            (
+                f"forward of block {k}",
+                dict(
+                    state,
+                    gathered=e * m.root.numel + resident(j) + e * ahead,
+                    unsharded_grads=deferred,
+                    activations=phases.block[k][-1][1],
+                ),
+            )
+        )
+    return moments
+
+
 def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> list[tuple[str, dict[str, int]]]:
     e, r, n = run.compute_bytes, run.reduce_bytes, run.shard_group
     units, every = list(m.units), [*m.units, m.root]
@@ -240,12 +305,19 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
         return dict(params=shards, optimizer=int(m.optimizer_copies * shards), grads=grads)
 
     def resident(before: int) -> int:
-        return e * sum(u.numel for u in units[:before] if not u.reshard_after_forward)
+        """Gathered from forward to backward: kept whole, or resharded to a group of k ranks (its 1/k)."""
+        kept = [(u, u.kept_after_forward()) for u in units[:before]]
+        return e * sum(u.numel if k == 1 else u.shard_numel(k) for u, k in kept if k)
 
     root, kept = e * m.root.numel, resident(len(units))
     # The last all-gather's buffer is kept until the root's forward ends: the last unit's, or the root's own.
     last_gathered = e * (units[-1].numel if units else m.root.numel)
     moments = [
+        # The root's all-gather buffer, until the first unit's all-gather (already issued) replaces it.
+        (
+            "the root's all-gather",
+            dict(state([]), gathered=2 * root + e * (units[0].numel if units else 0), unsharded_grads=deferred),
+        ),
         (
             "end of the root's forward",
             dict(
@@ -270,11 +342,14 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
             ),
         ),
     ]
+    if run.prefetch_forward:
+        moments += _forward_prefetch(m, run, phases, state([]), resident, deferred)
     moments += _fsdp_backward(m, run, phases, state, resident, deferred)
     moments.append(
         (
             "the root's gradient reduction",
-            dict(state(units), gathered=root, unsharded_grads=deferred + (e + r) * m.root.numel),
+            # FSDP2 frees each unsharded gradient once copied into the reduce-scatter input: the largest remains.
+            dict(state(units), gathered=root, unsharded_grads=deferred + r * m.root.numel + e * m.root.largest),
         )
     )
     moments.append(("optimizer step", dict(state(every), temporaries=_step_temporaries(every, run))))
@@ -352,9 +427,10 @@ def memory(m: ModelSummary, run: Run, checkpointed: Sequence[bool] | None = None
     )
 
 
-def recompute_share(checkpointed: Sequence[bool]) -> float:
-    """Extra compute of activation checkpointing: one more forward (1/3 of a step) per checkpointed block."""
-    return sum(checkpointed) / len(checkpointed) / 3 if checkpointed else 0.0
+def recompute_share(checkpointed: Sequence[bool], redone: float = 1.0) -> float:
+    """Extra compute of activation checkpointing: one more forward (1/3 of a step) per checkpointed block, of
+    which `redone` (selective checkpointing recomputes a part: selective_recompute)."""
+    return sum(checkpointed) / len(checkpointed) / 3 * redone if checkpointed else 0.0
 
 
 def traffic(m: ModelSummary, run: Run) -> Traffic:
@@ -366,11 +442,14 @@ def traffic(m: ModelSummary, run: Run) -> Traffic:
     units = [*m.units, m.root]
     received = (n - 1) / n
     forward = run.micro_steps * received * e * sum(u.numel for u in units)
-    backward = run.micro_steps * received * e * sum(u.numel for u in units if u.reshard_after_forward)
+    # Backward regathers what forward resharded: over the shard group, or (reshard to k) within the group of k.
+    kept = [(u, u.kept_after_forward()) for u in units]
+    regather = run.micro_steps * e * sum(u.numel * (k - 1) / k for u, k in kept if k and k > 1)
+    backward = run.micro_steps * received * e * sum(u.numel for u, k in kept if k is None) + regather
     reduce = syncs * received * r * sum(u.numel for u in units)
     replicas = run.replicas
     # Across replicas the gradient shards accumulate and are all-reduced once per step.
     across = 2 * (replicas - 1) / replicas * r * sum(u.shard_numel(n) for u in units)
     # Muon: a rank receives the other ranks' slices of the 1/n of the matrices it owns, then its slices of the rest.
     whole = 2 * received * FP32 * m.whole_matrices / n
-    return Traffic(int(forward + backward), int(backward), int(reduce), int(across), int(whole))
+    return Traffic(int(forward + backward), int(backward), int(reduce), int(across), int(whole), int(regather))

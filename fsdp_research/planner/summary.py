@@ -9,10 +9,10 @@ from omegaconf import DictConfig
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from ..build import planned_model
-from ..config import Strategy
+from ..config import CheckpointMode, Strategy
 from ..dimensions import dims
 from ..layout import layout
-from ..metrics import active_parameters
+from ..metrics import active_parameters, flops_per_token, matmul_parameters
 from ..models import build_hf_config, input_embedding, output_layer
 from ..optim.build import block_matrices
 from ..optim.state import state_copies
@@ -27,7 +27,8 @@ class UnitSize:
 
     path: str
     shapes: tuple[tuple[int, int], ...]
-    reshard_after_forward: bool
+    # An int k: resharded to groups of k ranks after forward.
+    reshard_after_forward: bool | int
     # The block it lies in; None for the root.
     block: int | None
 
@@ -35,8 +36,18 @@ class UnitSize:
     def numel(self) -> int:
         return sum(rows * row for rows, row in self.shapes)
 
+    @property
+    def largest(self) -> int:
+        return max((rows * row for rows, row in self.shapes), default=0)
+
     def shard_numel(self, n: int) -> int:
         return sum(-(-rows // n) * row for rows, row in self.shapes)
+
+    def kept_after_forward(self) -> int | None:
+        """The group size its parameters stay sharded over from forward to backward: 1 (kept whole), k (resharded
+        to k ranks), None (resharded over the shard group)."""
+        flag = self.reshard_after_forward
+        return 1 if flag is False else None if flag is True else flag
 
 
 @dataclass(frozen=True)
@@ -74,6 +85,13 @@ class ModelSummary:
     optimizer_known: bool = True
     # Parameters in the blocks' 2-D matrices that a whole-matrix optimizer (Muon: optim.others set) exchanges.
     whole_matrices: int = 0
+    # Checkpointed blocks: 0, full (only the input kept); n, selective (the 1st, (1+n)-th, ... matmul outputs kept).
+    selective_every: int = 0
+    # Selective: attention's output kept (an SDPA kernel among save_ops).
+    selective_attention: bool = True
+    # Training FLOPs per token (forward + backward, the MFU count), and the output layer's forward FLOPs per token.
+    flops_per_token: float = 0.0
+    head_flops_per_token: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,11 @@ class Run:
     cpu_offload: bool
     # AdamW's foreach implementation (CUDA) instead of the per-tensor loop (CPU).
     foreach: bool
+    # Blocks all-gathered ahead (sharding.prefetch_forward / prefetch_backward; 0: FSDP2's implicit).
+    prefetch_forward: int = 0
+    prefetch_backward: int = 0
+    # loss.chunks: the logits exist a 1/chunks slice at a time.
+    loss_chunks: int = 1
 
     @property
     def tokens(self) -> int:
@@ -142,7 +165,17 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         root_in_block=tuple(root_in_block),
         input_embedding=0 if tied else embedding.numel(),
         **_optimizer(cfg, model, plan),
+        **_checkpointing(cfg.activation_checkpointing),
+        flops_per_token=flops_per_token(d, matmul_parameters(model, d), cfg.data.seq_len),
+        head_flops_per_token=2.0 * d.hidden * d.vocab if output is not None else 0.0,
     )
+
+
+def _checkpointing(cfg: DictConfig) -> dict:
+    if cfg.mode is not CheckpointMode.selective:
+        return {}
+    kernels = [name for name in cfg.save_ops if "scaled_dot_product" in name]
+    return dict(selective_every=cfg.mm_save_every, selective_attention=bool(kernels))
 
 
 def _optimizer(cfg: DictConfig, model: nn.Module, plan: ShardingPlan) -> dict:
@@ -182,6 +215,9 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str) -> Run:
         defer_grad_sync=cfg.trainer.defer_grad_sync,
         cpu_offload=cfg.sharding.cpu_offload,
         foreach=device_type == "cuda" and not cfg.sharding.cpu_offload,
+        prefetch_forward=cfg.sharding.prefetch_forward,
+        prefetch_backward=cfg.sharding.prefetch_backward,
+        loss_chunks=cfg.loss.chunks,
     )
 
 

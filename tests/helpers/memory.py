@@ -13,7 +13,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from fsdp_research.build import build_sharded_model
 from fsdp_research.config import typed
 from fsdp_research.distributed import init_distributed
-from fsdp_research.losses import train_loss
+from fsdp_research.losses import build_loss, train_loss
 from fsdp_research.models import build_hf_config
 from fsdp_research.optim import build_optimizer, clip_grad_norm
 from tests.helpers.dist import run_distributed
@@ -48,10 +48,10 @@ class _GroupPeaks(FSDPMemTracker):
                 self.peaks[group] = max(self.peaks[group], sum(snap.get(k, 0) for k in keys))
 
 
-def _step(model, optimizer, batch: torch.Tensor, grad_clip: float) -> None:
+def _step(model, optimizer, batch: torch.Tensor, cfg) -> None:
     """One step as the trainer takes it (one micro-batch)."""
-    train_loss(model, batch, contextlib.nullcontext())[0].backward()
-    clip_grad_norm(model, grad_clip)
+    train_loss(model, batch, contextlib.nullcontext(), build_loss(cfg.loss))[0].backward()
+    clip_grad_norm(model, cfg.optim.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
 
@@ -70,11 +70,11 @@ def _measure_each(configs: dict[str, Any]) -> dict[str, dict[str, int]]:
             0, hf_config.vocab_size, (cfg.trainer.micro_batch_size, cfg.data.seq_len + 1), generator=gen
         )
         # The first step creates the optimizer state: the steady state is the second.
-        _step(model, optimizer, batch, cfg.optim.grad_clip)
+        _step(model, optimizer, batch, cfg)
         tracker = _GroupPeaks(model, optimizer)
         tracker.track_inputs((batch,))
         with tracker:
-            _step(model, optimizer, batch, cfg.optim.grad_clip)
+            _step(model, optimizer, batch, cfg)
         peaks[name] = tracker.peaks
         del model, optimizer, tracker
         gc.collect()
