@@ -39,6 +39,9 @@ class _Case:
     plan: ShardingPlan
     layout: Layout
     measured: dict[str, float]
+    # plan --fit's pick for the device's memory: {overrides, tokens_per_s, this_tokens_per_s, this_peak_gib,
+    # cap_gib, device} (fsdp_research.planner.search.doctor_fit).
+    fit: dict | None = None
 
     def block_units(self):
         return [u for u in self.plan.units if u.path in self.plan.blocks]
@@ -126,6 +129,19 @@ def _deferred_grads(c: _Case) -> str | None:
         )
 
 
+def _not_fit(c: _Case) -> str | None:
+    f = c.fit
+    if not f:
+        return None
+    pick = (
+        f"plan --fit {f['cap_gib']:g} GiB on {f['device']} picks {f['overrides']} ({f['tokens_per_s']:,.0f} tokens/s)"
+    )
+    if f["this_peak_gib"] > f["cap_gib"]:
+        return f"this config's predicted peak, {f['this_peak_gib']:.1f} GiB, does not fit; {pick}"
+    if f["tokens_per_s"] > f["this_tokens_per_s"] * (1 + c.cfg.doctor.fit_margin):
+        return f"{pick}, against {f['this_tokens_per_s']:,.0f} predicted for this config"
+
+
 # (check, symptom, detect, what to do), in the order worth checking.
 CHECKS: tuple[tuple[str, str, Callable[[_Case], str | None], str], ...] = (
     ("root_only", "wrapped only the root", _root_only, "wrap each repeating block: sharding=blockwise"),
@@ -163,15 +179,27 @@ CHECKS: tuple[tuple[str, str, Callable[[_Case], str | None], str], ...] = (
         "trainer.defer_grad_sync=false (the default: each micro-batch reduce-scatters into the shards); across "
         "nodes, sharding=hsdp all-reduces across replicas once per step either way",
     ),
+    (
+        "fit",
+        "not the config plan --fit picks for this memory",
+        _not_fit,
+        "add those overrides (fsdp-research plan --fit <GiB> world_size=N shows the ranking; a finding, not an "
+        "error: a config kept on purpose may stay)",
+    ),
 )
 
 
 def diagnose(
-    cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int, measured: dict[str, float] | None = None
+    cfg: DictConfig,
+    plan: ShardingPlan,
+    world_size: int,
+    nodes: int,
+    measured: dict[str, float] | None = None,
+    fit: dict | None = None,
 ) -> list[Finding]:
     """The findings for this config and plan on world_size ranks over `nodes` nodes. measured (optional):
-    exposed_comm_share, step_time_s, checkpoint_save_s."""
-    case = _Case(cfg, plan, layout(cfg, world_size, nodes), measured or {})
+    exposed_comm_share, step_time_s, checkpoint_save_s; fit (optional): plan --fit's pick for the device."""
+    case = _Case(cfg, plan, layout(cfg, world_size, nodes), measured or {}, fit)
     return [
         Finding(name, symptom, cause, fix)
         for name, symptom, detect, fix in CHECKS

@@ -46,6 +46,7 @@ class Device:
     InfiniBand NIC per device), to the host (PCIe, what cpu_offload crosses)."""
 
     name: str
+    # The datasheet's memory ("80GB": about 79 GiB usable as torch counts it).
     memory_gib: float
     bf16_tflops: float
     fp32_tflops: float
@@ -72,6 +73,12 @@ GPUS = {
 COMPUTE_EFFICIENCY = 0.5
 LINK_EFFICIENCY = 0.8
 LINKS = ("nvlink", "ib")
+
+
+def gpu_named(device_name: str) -> Device | None:
+    """The table's device that torch.cuda.get_device_name() names (whole words), or None."""
+    name = device_name.lower()
+    return next((d for key, d in GPUS.items() if re.search(rf"\b{key}\b", name)), None)
 
 
 def gpu(name: str) -> Device:

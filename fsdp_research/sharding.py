@@ -162,7 +162,8 @@ def apply_fsdp(
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
     if cfg.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # Pinned host memory needs an accelerator: on CPU the policy only keeps the state where it is.
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for unit in plan.units:
         policy = {"mp_policy": fp32_policy()} if unit.fp32 else {}
         modules = [model.get_submodule(path) for path in (unit.path, *unit.also)]

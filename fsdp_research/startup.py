@@ -21,6 +21,7 @@ from .distributed import cores_per_rank, members, on_rank0, planned_nodes
 from .doctor import diagnose, report
 from .metrics import Throughput, active_parameters
 from .models import dropout_in
+from .planner.search import doctor_fit
 from .precision import dtypes
 from .profiling import StepProfiler
 from .sharding import ShardingPlan
@@ -125,7 +126,8 @@ def observe(
     close_on_exit(resources, sinks.finish)
     if rank == 0:
         rundir.write_status(run_dir, "running", ranks=members())
-        report(diagnose(cfg, plan, world, planned_nodes()), sinks, state.step)
+        findings = diagnose(cfg, plan, world, planned_nodes(), fit=doctor_fit(cfg, world, device))
+        report(findings, sinks, state.step)
     profiler = StepProfiler(cfg.trainer.profile_steps, run_dir, rank, device, sinks)
     close_on_exit(resources, lambda failed: profiler.close())
     return sinks, profiler

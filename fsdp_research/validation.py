@@ -13,6 +13,7 @@ from .config import (
     CheckpointMode,
     DataConfig,
     DataKind,
+    DoctorConfig,
     ModelConfig,
     PrecisionConfig,
     ShardingConfig,
@@ -25,6 +26,7 @@ from .dimensions import max_positions
 from .distributed import backend_for
 from .errors import ConfigError
 from .export import parse_size
+from .hardware import GPUS
 from .layout import layout
 from .losses import check_loss
 from .models import pretrained_dir
@@ -198,6 +200,11 @@ def check_checkpoint(cfg: CheckpointConfig) -> None:
         parse_dtype(cfg.export_dtype, "checkpoint.export_dtype")
 
 
+def check_doctor(cfg: DoctorConfig) -> None:
+    if cfg.fit_gpu is not None and cfg.fit_gpu.lower() not in GPUS:
+        raise ConfigError("doctor.fit_gpu", f"no GPU {cfg.fit_gpu!r} in the table", f"use one of {', '.join(GPUS)}")
+
+
 def check_model(cfg: ModelConfig, hf_config) -> None:
     """A checkpoint to load must fit the model the config builds: every tensor there, of the same shape."""
     if cfg.moe.bias_update_rate < 0:
@@ -224,3 +231,4 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     check_loss(cfg.loss)
     check_callbacks(cfg.callbacks)
     check_checkpoint(cfg.checkpoint)
+    check_doctor(cfg.doctor)

@@ -39,6 +39,8 @@ RUNS = {
         "sharding.prefetch_backward=1",
     ],
     "blockwise+chunks": ["loss.chunks=3"],
+    # On the CPU the policy keeps the state where it is (no pinned memory without an accelerator).
+    "blockwise+offload": ["sharding.cpu_offload=true"],
     "ddp_classic+chunks": ["sharding=ddp_classic", "loss.chunks=4"],
 }
 # At 4 ranks hsdp's replicate=2 is a (2, 2) mesh: each replica shards over 2 ranks.

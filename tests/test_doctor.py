@@ -6,14 +6,18 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fsdp_research.composition import compose
 from fsdp_research.distributed import planned_nodes
 from fsdp_research.doctor import CHECKS, diagnose
+from fsdp_research.planner.search import doctor_fit
 from tests.conftest import ROOT
 from tests.helpers.fsdp_units import plan_for
 
 MULTI_NODE = ["trainer.global_batch_size=128"]  # divisible by micro batch 8 x 16 ranks
+FIT_7B = ["model=llama_7b", "trainer.global_batch_size=64", "data.seq_len=4096", "doctor.fit_gpu=h100"]
+FIT_7B_PICK = ["sharding=reshard_all", "activation_checkpointing=none", "trainer.micro_batch_size=2"]
 SLOW_SAVE = {"checkpoint_save_s": 30.0, "step_time_s": 1.0}  # 30 s per 100 steps of 1 s: 30%
 # (check, a case that has the problem, a near miss that does not); each (overrides, world_size, nodes, measured).
 CASES = [
@@ -50,12 +54,15 @@ CASES = [
         (["trainer.micro_batch_size=2", "trainer.defer_grad_sync=true"], 2, 1, None),
         (["trainer.micro_batch_size=2", "trainer.defer_grad_sync=false"], 2, 1, None),
     ),
+    # llama_7b on 8 H100s: micro-batches of 8 x 4096 tokens do not fit 80 GiB; what plan --fit picks does.
+    ("fit", (FIT_7B + ["trainer.micro_batch_size=8"], 8, 1, None), (FIT_7B + FIT_7B_PICK, 8, 1, None)),
 ]
 
 
 def _checks(overrides, world_size, nodes, measured):
     cfg = compose(overrides)
-    return [f.check for f in diagnose(cfg, plan_for(cfg), world_size, nodes, measured)]
+    fit = doctor_fit(cfg, world_size, torch.device("cpu"))
+    return [f.check for f in diagnose(cfg, plan_for(cfg), world_size, nodes, measured, fit)]
 
 
 @pytest.mark.parametrize("check,fires,near_miss", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])

@@ -22,10 +22,13 @@ import pytest
 
 from fsdp_research.cli.plan import main
 from fsdp_research.composition import compose
+from fsdp_research.planner.calibrate import cpu_hardware
 from fsdp_research.planner.format import GIB
 from fsdp_research.planner.memory import memory, recompute_share, step_moments, traffic
 from fsdp_research.planner.summary import run_settings, summary_for
+from fsdp_research.planner.timing import step_time
 from tests.helpers.memory import measure_step_memory
+from tests.helpers.timing import measure_step_times
 
 MID = ["model=llama_mid"]
 CASES = {
@@ -158,3 +161,53 @@ def test_accumulation_shows_both_ways_of_reducing(capsys):
     assert "gradient accumulation over 2 micro-batches" in out
     assert re.search(r"defer_grad_sync=false \(reduce-scatter each micro-batch\) .* this run", out)
     assert "defer_grad_sync=true (unsharded gradients held to the last)" in out
+
+
+# The time model against measured step times: configs of the mid-size llama whose costs differ in compute
+# (checkpointing, selective checkpointing, the batch, the loss in chunks) and in communication (micro-batches,
+# resharding), on 2 CPU ranks in fp32, rates calibrated in the same processes.
+TIMED_BASE = MID + ["precision=fp32", "data.seq_len=128", "trainer.global_batch_size=16", "trainer.micro_batch_size=8"]
+TIMED = {
+    "plain": [],
+    "every_block": ["activation_checkpointing=every_block"],
+    "every_2nd": ["activation_checkpointing=every_2nd"],
+    "selective": ["activation_checkpointing=selective"],
+    "micro_2": ["trainer.micro_batch_size=2"],
+    "micro_4-reshard_all": ["trainer.micro_batch_size=4", "sharding=reshard_all"],
+    "no_reshard": ["sharding=no_reshard"],
+    "batch_32": ["trainer.global_batch_size=32"],
+    "every_block-micro_2": ["activation_checkpointing=every_block", "trainer.micro_batch_size=2"],
+    "vocab16k": ["model.config.vocab_size=16384"],
+    "vocab16k-chunks": ["model.config.vocab_size=16384", "loss.chunks=8"],
+}
+
+
+def _ranks(values: list[float]) -> list[float]:
+    order = sorted(range(len(values)), key=values.__getitem__)
+    ranks = [0.0] * len(values)
+    for position, index in enumerate(order):
+        ranks[index] = position
+    return ranks
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    ra, rb = _ranks(a), _ranks(b)
+    n = len(a)
+    return 1 - 6 * sum((x - y) ** 2 for x, y in zip(ra, rb)) / (n * (n * n - 1))
+
+
+@pytest.fixture(scope="module")
+def timed():
+    configs = {name: compose(TIMED_BASE + o + ["logger=none"]) for name, o in TIMED.items()}
+    return configs, measure_step_times(configs, WORLD, 2, (1024, 512, 1376))
+
+
+def test_time_model_orders_configs_as_measured(timed):
+    configs, measured = timed
+    hw = cpu_hardware(measured["rates"])
+    predicted = {n: step_time(summary_for(c), run_settings(c, WORLD, "cpu"), hw).total for n, c in configs.items()}
+    names = list(configs)
+    rho = spearman([predicted[n] for n in names], [measured["times"][n] for n in names])
+    table = "\n".join(f"{n:24s} predicted {predicted[n]:.3f} s  measured {measured['times'][n]:.3f} s" for n in names)
+    print(f"{table}\nSpearman {rho:.3f}")
+    assert rho >= 0.8, table

@@ -13,10 +13,11 @@ from torch.multiprocessing import ProcessExitedException
 from ..build import planned_model
 from ..composition import compose
 from ..dimensions import dims
-from ..distributed import planned_nodes
+from ..distributed import device_for, planned_nodes
 from ..doctor import CHECKS, diagnose, explain
 from ..errors import ConfigError
 from ..launch import run_spawned
+from ..planner.search import doctor_fit
 from ..profiling import format_breakdown
 from ..sinks import read_records
 from .common import checked_config, fail, split_launch
@@ -75,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             + (f"; checkpoint save {saved:.2f} s" if saved is not None else "")
             + f"\nrun dir: {run_dir}"
         )
-    findings = diagnose(cfg, plan, world_size, nodes, measured)
+    fit = doctor_fit(cfg, world_size, device_for(cfg.trainer.device, 0))
+    findings = diagnose(cfg, plan, world_size, nodes, measured, fit)
     for finding in findings:
         print(finding)
     if not findings:

@@ -1,16 +1,36 @@
-"""fsdp-research plan <overrides...> [world_size=N] [--compare] [--device cpu|cuda]: per-rank memory and
-per-step communication of a config, without allocating the model; --compare puts every sharding side by side."""
+"""fsdp-research plan <overrides...> [world_size=N] [--compare] [--device cpu|cuda] [--gpu NAME] [--link L]
+[--fit GIB [--top K] [--measure]]: per-rank memory, per-step communication and (on a GPU of the table) predicted
+step time of a config, without allocating the model; --compare puts every sharding side by side; --fit searches
+the knobs (sharding, reshard to k ranks, checkpointing, micro-batch, prefetch, cpu_offload, loss chunks) for the
+configs whose peak fits GIB per rank, fastest first, and ends with `best: <overrides>` for train.py; --measure
+runs the top few on world_size local processes and ranks them by measured speed."""
 
 import argparse
+import datetime
+import os
+import sys
 from collections.abc import Sequence
+
+from omegaconf import DictConfig
+from torch.multiprocessing import ProcessExitedException
 
 from ..composition import compose
 from ..config import Strategy
 from ..distributed import device_for
 from ..errors import ConfigError
-from ..planner.format import format_compare, format_plan
-from ..planner.summary import run_settings, summaries_by_sharding
+from ..hardware import GPUS, LINKS, gpu
+from ..launch import run_spawned
+from ..planner.calibrate import calibrate_cpu
+from ..planner.format import format_compare, format_fit, format_plan, format_time
+from ..planner.search import Candidate, candidates, fit, unsearched
+from ..planner.summary import ModelSummary, run_settings, summaries_by_sharding
+from ..planner.timing import Hardware, gpu_hardware, step_time
+from ..precision import dtypes
+from ..sinks import read_records
 from .common import checked_config, fail, split_launch
+
+MEASURED = 3
+MEASURE_STEPS = 5
 
 
 def _compare_configs(overrides: Sequence[str], world_size: int) -> list:
@@ -25,6 +45,82 @@ def _compare_configs(overrides: Sequence[str], world_size: int) -> list:
     return configs
 
 
+def _searchable(overrides: list[str], world_size: int) -> list[str]:
+    """--fit searches the micro-batch: a base whose own micro-batch does not divide its batch per rank is planned
+    with one micro-batch per step instead of refused."""
+    t = compose(overrides).trainer
+    world_size = world_size or 1
+    if t.global_batch_size % world_size == 0 and t.global_batch_size % (t.micro_batch_size * world_size):
+        return [*overrides, f"trainer.micro_batch_size={t.global_batch_size // world_size}"]
+    return overrides
+
+
+def _hardware(args, cfg: DictConfig, m: ModelSummary, world_size: int, device_type: str) -> Hardware:
+    """A GPU of the table (--gpu, --link), or this machine's CPU rates measured on world_size processes."""
+    compute = dtypes(cfg.precision)[0]
+    if device_type == "cuda":
+        try:
+            device = gpu(args.gpu)
+        except KeyError as err:
+            raise ConfigError("--gpu", err.args[0], f"use --gpu {' | '.join(GPUS)}") from None
+        return gpu_hardware(
+            device, compute.itemsize, args.link or ("nvlink" if world_size <= device.per_node else "ib")
+        )
+    print(f"measuring this machine's CPU rates on {world_size} process(es)...", file=sys.stderr)
+    rows = cfg.trainer.micro_batch_size * cfg.data.seq_len
+    return calibrate_cpu(world_size, rows, m.hidden, m.intermediate, compute)
+
+
+def _measure(overrides: Sequence[str], found: Sequence[Candidate], base: DictConfig, world_size: int) -> list:
+    """(measured tokens/s, candidate) of each, from a short run on world_size local processes, fastest first."""
+    root = os.path.join("outputs", "plan", datetime.datetime.now().strftime("%Y-%m-%d/%H-%M-%S-%f"))
+    measured = []
+    for index, candidate in enumerate(found):
+        cfg = compose(
+            [
+                *overrides,
+                *candidate.overrides(base),
+                "logger=none",
+                "trainer.eval_interval=0",
+                "trainer.log_interval=1",
+                f"trainer.max_steps={MEASURE_STEPS}",
+                "checkpoint.interval=0",
+                "checkpoint.export=false",
+                "checkpoint.resume=never",
+            ]
+        )
+        run_dir = os.path.join(root, str(index))
+        run_spawned(cfg, world_size, run_dir)
+        summary = next(r["summary"] for r in reversed(read_records(run_dir)) if "summary" in r)
+        measured.append((summary["median_tokens_per_s"], candidate))
+    print(f"run dirs: {root}/<n>/")
+    return sorted(measured, key=lambda pair: -pair[0])
+
+
+def _fit(args, overrides: list[str], cfg: DictConfig, m: ModelSummary, world_size: int, hw: Hardware) -> None:
+    """The search, the top configs, the measured re-ranking, the `best:` line. The base's own settings of the
+    searched knobs give way: each row's overrides, after the base's others, make that config."""
+    device_type = "cuda" if hw.overlap else "cpu"
+    found = candidates(cfg, world_size, device_type, hw)
+    base_overrides = unsearched(overrides)
+    base = compose(base_overrides)
+    fitting = fit(found, args.fit, base)
+    head = f"{m.name} on {world_size} rank(s) of {hw.name}"
+    print("\n".join(format_fit(fitting, len(found), args.fit, args.top, base, head)))
+    best = fitting[0]
+    if args.measure:
+        top = fitting[: min(args.top, MEASURED)]
+        print(f"\nmeasured: the top {len(top)} for {MEASURE_STEPS} steps each on {world_size} local process(es)")
+        measured = _measure(base_overrides, top, base, world_size)
+        for rank, (tokens_per_s, c) in enumerate(measured, 1):
+            print(
+                f"{rank:>4}  {tokens_per_s:>10,.0f} tokens/s measured ({c.tokens_per_s:,.0f} predicted)  "
+                + " ".join(c.overrides(base))
+            )
+        best = measured[0][1]
+    print("best: " + " ".join([*base_overrides, *best.overrides(base)]))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-research plan", description=__doc__.split(":", 1)[1].strip())
     parser.add_argument(
@@ -36,19 +132,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), help="the device type to plan for (default: the trainer's, trainer.device)"
     )
+    parser.add_argument("--gpu", default="h100", help=f"with --device cuda: {', '.join(GPUS)} (default h100)")
+    parser.add_argument(
+        "--link", choices=LINKS, help="what the ranks talk over (default: nvlink up to a node's GPUs, else ib)"
+    )
+    parser.add_argument("--fit", type=float, metavar="GIB", help="search the configs whose peak fits GIB per rank")
+    parser.add_argument("--top", type=int, default=5, help="with --fit: how many configs to show (default 5)")
+    parser.add_argument("--measure", action="store_true", help="with --fit: run the top few and rank them measured")
     args = parser.parse_intermixed_args(argv)
     try:
+        if args.fit is not None and args.fit <= 0:
+            raise ConfigError("--fit", f"{args.fit:g} GiB is not a memory cap", "use --fit <GiB per rank>, e.g. 80")
+        if args.top < 1:
+            raise ConfigError("--top", f"{args.top} is below 1", "use --top K, K >= 1")
+        if args.measure and args.fit is None:
+            raise ConfigError("--measure", "it measures the configs --fit finds", "add --fit <GiB per rank>")
         launch, overrides = split_launch(args.overrides)
+        if args.fit is not None:
+            overrides = _searchable(overrides, launch.get("world_size", 0))
         cfg, _, world_size = checked_config(overrides, launch.get("world_size", 0))
         device_type = args.device or device_for(cfg.trainer.device, 0).type
         others = _compare_configs(overrides, world_size) if args.compare else []
         # One model build for the plan and every row of the comparison (a large model's build is most of the time).
         summaries = summaries_by_sharding([cfg, *others])
-        print(format_plan(summaries[0], run_settings(cfg, world_size, device_type)))
+        run = run_settings(cfg, world_size, device_type)
+        print(format_plan(summaries[0], run))
+        if device_type == "cuda" or args.fit is not None:
+            hw = _hardware(args, cfg, summaries[0], world_size, device_type)
+            print(format_time(step_time(summaries[0], run, hw), run, hw))
         if args.compare:
             print()
             rows = [(m, run_settings(c, world_size, device_type)) for m, c in zip(summaries[1:], others)]
             print(format_compare(rows))
+        if args.fit is not None:
+            print()
+            _fit(args, overrides, cfg, summaries[0], world_size, hw)
     except ConfigError as err:
         return fail(err)
+    except ProcessExitedException as err:  # a measured run has said why on stderr
+        return err.exit_code or 1
     return 0

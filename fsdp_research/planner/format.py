@@ -3,9 +3,13 @@
 from collections.abc import Sequence
 from dataclasses import replace
 
+from omegaconf import DictConfig
+
 from ..config import Strategy
 from .memory import memory, recompute_share, traffic
+from .search import Candidate
 from .summary import ModelSummary, Run
+from .timing import Hardware, StepTime
 
 GIB = 2**30
 
@@ -172,3 +176,35 @@ def _gathered_note(m: ModelSummary) -> str:
         return "root + every unit, kept from forward to backward"
     kept = sum(not u.reshard_after_forward for u in m.units)
     return "root + current unit + next" + (f" + {kept} resident" if kept else "")
+
+
+def format_time(time: StepTime, run: Run, hw: Hardware) -> str:
+    tokens_per_s = run.tokens * run.micro_steps * run.world_size / time.total
+    return "\n".join(
+        [
+            "",
+            f"step time on {hw.name} (predicted)",
+            f"  {'compute':<44}{time.compute:>9.3f} s",
+            f"  {'recompute (checkpointing, loss chunks)':<44}{time.recompute:>9.3f} s",
+            f"  {'communication, not hidden':<44}{time.exposed:>9.3f} s   of {time.communication:.3f} s",
+            f"  {'optimizer step':<44}{time.optimizer:>9.3f} s",
+            *([f"  {'cpu_offload copies':<44}{time.offload:>9.3f} s"] if time.offload else []),
+            f"  {'step':<44}{time.total:>9.3f} s   {tokens_per_s:,.0f} tokens/s over {run.world_size} rank(s)",
+        ]
+    )
+
+
+def format_fit(
+    fitting: Sequence[Candidate], searched: int, cap_gib: float, top: int, base: DictConfig, head: str
+) -> list[str]:
+    """The top configs that fit, fastest first, as rows: rank, tokens/s, step time, peak, the overrides."""
+    lines = [
+        f"plan --fit {cap_gib:g} GiB per rank: {head}; {searched} configs planned, {len(fitting)} fit",
+        f"{'rank':>4}  {'tokens/s':>10}  {'step (s)':>8}  {'peak (GiB)':>10}  config",
+    ]
+    for index, c in enumerate(fitting[:top], 1):
+        lines.append(
+            f"{index:>4}  {c.tokens_per_s:>10,.0f}  {c.time.total:>8.3f}  {c.memory.peak / GIB:>10.2f}  "
+            + " ".join(c.overrides(base))
+        )
+    return lines

@@ -304,10 +304,14 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
         grads = shards if sharded_before else FP32 * sum(u.shard_numel(n) for u in done)
         return dict(params=shards, optimizer=int(m.optimizer_copies * shards), grads=grads)
 
+    # Gathered from forward to backward, by the units before each index: kept whole, or resharded to k ranks.
+    held = [0]
+    for u in units:
+        k = u.kept_after_forward()
+        held.append(held[-1] + (0 if not k else e * (u.numel if k == 1 else u.shard_numel(k))))
+
     def resident(before: int) -> int:
-        """Gathered from forward to backward: kept whole, or resharded to a group of k ranks (its 1/k)."""
-        kept = [(u, u.kept_after_forward()) for u in units[:before]]
-        return e * sum(u.numel if k == 1 else u.shard_numel(k) for u, k in kept if k)
+        return held[before]
 
     root, kept = e * m.root.numel, resident(len(units))
     # The last all-gather's buffer is kept until the root's forward ends: the last unit's, or the root's own.

@@ -2,6 +2,7 @@
 model, built as the trainer builds it), the block's dimensions, and the run's settings (world size, dtypes,
 batch). Everything in fsdp_research.planner.memory is a pure function of these two."""
 
+import functools
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -21,6 +22,12 @@ from ..sharding import ShardingPlan, build_plan, owner
 from ..targets import kwargs_of
 
 
+@functools.cache
+def _shard_numel(shapes: tuple[tuple[int, int], ...], n: int) -> int:
+    """Elements per rank, FSDP2 padding each dim 0 to a multiple of n (cached: plan --fit asks thousands of times)."""
+    return sum(-(-rows // n) * row for rows, row in shapes)
+
+
 @dataclass(frozen=True)
 class UnitSize:
     """One FSDP unit: the parameters it owns, as (dim 0, elements per dim-0 row), in forward order."""
@@ -32,16 +39,16 @@ class UnitSize:
     # The block it lies in; None for the root.
     block: int | None
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return sum(rows * row for rows, row in self.shapes)
 
-    @property
+    @functools.cached_property
     def largest(self) -> int:
         return max((rows * row for rows, row in self.shapes), default=0)
 
     def shard_numel(self, n: int) -> int:
-        return sum(-(-rows // n) * row for rows, row in self.shapes)
+        return _shard_numel(self.shapes, n)
 
     def kept_after_forward(self) -> int | None:
         """The group size its parameters stay sharded over from forward to backward: 1 (kept whole), k (resharded

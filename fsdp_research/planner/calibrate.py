@@ -1,0 +1,81 @@
+"""The CPU's rates, measured, for the step-time model on this machine: matmul FLOP/s in the compute dtype at a
+block's shapes, memory bandwidth, and gloo's all-gather bandwidth and latency, each with every rank measuring at
+once (the ranks share the cores and the memory bus, as in training)."""
+
+import os
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..config import DistributedConfig
+from ..distributed import init_distributed, spawn
+from .timing import Hardware
+
+
+def _seconds(fn, repeats: int) -> float:
+    """The best of `repeats` timed calls (after one warm-up), agreed as the slowest rank's."""
+    fn()
+    best = min(_timed(fn) for _ in range(repeats))
+    slowest = torch.tensor(best, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def measure_rates(rows: int, inner: int, cols: int, dtype: torch.dtype) -> dict[str, float]:
+    """In a process group (gloo, CPU): the rates of this machine's ranks, all measuring together."""
+    a, b = torch.randn(rows, inner, dtype=dtype), torch.randn(inner, cols, dtype=dtype)
+    matmul = _seconds(lambda: torch.mm(a, b), 5)
+    big = torch.empty(64 * 2**20 // 4)
+    memory = _seconds(lambda: big.clone(), 5)
+    world = dist.get_world_size()
+    shard = torch.empty(4 * 2**20 // 4)
+    gathered = torch.empty(world * shard.numel())
+    tiny, tiny_out = torch.empty(1), torch.empty(world)
+    latency = _seconds(lambda: dist.all_gather_into_tensor(tiny_out, tiny), 20)
+    gather = _seconds(lambda: dist.all_gather_into_tensor(gathered, shard), 5)
+    received = shard.numel() * shard.element_size() * (world - 1)
+    return {
+        "flops": 2 * rows * inner * cols / matmul,
+        "memory_bps": 2 * big.numel() * big.element_size() / memory,
+        "link_bps": received / max(gather - latency, 1e-9),
+        "latency_s": latency,
+    }
+
+
+def cpu_hardware(rates: dict[str, float]) -> Hardware:
+    return Hardware(
+        name="cpu (measured)",
+        flops=rates["flops"],
+        memory_bps=rates["memory_bps"],
+        intra_bps=rates["link_bps"],
+        inter_bps=rates["link_bps"],
+        host_bps=rates["memory_bps"],
+        latency_s=rates["latency_s"],
+        per_node=2**31,
+        overlap=False,
+    )
+
+
+def _measure_and_keep(rows: int, inner: int, cols: int, dtype: torch.dtype, path: str) -> None:
+    init_distributed(DistributedConfig(), torch.device("cpu"))
+    rates = measure_rates(rows, inner, cols, dtype)
+    if dist.get_rank() == 0:
+        torch.save(rates, path)
+    dist.destroy_process_group()
+
+
+def calibrate_cpu(world_size: int, rows: int, inner: int, cols: int, dtype: torch.dtype) -> Hardware:
+    """This machine's rates with world_size ranks on it (fresh processes, a few seconds)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rates.pt")
+        spawn(_measure_and_keep, world_size, rows, inner, cols, dtype, path)
+        return cpu_hardware(torch.load(path))

@@ -1,0 +1,128 @@
+"""The planner's model of step time per rank: compute (FLOPs over the device's matmul rate), the recompute of
+activation checkpointing and of the loss in chunks, the communication no compute hides (bytes over the link each
+collective crosses, plus a fixed latency per collective), the optimizer step (memory-bound: bytes over memory
+bandwidth) and cpu_offload's copies to and from the host. A pure function of a ModelSummary, a Run and a Hardware.
+
+Overlap: on CUDA FSDP2 gathers the next block while this one computes (its implicit prefetch, or
+sharding.prefetch_*), and reduce-scatters behind the next block's backward: only the first unit's all-gather and
+the last one's reduce-scatter of each micro-batch are exposed, and whatever communication outlasts the compute.
+Blocks alike in size and compute gain no time from deeper prefetch here (the model shows its memory, not a
+speed-up). On CPU (gloo) the collectives share the cores with compute: nothing overlaps.
+
+Links: a collective within `per_node` devices runs over NVLink; one that spans nodes runs at the InfiniBand rate
+(`link=ib`, the default above one node; `link=nvlink`: every rank in one NVLink domain). hsdp's replicas and
+reshard_after_forward=k's groups of k stay within a node when they fit in one."""
+
+from dataclasses import dataclass
+
+from ..config import Strategy
+from ..hardware import COMPUTE_EFFICIENCY, LINK_EFFICIENCY, Device
+from .memory import FP32, recompute_share, selective_recompute, traffic
+from .summary import ModelSummary, Run
+
+# NCCL's fixed cost per collective on NVLink/InfiniBand (tens of microseconds; NCCL's own tests).
+GPU_LATENCY_S = 30e-6
+# A host's memory bandwidth as a CPU optimizer (cpu_offload) streams through it.
+HOST_MEMORY_GBS = 100.0
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Rates the time model runs on: matmul FLOP/s reached, memory bandwidth, bytes/s within a node and across
+    nodes and to the host, a collective's fixed latency, devices per node, whether collectives overlap compute."""
+
+    name: str
+    flops: float
+    memory_bps: float
+    intra_bps: float
+    inter_bps: float
+    host_bps: float
+    latency_s: float
+    per_node: int
+    overlap: bool
+    # The device's memory (GiB), where known.
+    memory_gib: float | None = None
+
+
+def gpu_hardware(device: Device, compute_bytes: int, link: str) -> Hardware:
+    """A GPU of the table at the datasheet peaks x the efficiencies a training step reaches."""
+    tflops = device.fp32_tflops if compute_bytes == FP32 else device.bf16_tflops
+    nvlink = device.nvlink_gbs * 1e9 * LINK_EFFICIENCY
+    return Hardware(
+        name=f"{device.name} ({link})",
+        flops=tflops * 1e12 * COMPUTE_EFFICIENCY,
+        memory_bps=device.memory_gbs * 1e9,
+        intra_bps=nvlink,
+        inter_bps=nvlink if link == "nvlink" else device.ib_gbs * 1e9 * LINK_EFFICIENCY,
+        host_bps=device.pcie_gbs * 1e9,
+        latency_s=GPU_LATENCY_S,
+        per_node=device.per_node,
+        overlap=True,
+        memory_gib=device.memory_gib,
+    )
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per step on one rank, by cause."""
+
+    compute: float
+    recompute: float
+    # All communication, and the part of it that no compute hides.
+    communication: float
+    exposed: float
+    optimizer: float
+    offload: float
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.exposed + self.optimizer + self.offload
+
+
+def _bps(hw: Hardware, group: int) -> float:
+    return hw.intra_bps if group <= hw.per_node else hw.inter_bps
+
+
+def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
+    tokens = run.tokens * run.micro_steps
+    compute = tokens * m.flops_per_token / hw.flops
+    redone = selective_recompute(m) if m.selective_every and m.model_type in ("llama", "mistral", "qwen2") else 1.0
+    if m.selective_every and redone == 1.0:
+        redone = 0.5  # a family whose block the planner does not enumerate: half of its forward
+    recompute = compute * recompute_share(m.checkpointed, redone)
+    if run.loss_chunks > 1:  # one more forward of the output layer
+        recompute += tokens * m.head_flops_per_token / hw.flops
+    comm = traffic(m, run)
+    n, replicas = run.shard_group, run.replicas
+    shard_bps = _bps(hw, n)
+    gathers = comm.all_gather - comm.regather_within
+    communication = (
+        (gathers + comm.reduce_scatter + comm.all_to_all) / shard_bps
+        + comm.regather_within / hw.intra_bps
+        + comm.all_reduce / _bps(hw, run.world_size if replicas > 1 else 1)
+    )
+    units = [*m.units, m.root] if m.strategy is not Strategy.ddp_classic else [m.root]
+    collectives = run.micro_steps * 3 * len(units) if n > 1 else 0
+    communication += collectives * hw.latency_s
+    exposed = communication
+    if hw.overlap and n > 1:
+        # Each micro-batch's first all-gather and last reduce-scatter wait; the rest hides behind compute.
+        ends = run.micro_steps * (run.compute_bytes + run.reduce_bytes) * (n - 1) / n * m.root.numel / shard_bps
+        exposed = min(communication, ends + max(0.0, communication - ends - compute - recompute))
+    state = FP32 * m.n_params / (n if m.strategy is not Strategy.ddp_classic else 1)
+    # AdamW-like: parameters, gradients and state read, parameters and state written.
+    touched = state * (3 + 2 * m.optimizer_copies)
+    optimizer = touched / (HOST_MEMORY_GBS * 1e9 if run.cpu_offload and hw.overlap else hw.memory_bps)
+    # cpu_offload: fp32 shards to the device for every all-gather, gradient shards back once per reduction.
+    offload = 0.0
+    if run.cpu_offload:
+        gathers_per_step = run.micro_steps * (
+            1 + sum(u.reshard_after_forward is not False for u in m.units) / max(1, len(m.units))
+        )
+        offload = state * (gathers_per_step + run.micro_steps) / hw.host_bps
+    return StepTime(compute, recompute, communication, exposed, optimizer, offload)
+
+
+def tokens_per_second(run: Run, time: StepTime) -> float:
+    """Tokens a step trains on, over all ranks, per second."""
+    return run.tokens * run.micro_steps * run.world_size / time.total

@@ -1,0 +1,66 @@
+"""Step times of configs measured on real processes (gloo, CPU), beside this machine's rates measured in the same
+processes: what the planner's step-time model is ranked against."""
+
+import contextlib
+import gc
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from fsdp_research.build import build_sharded_model
+from fsdp_research.config import typed
+from fsdp_research.distributed import init_distributed
+from fsdp_research.layout import layout
+from fsdp_research.losses import build_loss, train_loss
+from fsdp_research.models import build_hf_config
+from fsdp_research.optim import build_optimizer, clip_grad_norm
+from fsdp_research.planner.calibrate import measure_rates
+from fsdp_research.sharding import grad_sync
+from tests.helpers.dist import run_distributed
+
+
+def _step(model, optimizer, batches, cfg, loss_fn) -> None:
+    """One step as the trainer takes it: its micro-batches, the gradient sync on the last, clip, update."""
+    for index, batch in enumerate(batches):
+        with grad_sync(model, index == len(batches) - 1, cfg.trainer.defer_grad_sync):
+            (train_loss(model, batch, contextlib.nullcontext(), loss_fn)[0] / len(batches)).backward()
+    clip_grad_norm(model, cfg.optim.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _time_each(configs: dict[str, Any], steps: int, shape: tuple[int, int, int]) -> dict[str, Any]:
+    device, times = torch.device("cpu"), {}
+    for name, container in configs.items():
+        cfg = typed(container)
+        init_distributed(cfg.distributed, device)
+        hf_config = build_hf_config(cfg.model)
+        model, plan = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
+        optimizer, _ = build_optimizer(model, cfg, plan.blocks)
+        gen = torch.Generator().manual_seed(dist.get_rank())
+        micro = layout(cfg, dist.get_world_size()).micro_steps
+        shape_ = (cfg.trainer.micro_batch_size, cfg.data.seq_len + 1)
+        batches = [torch.randint(0, hf_config.vocab_size, shape_, generator=gen) for _ in range(micro)]
+        loss_fn = build_loss(cfg.loss)
+        _step(model, optimizer, batches, cfg, loss_fn)  # warm-up: the optimizer's state is made
+        seconds = []
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            _step(model, optimizer, batches, cfg, loss_fn)
+            seconds.append(time.perf_counter() - start)
+        times[name] = statistics.median(seconds)
+        del model, optimizer
+        gc.collect()
+    return {"times": times, "rates": measure_rates(*shape, torch.float32)}
+
+
+def measure_step_times(configs: dict[str, Any], world_size: int, steps: int, shape: tuple[int, int, int]) -> dict:
+    """{"times": {name: median seconds per step}, "rates": this machine's rates (planner.calibrate), measured with
+    a matmul of `shape` (rows, inner, cols)}, all on the same world_size processes."""
+    containers = {name: OmegaConf.to_container(cfg, resolve=True) for name, cfg in configs.items()}
+    return run_distributed(_time_each, world_size, containers, steps, shape)
