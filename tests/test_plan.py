@@ -22,11 +22,15 @@ import pytest
 
 from fsdp_research.cli.plan import main
 from fsdp_research.composition import compose
+from fsdp_research.hardware import gpu
+from fsdp_research.planner.activations import recompute_share
 from fsdp_research.planner.calibrate import cpu_hardware
 from fsdp_research.planner.format import GIB
-from fsdp_research.planner.memory import memory, recompute_share, step_moments, traffic
+from fsdp_research.planner.memory import memory, step_moments
+from fsdp_research.planner.search import candidates, fit
 from fsdp_research.planner.summary import run_settings, summary_for
-from fsdp_research.planner.timing import step_time
+from fsdp_research.planner.timing import gpu_hardware, step_time
+from fsdp_research.planner.traffic import traffic
 from tests.helpers.memory import measure_step_memory
 from tests.helpers.timing import measure_step_times
 
@@ -166,15 +170,13 @@ def test_accumulation_shows_both_ways_of_reducing(capsys):
 # The time model against measured step times: configs of the mid-size llama whose costs differ in compute
 # (checkpointing, selective checkpointing, the batch, the loss in chunks) and in communication (micro-batches,
 # resharding), on 2 CPU ranks in fp32, rates calibrated in the same processes.
-TIMED_BASE = MID + ["precision=fp32", "data.seq_len=128", "trainer.global_batch_size=16", "trainer.micro_batch_size=8"]
+TIMED_BASE = MID + ["precision=fp32", "data.seq_len=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8"]
 TIMED = {
     "plain": [],
     "every_block": ["activation_checkpointing=every_block"],
-    "every_2nd": ["activation_checkpointing=every_2nd"],
     "selective": ["activation_checkpointing=selective"],
     "micro_2": ["trainer.micro_batch_size=2"],
     "micro_4-reshard_all": ["trainer.micro_batch_size=4", "sharding=reshard_all"],
-    "no_reshard": ["sharding=no_reshard"],
     "batch_32": ["trainer.global_batch_size=32"],
     "every_block-micro_2": ["activation_checkpointing=every_block", "trainer.micro_batch_size=2"],
     "vocab16k": ["model.config.vocab_size=16384"],
@@ -199,7 +201,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 @pytest.fixture(scope="module")
 def timed():
     configs = {name: compose(TIMED_BASE + o + ["logger=none"]) for name, o in TIMED.items()}
-    return configs, measure_step_times(configs, WORLD, 2, (1024, 512, 1376))
+    return configs, measure_step_times(configs, WORLD, 2, (512, 512, 1376))
 
 
 def test_time_model_orders_configs_as_measured(timed):
@@ -211,3 +213,54 @@ def test_time_model_orders_configs_as_measured(timed):
     table = "\n".join(f"{n:24s} predicted {predicted[n]:.3f} s  measured {measured['times'][n]:.3f} s" for n in names)
     print(f"{table}\nSpearman {rho:.3f}")
     assert rho >= 0.8, table
+
+
+FIT_7B = ["model=llama_7b", "trainer.global_batch_size=64", "data.seq_len=4096"]
+
+
+def test_fit_picks_what_fits_and_a_larger_cap_is_never_slower(capsys):
+    """llama_7b on 8 H100s: the best config of each cap, planned again from the `best:` line the command prints,
+    fits it; the best of a larger cap is never predicted slower."""
+    cfg = compose(FIT_7B)
+    found = candidates(cfg, 8, "cuda", gpu_hardware(gpu("h100"), 2, "nvlink"))
+    best = [fit(found, cap, cfg)[0].tokens_per_s for cap in (10, 16, 24, 40, 80, 141)]
+    assert best == sorted(best) and best[0] < best[-1]
+    assert main([*FIT_7B, "--fit", "24", "world_size=8", "--device", "cuda", "--top", "3"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    rows = out[out.index(next(line for line in out if line.startswith("rank"))) + 1 : -1]
+    assert len(rows) == 3 and out[-1].startswith("best: ")
+    again = compose(out[-1].removeprefix("best: ").split())
+    peak = memory(summary_for(again), run_settings(again, 8, "cuda")).peak
+    assert peak <= 24 * GIB and f"{peak / GIB:.2f}" in rows[0]
+    assert out[-1].endswith(" " + " ".join(rows[0].split()[4:]))  # the first row's overrides
+
+
+def test_fit_nothing_fits_names_the_smallest(capsys):
+    assert main([*FIT_7B, "world_size=8", "--device", "cuda", "--fit", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --fit: no config fits 2 GiB per rank; the smallest peak is ")
+    assert "sharding.cpu_offload=true" in err[0] and "; fix: " in err[0]
+
+
+@pytest.mark.parametrize(
+    "flags,key",
+    [(["--fit", "0"], "--fit"), (["--measure"], "--measure"), (["--fit", "8", "--gpu", "h1000"], "--gpu")],
+)
+def test_fit_bad_flags(flags, key, capsys):
+    assert main(["world_size=2", *flags, "--device", "cuda"]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {key}: ")
+
+
+def test_fit_measure_ranks_by_measured_speed(capsys, tmp_path, monkeypatch):
+    """On this machine: CPU rates calibrated on 2 processes, the top 3 trained a few steps each on 2 processes,
+    listed by measured tokens/s; `best:` is the measured fastest."""
+    monkeypatch.chdir(tmp_path)
+    args = ["trainer.global_batch_size=8", "world_size=2", "--fit", "1", "--top", "3", "--measure"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    measured = re.findall(r"^\s+\d\s+([\d,]+) tokens/s measured \(([\d,]+) predicted\)\s+(.*)$", out, re.M)
+    assert len(measured) == 3
+    speeds = [float(m[0].replace(",", "")) for m in measured]
+    assert speeds == sorted(speeds, reverse=True)
+    assert out.strip().splitlines()[-1] == f"best: trainer.global_batch_size=8 {measured[0][2]}"
+    assert len(list((tmp_path / "outputs" / "plan").glob("*/*/[0-2]"))) == 3

@@ -6,10 +6,12 @@ from dataclasses import replace
 from omegaconf import DictConfig
 
 from ..config import Strategy
-from .memory import memory, recompute_share, traffic
+from .activations import recompute_share
+from .memory import memory
 from .search import Candidate
 from .summary import ModelSummary, Run
 from .timing import Hardware, StepTime
+from .traffic import traffic
 
 GIB = 2**30
 

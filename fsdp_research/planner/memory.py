@@ -13,18 +13,7 @@ knows others; Muon's matrices 1 x) (ddp is FSDP2 over a shard group of one rank)
 ddp_classic (torch's DDP) replicates all three, holds its gradients twice (param.grad and DDP's flat all-reduce
 buckets), and its autocast saves a compute-dtype copy of every weight.
 
-Activations saved per token by a llama block (HF's LlamaDecoderLayer with SDPA; enumerated from the tensors
-autograd saves):
-    2 RMSNorms x (4h [fp32 copy of the input; the input itself when e=4] + e*h [normalized] + e*h [scaled output]
-                  + 4 [rsqrt])
-  + attention: e*(2h + 2*kv_dim) [rotated q and k, v, output] + 4a [logsumexp]
-  + SwiGLU MLP: 4*e*i [gate, silu(gate), up, their product]
-Eager attention adds (4 + e)*a*s per token (the softmax in fp32 and its cast), which SDPA never materializes. This
-is Korthikanti et al.'s s*b*h*(34 + 5*a*s/h) at 16 bits, redone for llama: a gated MLP of width i instead of 4h,
-RMSNorm upcasts instead of dropout masks, no attention matrix; other architectures get Korthikanti's 34*h*e/2.
-Above the blocks: the final norm and the fp32 log-probabilities of the loss (4V). A checkpointed block keeps only
-its input (e*h) and recomputes the rest in backward, one block at a time: about +33% of that block's compute (a
-forward is a third of forward + backward), so checkpointing every k-th block costs about +33%/k.
+Activations saved per block: fsdp_research.planner.activations.
 
 Backward temporaries per token: 8V of fp32 loss gradients as backward starts; within a block the incoming gradient
 (e*h) plus, in the MLP, the gradients of gate, up and their product (3*e*i, once the down projection has released
@@ -43,23 +32,23 @@ the MLP and attention parts and the reduction of each block's backward, the root
 step (AdamW's foreach implementation on CUDA holds one sharded-parameters-sized temporary; the per-tensor loop on
 CPU, two of the largest shard).
 
-Communication per rank per step: what each rank receives, (n-1)/n of each collective's payload. All-gather: every
-unit in forward and every unit that resharded again in backward, per micro-batch, in the compute dtype.
-Reduce-scatter: every unit's gradients in the reduce dtype, once per step with defer_grad_sync (else per
-micro-batch). hsdp and ddp add an all-reduce of the gradient shards across replicas, once per step (accumulated
-into the shards before it); ddp_classic all-reduces fp32 gradients. Muon (optim=muon) adds two all-to-alls of the
-blocks' matrices in fp32 per step, within the shard group.
+Communication: fsdp_research.planner.traffic.
 """
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from ..config import Strategy
+from .activations import (
+    FP32,
+    block_activation_bytes,
+    logits_forward,
+    mlp_saved_bytes,
+    norm_backward_bytes,
+    norm_bytes,
+    saved_activations,
+)
 from .summary import ModelSummary, Run, UnitSize
-
-FP32 = 4
-# Same block as HF's Llama: RMSNorm, rotary SDPA attention, SwiGLU MLP.
-LLAMA_LIKE = ("llama", "mistral", "qwen2")
 
 
 @dataclass(frozen=True)
@@ -77,84 +66,6 @@ class Memory:
     peak_at: str
     # Sharded state kept in host memory by sharding.cpu_offload (not in `peak`).
     host: int
-
-
-@dataclass(frozen=True)
-class Traffic:
-    """Per-rank bytes received per step."""
-
-    all_gather: int
-    # The part of all_gather that regathers resharded units in backward.
-    all_gather_backward: int
-    reduce_scatter: int
-    all_reduce: int
-    # Whole-matrix optimizers (Muon): each rank's shards of every block matrix to its owner and back (fp32).
-    all_to_all: int = 0
-    # The part of all_gather_backward within the smaller groups of reshard_after_forward=k (a node's links).
-    regather_within: int = 0
-
-
-# Activations, per token (bytes); see the module docstring.
-
-
-def _norm_bytes(m: ModelSummary, e: int) -> int:
-    return FP32 * m.hidden + 2 * e * m.hidden + FP32
-
-
-def block_activation_bytes(m: ModelSummary, e: int, seq_len: int) -> int:
-    """What one block saves for backward, per token."""
-    scores = 0 if m.sdpa else (FP32 + e) * m.heads * seq_len
-    if m.model_type not in LLAMA_LIKE:
-        return 34 * m.hidden * e // 2 + scores
-    attention = e * (2 * m.hidden + 2 * m.kv_dim) + FP32 * m.heads
-    return 2 * _norm_bytes(m, e) + attention + 4 * e * m.intermediate + scores
-
-
-def _matmul_widths(m: ModelSummary) -> list[int]:
-    """The output widths of a llama block's matmuls in forward order: q, k, v, o, gate, up, down."""
-    return [m.hidden, m.kv_dim, m.kv_dim, m.hidden, m.intermediate, m.intermediate, m.hidden]
-
-
-def selective_bytes(m: ModelSummary, e: int, seq_len: int) -> int:
-    """What a selectively checkpointed block saves per token: its input, the kept matmul outputs, attention's
-    output and logsumexp (when an SDPA kernel is kept). Other families: half of a block's full activations."""
-    if m.model_type not in LLAMA_LIKE:
-        return e * m.hidden + block_activation_bytes(m, e, seq_len) // 2
-    kept = sum(w for index, w in enumerate(_matmul_widths(m)) if index % m.selective_every == 0)
-    attention = e * m.hidden + FP32 * m.heads if m.selective_attention else 0
-    return e * (m.hidden + kept) + attention
-
-
-def saved_activations(m: ModelSummary, e: int, seq_len: int, checkpointed: Sequence[bool]) -> list[int]:
-    """Per token, what each block holds between its forward and its backward."""
-    full = block_activation_bytes(m, e, seq_len)
-    kept = selective_bytes(m, e, seq_len) if m.selective_every else e * m.hidden
-    return [kept if ckpt else full for ckpt in checkpointed]
-
-
-def selective_recompute(m: ModelSummary) -> float:
-    """The share of a selectively checkpointed llama block's forward FLOPs recomputed: the matmuls not kept
-    (the rest it recomputes, norms and activations, costs no matmul); attention's too when it is not kept."""
-    widths = _matmul_widths(m)
-    inputs = [m.hidden] * 4 + [m.hidden] * 2 + [m.intermediate]
-    flops = [w * i for w, i in zip(widths, inputs)]
-    redone = sum(f for index, f in enumerate(flops) if index % m.selective_every)
-    return redone / sum(flops)
-
-
-def _norm_backward_bytes(m: ModelSummary, e: int) -> int:
-    """RMSNorm's backward runs in fp32: two fp32 temporaries of width h when computing in fp32, four and one in
-    the compute dtype when it upcasts from 16 bits."""
-    return 2 * FP32 * m.hidden if e == FP32 else 4 * FP32 * m.hidden + e * m.hidden
-
-
-def _mlp_saved_bytes(m: ModelSummary, e: int) -> int:
-    return 4 * e * m.intermediate if m.model_type in LLAMA_LIKE else 0
-
-
-def _logits_forward(m: ModelSummary, e: int) -> int:
-    """At the loss: the logits in the compute dtype, their fp32 copy (the same tensor when e=4), the log-probs."""
-    return m.vocab * (2 * FP32 + (e if e != FP32 else 0))
 
 
 # Memory.
@@ -177,20 +88,20 @@ def _phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> _Phases:
     e, tok, h = run.compute_bytes, run.tokens, m.hidden
     saved = [a * tok for a in saved_activations(m, e, run.seq_len, checkpointed)]
     full_block = block_activation_bytes(m, e, run.seq_len) * tok
-    norm = _norm_bytes(m, e) * tok
+    norm = norm_bytes(m, e) * tok
     incoming = e * h * tok  # the gradient flowing down the residual stream
 
     def inside(k: int) -> list[tuple[str, int, int, int | None]]:
         # A block's own activations are all there as its backward starts (recomputed when checkpointed). The MLP
         # goes first: its peak holds the gradients of gate, up and their product, once the down projection's
         # backward has released its input. Then the norms and attention.
-        mlp_peak = full_block - _mlp_saved_bytes(m, e) * tok // 4  # the product: one of the MLP's four
+        mlp_peak = full_block - mlp_saved_bytes(m, e) * tok // 4  # the product: one of the MLP's four
         return [
             ("MLP", sum(saved[:k]) + mlp_peak, incoming + 3 * e * m.intermediate * tok, h * m.intermediate),
             (
                 "attention",
-                sum(saved[:k]) + full_block - _mlp_saved_bytes(m, e) * tok,
-                incoming + max(_norm_backward_bytes(m, e), e * (2 * h + 2 * m.kv_dim)) * tok,
+                sum(saved[:k]) + full_block - mlp_saved_bytes(m, e) * tok,
+                incoming + max(norm_backward_bytes(m, e), e * (2 * h + 2 * m.kv_dim)) * tok,
                 None,
             ),
             ("reduction", sum(saved[:k]), incoming, 0),
@@ -201,10 +112,10 @@ def _phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> _Phases:
     c = run.loss_chunks
     chunked = c > 1
     return _Phases(
-        forward_end=sum(saved) + norm + _logits_forward(m, e) * tok // c,
+        forward_end=sum(saved) + norm + logits_forward(m, e) * tok // c,
         root_forward_end=sum(saved) + norm + (0 if chunked else e * m.vocab * tok),
         backward_start=sum(saved) + norm + (0 if chunked else FP32 * m.vocab * tok),
-        loss_grads=(_logits_forward(m, e) + 2 * FP32 * m.vocab) * tok // c if chunked else 2 * FP32 * m.vocab * tok,
+        loss_grads=(logits_forward(m, e) + 2 * FP32 * m.vocab) * tok // c if chunked else 2 * FP32 * m.vocab * tok,
         block=[inside(k) for k in range(m.n_blocks)],
     )
 
@@ -290,6 +201,43 @@ def _forward_prefetch(
     return moments
 
 
+def _forward_moments(
+    m: ModelSummary, run: Run, phases: _Phases, state: dict[str, int], kept: int, deferred: int
+) -> list[tuple[str, dict[str, int]]]:
+    """From the root's all-gather to the start of backward; `kept`: what stays gathered from forward to backward."""
+    e, units = run.compute_bytes, list(m.units)
+    root = e * m.root.numel
+    # The last all-gather's buffer is kept until the root's forward ends: the last unit's, or the root's own.
+    last_gathered = e * (units[-1].numel if units else m.root.numel)
+    return [
+        # The root's all-gather buffer, until the first unit's all-gather (already issued) replaces it.
+        (
+            "the root's all-gather",
+            dict(state, gathered=2 * root + e * (units[0].numel if units else 0), unsharded_grads=deferred),
+        ),
+        (
+            "end of the root's forward",
+            dict(
+                state,
+                gathered=root + kept + last_gathered,
+                unsharded_grads=deferred,
+                activations=phases.root_forward_end,
+            ),
+        ),
+        ("end of forward", dict(state, gathered=root + kept, unsharded_grads=deferred, activations=phases.forward_end)),
+        (
+            "start of backward",
+            dict(
+                state,
+                gathered=root + kept,
+                unsharded_grads=deferred,
+                activations=phases.backward_start,
+                temporaries=phases.loss_grads,
+            ),
+        ),
+    ]
+
+
 def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> list[tuple[str, dict[str, int]]]:
     e, r, n = run.compute_bytes, run.reduce_bytes, run.shard_group
     units, every = list(m.units), [*m.units, m.root]
@@ -313,39 +261,7 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
     def resident(before: int) -> int:
         return held[before]
 
-    root, kept = e * m.root.numel, resident(len(units))
-    # The last all-gather's buffer is kept until the root's forward ends: the last unit's, or the root's own.
-    last_gathered = e * (units[-1].numel if units else m.root.numel)
-    moments = [
-        # The root's all-gather buffer, until the first unit's all-gather (already issued) replaces it.
-        (
-            "the root's all-gather",
-            dict(state([]), gathered=2 * root + e * (units[0].numel if units else 0), unsharded_grads=deferred),
-        ),
-        (
-            "end of the root's forward",
-            dict(
-                state([]),
-                gathered=root + kept + last_gathered,
-                unsharded_grads=deferred,
-                activations=phases.root_forward_end,
-            ),
-        ),
-        (
-            "end of forward",
-            dict(state([]), gathered=root + kept, unsharded_grads=deferred, activations=phases.forward_end),
-        ),
-        (
-            "start of backward",
-            dict(
-                state([]),
-                gathered=root + kept,
-                unsharded_grads=deferred,
-                activations=phases.backward_start,
-                temporaries=phases.loss_grads,
-            ),
-        ),
-    ]
+    moments = _forward_moments(m, run, phases, state([]), resident(len(units)), deferred)
     if run.prefetch_forward:
         moments += _forward_prefetch(m, run, phases, state([]), resident, deferred)
     moments += _fsdp_backward(m, run, phases, state, resident, deferred)
@@ -353,7 +269,11 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
         (
             "the root's gradient reduction",
             # FSDP2 frees each unsharded gradient once copied into the reduce-scatter input: the largest remains.
-            dict(state(units), gathered=root, unsharded_grads=deferred + r * m.root.numel + e * m.root.largest),
+            dict(
+                state(units),
+                gathered=e * m.root.numel,
+                unsharded_grads=deferred + r * m.root.numel + e * m.root.largest,
+            ),
         )
     )
     moments.append(("optimizer step", dict(state(every), temporaries=_step_temporaries(every, run))))
@@ -429,31 +349,3 @@ def memory(m: ModelSummary, run: Run, checkpointed: Sequence[bool] | None = None
         peak_at=peak_at,
         host=top["host"],
     )
-
-
-def recompute_share(checkpointed: Sequence[bool], redone: float = 1.0) -> float:
-    """Extra compute of activation checkpointing: one more forward (1/3 of a step) per checkpointed block, of
-    which `redone` (selective checkpointing recomputes a part: selective_recompute)."""
-    return sum(checkpointed) / len(checkpointed) / 3 * redone if checkpointed else 0.0
-
-
-def traffic(m: ModelSummary, run: Run) -> Traffic:
-    e, r, n = run.compute_bytes, run.reduce_bytes, run.shard_group
-    if m.strategy is Strategy.ddp_classic:  # one all-reduce per step, after the last micro-batch
-        w = run.world_size
-        return Traffic(0, 0, 0, 2 * (w - 1) * FP32 * m.n_params // w)
-    syncs = 1 if run.defer_grad_sync else run.micro_steps
-    units = [*m.units, m.root]
-    received = (n - 1) / n
-    forward = run.micro_steps * received * e * sum(u.numel for u in units)
-    # Backward regathers what forward resharded: over the shard group, or (reshard to k) within the group of k.
-    kept = [(u, u.kept_after_forward()) for u in units]
-    regather = run.micro_steps * e * sum(u.numel * (k - 1) / k for u, k in kept if k and k > 1)
-    backward = run.micro_steps * received * e * sum(u.numel for u, k in kept if k is None) + regather
-    reduce = syncs * received * r * sum(u.numel for u in units)
-    replicas = run.replicas
-    # Across replicas the gradient shards accumulate and are all-reduced once per step.
-    across = 2 * (replicas - 1) / replicas * r * sum(u.shard_numel(n) for u in units)
-    # Muon: a rank receives the other ranks' slices of the 1/n of the matrices it owns, then its slices of the rest.
-    whole = 2 * received * FP32 * m.whole_matrices / n
-    return Traffic(int(forward + backward), int(backward), int(reduce), int(across), int(whole), int(regather))

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from ..config import Strategy
 from ..hardware import COMPUTE_EFFICIENCY, LINK_EFFICIENCY, Device
-from .memory import FP32, recompute_share, selective_recompute, traffic
+from .activations import FP32, recompute_share, selective_recompute
 from .summary import ModelSummary, Run
+from .traffic import traffic
 
 # NCCL's fixed cost per collective on NVLink/InfiniBand (tens of microseconds; NCCL's own tests).
 GPU_LATENCY_S = 30e-6

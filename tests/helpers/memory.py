@@ -1,22 +1,14 @@
 """Per-rank memory of one real training step, by category, as torch's FSDP memory tracker
 (torch.distributed._tools.fsdp2_mem_tracker) measures it: what the planner's prediction is held against."""
 
-import contextlib
 import gc
 from typing import Any
 
-import torch
-import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
-from fsdp_research.build import build_sharded_model
-from fsdp_research.config import typed
-from fsdp_research.distributed import init_distributed
-from fsdp_research.losses import build_loss, train_loss
-from fsdp_research.models import build_hf_config
-from fsdp_research.optim import build_optimizer, clip_grad_norm
 from tests.helpers.dist import run_distributed
+from tests.helpers.timing import prepared, train_step
 
 # The planner's categories as sums of the tracker's.
 GROUPS = {
@@ -48,33 +40,16 @@ class _GroupPeaks(FSDPMemTracker):
                 self.peaks[group] = max(self.peaks[group], sum(snap.get(k, 0) for k in keys))
 
 
-def _step(model, optimizer, batch: torch.Tensor, cfg) -> None:
-    """One step as the trainer takes it (one micro-batch)."""
-    train_loss(model, batch, contextlib.nullcontext(), build_loss(cfg.loss))[0].backward()
-    clip_grad_norm(model, cfg.optim.grad_clip)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-
-
 def _measure_each(configs: dict[str, Any]) -> dict[str, dict[str, int]]:
-    device = torch.device("cpu")
     peaks = {}
     for name, container in configs.items():
-        cfg = typed(container)
-        init_distributed(cfg.distributed, device)
-        hf_config = build_hf_config(cfg.model)
-        model, plan = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
-        optimizer, _ = build_optimizer(model, cfg, plan.blocks)
-        gen = torch.Generator().manual_seed(dist.get_rank())
-        batch = torch.randint(
-            0, hf_config.vocab_size, (cfg.trainer.micro_batch_size, cfg.data.seq_len + 1), generator=gen
-        )
+        cfg, model, optimizer, batches = prepared(container)
         # The first step creates the optimizer state: the steady state is the second.
-        _step(model, optimizer, batch, cfg)
+        train_step(model, optimizer, batches, cfg)
         tracker = _GroupPeaks(model, optimizer)
-        tracker.track_inputs((batch,))
+        tracker.track_inputs(tuple(batches))
         with tracker:
-            _step(model, optimizer, batch, cfg)
+            train_step(model, optimizer, batches, cfg)
         peaks[name] = tracker.peaks
         del model, optimizer, tracker
         gc.collect()

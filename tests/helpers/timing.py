@@ -23,8 +23,9 @@ from fsdp_research.sharding import grad_sync
 from tests.helpers.dist import run_distributed
 
 
-def _step(model, optimizer, batches, cfg, loss_fn) -> None:
+def train_step(model, optimizer, batches: list[torch.Tensor], cfg) -> None:
     """One step as the trainer takes it: its micro-batches, the gradient sync on the last, clip, update."""
+    loss_fn = build_loss(cfg.loss)
     for index, batch in enumerate(batches):
         with grad_sync(model, index == len(batches) - 1, cfg.trainer.defer_grad_sync):
             (train_loss(model, batch, contextlib.nullcontext(), loss_fn)[0] / len(batches)).backward()
@@ -33,25 +34,29 @@ def _step(model, optimizer, batches, cfg, loss_fn) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def prepared(container: dict) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
+    """(config, sharded model, optimizer, a step's random micro-batches) on this process group's rank (CPU)."""
+    cfg, device = typed(container), torch.device("cpu")
+    init_distributed(cfg.distributed, device)
+    hf_config = build_hf_config(cfg.model)
+    model, plan = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
+    optimizer, _ = build_optimizer(model, cfg, plan.blocks)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    micro = layout(cfg, dist.get_world_size()).micro_steps
+    shape = (cfg.trainer.micro_batch_size, cfg.data.seq_len + 1)
+    return cfg, model, optimizer, [torch.randint(0, hf_config.vocab_size, shape, generator=gen) for _ in range(micro)]
+
+
 def _time_each(configs: dict[str, Any], steps: int, shape: tuple[int, int, int]) -> dict[str, Any]:
-    device, times = torch.device("cpu"), {}
+    times = {}
     for name, container in configs.items():
-        cfg = typed(container)
-        init_distributed(cfg.distributed, device)
-        hf_config = build_hf_config(cfg.model)
-        model, plan = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
-        optimizer, _ = build_optimizer(model, cfg, plan.blocks)
-        gen = torch.Generator().manual_seed(dist.get_rank())
-        micro = layout(cfg, dist.get_world_size()).micro_steps
-        shape_ = (cfg.trainer.micro_batch_size, cfg.data.seq_len + 1)
-        batches = [torch.randint(0, hf_config.vocab_size, shape_, generator=gen) for _ in range(micro)]
-        loss_fn = build_loss(cfg.loss)
-        _step(model, optimizer, batches, cfg, loss_fn)  # warm-up: the optimizer's state is made
+        cfg, model, optimizer, batches = prepared(container)
+        train_step(model, optimizer, batches, cfg)  # warm-up: the optimizer's state is made
         seconds = []
         for _ in range(steps):
             dist.barrier()
             start = time.perf_counter()
-            _step(model, optimizer, batches, cfg, loss_fn)
+            train_step(model, optimizer, batches, cfg)
             seconds.append(time.perf_counter() - start)
         times[name] = statistics.median(seconds)
         del model, optimizer

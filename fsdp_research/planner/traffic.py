@@ -1,0 +1,52 @@
+"""The planner's model of communication per rank per step (bytes received).
+
+Communication per rank per step: what each rank receives, (n-1)/n of each collective's payload. All-gather: every
+unit in forward and every unit that resharded again in backward, per micro-batch, in the compute dtype.
+Reduce-scatter: every unit's gradients in the reduce dtype, once per step with defer_grad_sync (else per
+micro-batch). hsdp and ddp add an all-reduce of the gradient shards across replicas, once per step (accumulated
+into the shards before it); ddp_classic all-reduces fp32 gradients. Muon (optim=muon) adds two all-to-alls of the
+blocks' matrices in fp32 per step, within the shard group.
+"""
+
+from dataclasses import dataclass
+
+from ..config import Strategy
+from .activations import FP32
+from .summary import ModelSummary, Run
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """Per-rank bytes received per step."""
+
+    all_gather: int
+    # The part of all_gather that regathers resharded units in backward.
+    all_gather_backward: int
+    reduce_scatter: int
+    all_reduce: int
+    # Whole-matrix optimizers (Muon): each rank's shards of every block matrix to its owner and back (fp32).
+    all_to_all: int = 0
+    # The part of all_gather_backward within the smaller groups of reshard_after_forward=k (a node's links).
+    regather_within: int = 0
+
+
+def traffic(m: ModelSummary, run: Run) -> Traffic:
+    e, r, n = run.compute_bytes, run.reduce_bytes, run.shard_group
+    if m.strategy is Strategy.ddp_classic:  # one all-reduce per step, after the last micro-batch
+        w = run.world_size
+        return Traffic(0, 0, 0, 2 * (w - 1) * FP32 * m.n_params // w)
+    syncs = 1 if run.defer_grad_sync else run.micro_steps
+    units = [*m.units, m.root]
+    received = (n - 1) / n
+    forward = run.micro_steps * received * e * sum(u.numel for u in units)
+    # Backward regathers what forward resharded: over the shard group, or (reshard to k) within the group of k.
+    kept = [(u, u.kept_after_forward()) for u in units]
+    regather = run.micro_steps * e * sum(u.numel * (k - 1) / k for u, k in kept if k and k > 1)
+    backward = run.micro_steps * received * e * sum(u.numel for u, k in kept if k is None) + regather
+    reduce = syncs * received * r * sum(u.numel for u in units)
+    replicas = run.replicas
+    # Across replicas the gradient shards accumulate and are all-reduced once per step.
+    across = 2 * (replicas - 1) / replicas * r * sum(u.shard_numel(n) for u in units)
+    # Muon: a rank receives the other ranks' slices of the 1/n of the matrices it owns, then its slices of the rest.
+    whole = 2 * received * FP32 * m.whole_matrices / n
+    return Traffic(int(forward + backward), int(backward), int(reduce), int(across), int(whole), int(regather))
