@@ -231,17 +231,26 @@ def train_loss(model: nn.Module, batch: torch.Tensor, amp, loss_fn: LossFn | Non
     return loss, stats
 
 
-def token_losses(model: nn.Module, batch: torch.Tensor, amp) -> torch.Tensor:
-    """Each target token's cross-entropy, [batch, seq_len]."""
-    with amp:
-        logits = model(input_ids=batch[:, :-1]).logits
-    losses = F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
-    return losses.view(len(batch), -1)
+def token_losses(model: nn.Module, batch: torch.Tensor, amp, chunks: int = 1) -> torch.Tensor:
+    """Each target token's cross-entropy, [batch, seq_len]; with chunks > 1 (no grad: eval) the logits of 1/chunks
+    of the tokens at a time, as loss.chunks trains."""
+    labels = batch[:, 1:].flatten()
+    if chunks == 1:
+        with amp:
+            logits = model(input_ids=batch[:, :-1]).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels, reduction="none").view(len(batch), -1)
+    with amp, head_bypassed(model) as (head, seen):
+        hidden = bypassed_hidden(model(input_ids=batch[:, :-1]).logits, seen).flatten(0, 1)
+        parts = [
+            F.cross_entropy(F.linear(h, head.weight, head.bias).float(), y, reduction="none")
+            for h, y in zip(hidden.chunk(chunks), labels.chunk(chunks))
+        ]
+    return torch.cat(parts).view(len(batch), -1)
 
 
 @torch.no_grad()
 def held_out_loss(
-    model: nn.Module, data: Data, samples: int, micro_batch: int, device: torch.device, amp
+    model: nn.Module, data: Data, samples: int, micro_batch: int, device: torch.device, amp, chunks: int = 1
 ) -> dict[str, float]:
     """The token-weighted mean loss over held-out samples 0 .. samples - 1: the same eval set at any world size,
     rank r taking r, r + world, ... Every rank runs as many forwards (one with fewer samples pads with a sample
@@ -255,7 +264,7 @@ def held_out_loss(
     for a in range(0, len(index), micro_batch):
         batch = data.batch(index[a : a + micro_batch], held_out=True).to(device)
         w = weight[a : a + micro_batch]
-        per_sample = token_losses(model, batch, amp).sum(1)
+        per_sample = token_losses(model, batch, amp, chunks).sum(1)
         sums += torch.stack([(per_sample * w).sum(), w.sum() * (batch.shape[1] - 1)]).double()
     model.train()
     dist.all_reduce(sums)

@@ -337,7 +337,13 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> dic
 def evaluate(run: Run) -> dict[str, float]:
     t = run.cfg.trainer
     return held_out_loss(
-        run.model, run.data, t.eval_batches * t.micro_batch_size, t.micro_batch_size, run.device, run.amp
+        run.model,
+        run.data,
+        t.eval_batches * t.micro_batch_size,
+        t.micro_batch_size,
+        run.device,
+        run.amp,
+        run.cfg.loss.chunks,
     )
 
 

@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
 from fsdp_research.errors import ConfigError
-from fsdp_research.losses import ChunkedCrossEntropy, check_chunkable, train_loss
+from fsdp_research.losses import ChunkedCrossEntropy, check_chunkable, token_losses, train_loss
 from tests.helpers.zoo import hf_config
 
 VOCAB = 512
@@ -103,3 +103,12 @@ def test_check_chunkable_refuses_soft_capped_logits():
     llama = AutoModelForCausalLM.from_config(hf_config("llama", vocab_size=VOCAB))
     with torch.no_grad():
         check_chunkable(llama, torch.device("cpu"))
+
+
+def test_eval_losses_in_chunks_equal_whole(model):
+    """Eval with loss.chunks makes the logits a slice at a time too: each token's loss as the whole logits give it."""
+    batch = torch.randint(0, VOCAB, (3, 41), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        whole = token_losses(model, batch, contextlib.nullcontext())
+        chunked = token_losses(model, batch, contextlib.nullcontext(), chunks=7)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)

@@ -106,7 +106,7 @@ def _fit(args, overrides: list[str], cfg: DictConfig, m: ModelSummary, world_siz
     base = compose(base_overrides)
     fitting = fit(found, args.fit, base)
     head = f"{m.name} on {world_size} rank(s) of {hw.name}"
-    print("\n".join(format_fit(fitting, len(found), args.fit, args.top, base, head)))
+    print("\n".join(format_fit(fitting, found, args.fit, args.top, base, head)))
     best = fitting[0]
     if args.measure:
         top = fitting[: min(args.top, MEASURED)]

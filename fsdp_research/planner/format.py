@@ -197,11 +197,13 @@ def format_time(time: StepTime, run: Run, hw: Hardware) -> str:
 
 
 def format_fit(
-    fitting: Sequence[Candidate], searched: int, cap_gib: float, top: int, base: DictConfig, head: str
+    fitting: Sequence[Candidate], found: Sequence[Candidate], cap_gib: float, top: int, base: DictConfig, head: str
 ) -> list[str]:
     """The top configs that fit, fastest first, as rows: rank, tokens/s, step time, peak, the overrides."""
+    fit = sum(c.memory.peak <= cap_gib * GIB for c in found)
     lines = [
-        f"plan --fit {cap_gib:g} GiB per rank: {head}; {searched} configs planned, {len(fitting)} fit",
+        f"plan --fit {cap_gib:g} GiB per rank: {head}; {len(found)} configs planned, {fit} fit, "
+        f"{len(fitting)} of them none beats in both speed and peak",
         f"{'rank':>4}  {'tokens/s':>10}  {'step (s)':>8}  {'peak (GiB)':>10}  config",
     ]
     for index, c in enumerate(fitting[:top], 1):
