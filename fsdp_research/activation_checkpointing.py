@@ -15,10 +15,15 @@ from .errors import ConfigError
 
 
 def resolve_op(name: str):
-    """torch.ops.<namespace>.<name> (an operator's overload packet), or ConfigError."""
-    namespace, _, op = name.partition(".")
+    """torch.ops.<namespace>.<name>[.<overload>] as its overload packet (the policy matches any overload), or
+    ConfigError."""
+    namespace, _, rest = name.partition(".")
+    op, _, overload = rest.partition(".")
     try:
-        return getattr(getattr(torch.ops, namespace), op)
+        packet = getattr(getattr(torch.ops, namespace), op)
+        if overload:
+            getattr(packet, overload)
+        return packet
     except (AttributeError, RuntimeError):
         raise ConfigError(
             "activation_checkpointing.save_ops",

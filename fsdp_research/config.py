@@ -292,9 +292,11 @@ class DoctorConfig:
     exposed_comm_share: float = 0.3
     # A blocking checkpoint save, as a share of the training time between two saves.
     checkpoint_share: float = 0.1
-    # The GPU (h100, a100, ... of fsdp_research.hardware) whose memory `fsdp-research plan --fit` fills when the
-    # doctor says whether the running config is the one --fit would pick; null: the CUDA device training runs on
-    # (off on CPU). Predicted tokens/s above this config's by more than fit_margin: a finding.
+    # The fit check: whether the running config is what `fsdp-research plan --fit` picks for the device's memory
+    # (a search of a few seconds on rank 0 at start-up). fit_gpu: the GPU (h100, a100, ... of
+    # fsdp_research.hardware) whose memory it fills; null: the CUDA device training runs on (off on CPU). Predicted
+    # tokens/s above this config's by more than fit_margin: a finding.
+    fit: bool = True
     fit_gpu: str | None = None
     fit_margin: float = 0.05
 

@@ -119,10 +119,13 @@ def head_bypassed(model: nn.Module) -> Iterator[tuple[nn.Module, dict]]:
     """The model's output layer passes its input through: the model returns its last hidden states as `logits`
     (checked by bypassed_hidden). Yields (the output layer, what it saw)."""
     head = _head(model)
-    if not isinstance(head, nn.Linear):
+    # Chunks compute F.linear with its weight: a head whose forward does more (muP's readout scaling, a quantized
+    # layer, a hook) would train on another loss.
+    plain = head is not None and type(head).forward is nn.Linear.forward
+    if not plain or head._forward_hooks or head._forward_pre_hooks:
         raise ConfigError(
             "loss.chunks",
-            f"{type(model).__name__} has no nn.Linear output layer to compute in chunks",
+            f"{type(model).__name__}'s output layer is not a plain nn.Linear, which chunks compute",
             "use loss.chunks=1",
         )
     seen = {}
@@ -139,9 +142,10 @@ def head_bypassed(model: nn.Module) -> Iterator[tuple[nn.Module, dict]]:
 
 
 def bypassed_hidden(logits: torch.Tensor, seen: dict) -> torch.Tensor:
-    """The hidden states the output layer got, where the model returned them untouched (a view of all of them
-    counts: transformers slices by logits_to_keep). A model that scales or soft-caps its logits after the output
-    layer (Gemma 2, Cohere, Granite) would train on a different loss in chunks: refused."""
+    """What the model returned, where it is the hidden states the output layer got, untouched (a view of all of
+    them counts: transformers slices by logits_to_keep; the returned tensor carries FSDP's backward hooks). A
+    model that scales or soft-caps its logits after the output layer (Gemma 2, Cohere, Granite) would train on a
+    different loss in chunks: refused."""
     hidden = seen.get("hidden")
     base = hidden if hidden is None or hidden._base is None else hidden._base
     same = logits is hidden or (logits._base is base and logits._base is not None)
@@ -157,13 +161,14 @@ def bypassed_hidden(logits: torch.Tensor, seen: dict) -> torch.Tensor:
             "the model changes its logits after the output layer (scaling, soft-capping), which chunks would skip",
             "use loss.chunks=1",
         )
-    return hidden
+    return logits
 
 
 def check_chunkable(model: nn.Module, device: torch.device) -> None:
     """A two-token forward with the output layer bypassed (a collective under FSDP): the model must return what
     its output layer makes, untouched. Raises ConfigError."""
-    with head_bypassed(model) as (_, seen):
+    # Eager: a compiled block would be compiled for this shape first, and recompiled for the batch's.
+    with head_bypassed(model) as (_, seen), torch.compiler.set_stance("force_eager"):
         out = model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=device))
     bypassed_hidden(out.logits, seen)
 

@@ -110,6 +110,8 @@ def check_offload_backend(cfg: ShardingConfig, backend: str) -> None:
         )
 
 
+# Strategies whose blocks never reshard after forward (root_only: one unit, the root, kept for backward).
+_NO_RESHARD = (Strategy.no_reshard, Strategy.ddp, Strategy.ddp_classic, Strategy.root_only)
 # Strategies whose units are the blocks: what explicit prefetch names.
 _BLOCK_UNITS = (Strategy.blockwise, Strategy.reshard_all, Strategy.no_reshard, Strategy.hsdp, Strategy.ddp)
 
@@ -138,6 +140,12 @@ def check_sharding(cfg: ShardingConfig, world_size: int) -> None:
         )
     shard_group = {Strategy.hsdp: world_size // cfg.replicate, Strategy.ddp: 1}.get(strategy, world_size)
     if cfg.reshard_after_forward is not None:
+        if strategy in _NO_RESHARD:
+            raise ConfigError(
+                "sharding.reshard_after_forward",
+                f"{strategy.value} reshards no block after forward, so it would be ignored",
+                "use it with sharding=blockwise or reshard_all (or sharding.reshard_override per block)",
+            )
         _check_reshard_value("sharding.reshard_after_forward", cfg.reshard_after_forward, shard_group)
     for index, value in cfg.reshard_override.items():
         _check_reshard_value(f"sharding.reshard_override.{index}", value, shard_group)

@@ -4,6 +4,7 @@ ChunkedCrossEntropy; and the point of chunking, that the [tokens x vocab] logits
 dispatch mode on every op of forward and backward. In-process, one process, fp32."""
 
 import contextlib
+import re
 
 import pytest
 import torch
@@ -12,8 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
+from fsdp_research.activation_checkpointing import resolve_op
+from fsdp_research.composition import compose
 from fsdp_research.errors import ConfigError
 from fsdp_research.losses import ChunkedCrossEntropy, check_chunkable, token_losses, train_loss
+from fsdp_research.validation import check_sharding
 from tests.helpers.zoo import hf_config
 
 VOCAB = 512
@@ -112,3 +116,32 @@ def test_eval_losses_in_chunks_equal_whole(model):
         whole = token_losses(model, batch, contextlib.nullcontext())
         chunked = token_losses(model, batch, contextlib.nullcontext(), chunks=7)
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-6)
+
+
+def test_a_head_that_is_not_a_plain_linear_is_refused(model):
+    """Chunks compute F.linear with the head's weight: a hook (or a subclass's forward) would be skipped."""
+    handle = model.lm_head.register_forward_hook(lambda module, args, out: out * 2)
+    try:
+        with pytest.raises(ConfigError, match=r"^loss\.chunks: .* not a plain nn\.Linear"):
+            check_chunkable(model, torch.device("cpu"))
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["sharding=no_reshard", "sharding.reshard_after_forward=2"], "sharding.reshard_after_forward"),
+        (["sharding.reshard_after_forward=1"], "sharding.reshard_after_forward"),
+        (["sharding.reshard_override={0:3}"], "sharding.reshard_override.0"),
+        (["sharding=root_only", "sharding.prefetch_forward=1"], "sharding.prefetch_forward"),
+        (["sharding.prefetch_backward=-1"], "sharding.prefetch_backward"),
+    ],
+)
+def test_sharding_knobs_refused_before_any_compute(overrides, key):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: "):
+        check_sharding(compose(overrides).sharding, 4)
+
+
+def test_save_ops_take_overload_names():
+    assert resolve_op("aten.mm.default") is resolve_op("aten.mm") is torch.ops.aten.mm

@@ -244,10 +244,17 @@ def test_fit_nothing_fits_names_the_smallest(capsys):
 
 @pytest.mark.parametrize(
     "flags,key",
-    [(["--fit", "0"], "--fit"), (["--measure"], "--measure"), (["--fit", "8", "--gpu", "h1000"], "--gpu")],
+    [
+        (["--fit", "0", "--device", "cuda"], "--fit"),
+        (["--measure", "--device", "cuda"], "--measure"),
+        (["--fit", "8", "--gpu", "h1000"], "--gpu"),  # --gpu plans for GPUs: no --device cuda needed
+        (["--device", "cpu", "--gpu", "h100"], "--gpu"),
+        # This CPU's rates cannot be measured on 64 processes: plan for GPUs instead.
+        (["--fit", "8", "world_size=64", "trainer.global_batch_size=64", "trainer.micro_batch_size=1"], "world_size"),
+    ],
 )
 def test_fit_bad_flags(flags, key, capsys):
-    assert main(["world_size=2", *flags, "--device", "cuda"]) == 2
+    assert main(["world_size=2", *flags]) == 2
     assert capsys.readouterr().err.startswith(f"error: {key}: ")
 
 

@@ -60,11 +60,18 @@ def _hardware(args, cfg: DictConfig, m: ModelSummary, world_size: int, device_ty
     compute = dtypes(cfg.precision)[0]
     if device_type == "cuda":
         try:
-            device = gpu(args.gpu)
+            device = gpu(args.gpu or "h100")
         except KeyError as err:
             raise ConfigError("--gpu", err.args[0], f"use --gpu {' | '.join(GPUS)}") from None
         return gpu_hardware(
             device, compute.itemsize, args.link or ("nvlink" if world_size <= device.per_node else "ib")
+        )
+    cores = os.cpu_count() or 1
+    if world_size > cores:
+        raise ConfigError(
+            "world_size",
+            f"{world_size} CPU processes cannot be measured on this machine's {cores} cores",
+            "plan for GPUs: --device cuda --gpu NAME (or --gpu NAME alone)",
         )
     print(f"measuring this machine's CPU rates on {world_size} process(es)...", file=sys.stderr)
     rows = cfg.trainer.micro_batch_size * cfg.data.seq_len
@@ -132,9 +139,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), help="the device type to plan for (default: the trainer's, trainer.device)"
     )
-    parser.add_argument("--gpu", default="h100", help=f"with --device cuda: {', '.join(GPUS)} (default h100)")
+    parser.add_argument("--gpu", help=f"{', '.join(GPUS)} (default h100; implies --device cuda)")
     parser.add_argument(
-        "--link", choices=LINKS, help="what the ranks talk over (default: nvlink up to a node's GPUs, else ib)"
+        "--link", choices=LINKS, help="what GPUs talk over (default: nvlink up to a node's GPUs, else ib)"
     )
     parser.add_argument("--fit", type=float, metavar="GIB", help="search the configs whose peak fits GIB per rank")
     parser.add_argument("--top", type=int, default=5, help="with --fit: how many configs to show (default 5)")
@@ -151,7 +158,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.fit is not None:
             overrides = _searchable(overrides, launch.get("world_size", 0))
         cfg, _, world_size = checked_config(overrides, launch.get("world_size", 0))
-        device_type = args.device or device_for(cfg.trainer.device, 0).type
+        if args.device == "cpu" and (args.gpu or args.link):
+            raise ConfigError("--gpu", "--gpu and --link plan for GPUs, not --device cpu", "drop --device cpu")
+        device_type = args.device or ("cuda" if args.gpu or args.link else device_for(cfg.trainer.device, 0).type)
         others = _compare_configs(overrides, world_size) if args.compare else []
         # One model build for the plan and every row of the comparison (a large model's build is most of the time).
         summaries = summaries_by_sharding([cfg, *others])

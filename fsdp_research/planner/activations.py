@@ -51,7 +51,7 @@ def selective_bytes(m: ModelSummary, e: int, seq_len: int) -> int:
     output and logsumexp (when an SDPA kernel is kept). Other families: half of a block's full activations."""
     if m.model_type not in LLAMA_LIKE:
         return e * m.hidden + block_activation_bytes(m, e, seq_len) // 2
-    kept = sum(w for index, w in enumerate(_matmul_widths(m)) if index % m.selective_every == 0)
+    kept = sum(w for index, w in enumerate(_matmul_widths(m)) if m.selective_matmuls and index % m.selective_every == 0)
     attention = e * m.hidden + FP32 * m.heads if m.selective_attention else 0
     return e * (m.hidden + kept) + attention
 
@@ -63,14 +63,17 @@ def saved_activations(m: ModelSummary, e: int, seq_len: int, checkpointed: Seque
     return [kept if ckpt else full for ckpt in checkpointed]
 
 
-def selective_recompute(m: ModelSummary) -> float:
+def selective_recompute(m: ModelSummary, seq_len: int) -> float:
     """The share of a selectively checkpointed llama block's forward FLOPs recomputed: the matmuls not kept
-    (the rest it recomputes, norms and activations, costs no matmul); attention's too when it is not kept."""
+    (the rest it recomputes, norms and activations, costs no matmul), attention's when it is not kept. Assumes
+    bias-free projections (a biased one, Qwen2's q/k/v, dispatches aten.addmm and shifts which are kept)."""
     widths = _matmul_widths(m)
     inputs = [m.hidden] * 4 + [m.hidden] * 2 + [m.intermediate]
     flops = [w * i for w, i in zip(widths, inputs)]
-    redone = sum(f for index, f in enumerate(flops) if index % m.selective_every)
-    return redone / sum(flops)
+    redone = sum(f for index, f in enumerate(flops) if not m.selective_matmuls or index % m.selective_every)
+    # Scores and weighted sum, per token: 2 matmuls of heads x head_dim over the sequence (causal: half of it).
+    attention = 2 * m.hidden * seq_len
+    return (redone + (0 if m.selective_attention else attention)) / (sum(flops) + attention)
 
 
 def norm_backward_bytes(m: ModelSummary, e: int) -> int:

@@ -35,6 +35,7 @@ CPU, two of the largest shard).
 Communication: fsdp_research.planner.traffic.
 """
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -126,21 +127,32 @@ def _step_temporaries(units: Sequence[UnitSize], run: Run) -> int:
     return 2 * FP32 * max(-(-rows // run.shard_group) * row for u in units for rows, row in u.shapes)
 
 
+def _largest_units(m: ModelSummary) -> list[int | None]:
+    """Each block's largest unit (its index in m.units), or None for a block with none."""
+    largest: list[int | None] = [None] * m.n_blocks
+    for j, u in enumerate(m.units):
+        k = u.block
+        if k is not None and (largest[k] is None or u.numel > m.units[largest[k]].numel):
+            largest[k] = j
+    return largest
+
+
 def _fsdp_backward(
     m: ModelSummary,
     run: Run,
     phases: _Phases,
-    state: Callable[[Sequence[UnitSize]], dict[str, int]],
+    state: Callable[[int], dict[str, int]],
     resident: Callable[[int], int],
     deferred: int,
 ) -> list[tuple[str, dict[str, int]]]:
     """The moments of backward, block by block: the block's largest unit is the one in flight (per_linear: a
     Linear; root_only: none, the block's gradients are the root's)."""
     e, r, units, root = run.compute_bytes, run.reduce_bytes, list(m.units), run.compute_bytes * m.root.numel
+    largest = _largest_units(m)
+    root_before = list(itertools.accumulate(m.root_in_block, initial=0))
     moments = []
     for k in reversed(range(m.n_blocks)):
-        inside = [j for j, u in enumerate(units) if u.block == k]
-        j = max(inside, key=lambda i: units[i].numel) if inside else None
+        j = largest[k]
         unit = units[j].numel if j is not None else 0
         # The units backward gathers ahead (FSDP2's implicit: the next one), unless kept gathered since forward.
         ahead = units[max(0, (j or 0) - max(1, run.prefetch_backward)) : j or 0]
@@ -149,7 +161,7 @@ def _fsdp_backward(
         previous = units[j + 1].numel if j is not None and j + 1 < len(units) else 0
         # The root's gradients stay unsharded until its reduction at the very end of backward; the input
         # embedding's is computed last.
-        root_grads = e * (m.root.numel - m.input_embedding - sum(m.root_in_block[:k]))
+        root_grads = e * (m.root.numel - m.input_embedding - root_before[k])
         for moment, activations, temporaries, held in phases.block[k]:
             reducing = held == 0
             if reducing and j is None:
@@ -158,7 +170,7 @@ def _fsdp_backward(
                 (
                     f"backward of block {k} ({moment})",
                     dict(
-                        state(units[j + 1 :] if j is not None else []),
+                        state(j + 1 if j is not None else len(units)),
                         gathered=root + resident(j or 0) + e * (unit + prefetch),
                         # Autograd holds a unit's gradients until FSDP takes them for its reduce-scatter.
                         unsharded_grads=deferred + ((e + r) * unit if reducing else r * previous),
@@ -181,11 +193,9 @@ def _forward_prefetch(
     """Forward of each block with explicit prefetch: its unit and the next prefetch_forward gathered at once."""
     e, units = run.compute_bytes, list(m.units)
     moments = []
-    for k in range(m.n_blocks):
-        inside = [j for j, u in enumerate(units) if u.block == k]
-        if not inside:
+    for k, j in enumerate(_largest_units(m)):
+        if j is None:
             continue
-        j = max(inside, key=lambda i: units[i].numel)
         ahead = sum(u.numel for u in units[j : j + 1 + run.prefetch_forward])
         moments.append(
             (
@@ -248,8 +258,11 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
     sharded_before = accumulating and not run.defer_grad_sync
     deferred = r * sum(u.numel for u in every) if accumulating and run.defer_grad_sync else 0
 
-    def state(done: Sequence[UnitSize]) -> dict[str, int]:
-        grads = shards if sharded_before else FP32 * sum(u.shard_numel(n) for u in done)
+    # The sharded gradients of units[j:], once backward has reduced them.
+    reduced = list(itertools.accumulate((FP32 * u.shard_numel(n) for u in reversed(units)), initial=0))[::-1]
+
+    def state(start: int) -> dict[str, int]:
+        grads = shards if sharded_before else reduced[start]
         return dict(params=shards, optimizer=int(m.optimizer_copies * shards), grads=grads)
 
     # Gathered from forward to backward, by the units before each index: kept whole, or resharded to k ranks.
@@ -261,22 +274,22 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
     def resident(before: int) -> int:
         return held[before]
 
-    moments = _forward_moments(m, run, phases, state([]), resident(len(units)), deferred)
+    moments = _forward_moments(m, run, phases, state(len(units)), resident(len(units)), deferred)
     if run.prefetch_forward:
-        moments += _forward_prefetch(m, run, phases, state([]), resident, deferred)
+        moments += _forward_prefetch(m, run, phases, state(len(units)), resident, deferred)
     moments += _fsdp_backward(m, run, phases, state, resident, deferred)
     moments.append(
         (
             "the root's gradient reduction",
             # FSDP2 frees each unsharded gradient once copied into the reduce-scatter input: the largest remains.
             dict(
-                state(units),
+                state(0),
                 gathered=e * m.root.numel,
                 unsharded_grads=deferred + r * m.root.numel + e * m.root.largest,
             ),
         )
     )
-    moments.append(("optimizer step", dict(state(every), temporaries=_step_temporaries(every, run))))
+    moments.append(("optimizer step", dict(state(0), grads=shards, temporaries=_step_temporaries(every, run))))
     if run.cpu_offload:
         for _, parts in moments:
             parts["host"] = parts.pop("params") + parts.pop("optimizer") + parts.pop("grads")

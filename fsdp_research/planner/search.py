@@ -3,6 +3,7 @@ to k ranks, activation checkpointing, micro-batch, prefetch depth, cpu_offload, 
 model build, those whose predicted peak fits the cap ranked by predicted tokens/s."""
 
 import itertools
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -22,6 +23,7 @@ from .summary import ModelSummary, Run, run_settings, summarize
 from .timing import Hardware, StepTime, gpu_hardware, step_time, tokens_per_second
 
 GIB = 2**30
+log = logging.getLogger("fsdp_research")
 # activation_checkpointing options: the group's option name, the summary's checkpointed blocks and selective mode.
 _CHECKPOINTING = {"none": (0, 0), "every_block": (1, 0), "every_2nd": (2, 0), "selective": (1, 2)}
 PREFETCH = (0, 1, 2)
@@ -30,27 +32,18 @@ CHUNKS = (1, 8)
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
 
 
-# The keys a candidate sets: a base's own overrides of them give way to the candidate's.
-SEARCHED = (
-    "sharding",
-    "sharding.strategy",
-    "sharding.replicate",
-    "sharding.reshard_after_forward",
-    "sharding.reshard_override",
-    "sharding.prefetch_forward",
-    "sharding.prefetch_backward",
-    "sharding.cpu_offload",
-    "activation_checkpointing",
-    "activation_checkpointing.stride",
-    "activation_checkpointing.mode",
-    "trainer.micro_batch_size",
-    "loss.chunks",
-)
+# The groups and keys a candidate sets: a base's own overrides of them, and of their keys, give way.
+SEARCHED = ("sharding", "activation_checkpointing", "trainer.micro_batch_size", "loss.chunks")
 
 
 def unsearched(overrides: list[str]) -> list[str]:
     """The overrides of what --fit does not search (the model, the batch, the data, ...)."""
-    return [o for o in overrides if o.lstrip("+~").partition("=")[0] not in SEARCHED]
+
+    def searched(override: str) -> bool:
+        key = override.lstrip("+~").partition("=")[0]
+        return any(key == s or key.startswith(s + ".") for s in SEARCHED)
+
+    return [o for o in overrides if not searched(o)]
 
 
 @dataclass(frozen=True)
@@ -72,6 +65,31 @@ class Candidate:
             + (s["sharding.reshard_after_forward"] is not None)
         )
 
+    def keys(self) -> dict[str, Any]:
+        """The config keys that make it, spelled out (the groups' options as the keys they set)."""
+        s = self.settings
+        stride, selective = _CHECKPOINTING[s["activation_checkpointing"]]
+        keys = {
+            "sharding.strategy": s["sharding"],
+            "sharding.replicate": s["sharding.replicate"] or 1,
+            "sharding.reshard_after_forward": s["sharding.reshard_after_forward"],
+            "sharding.reshard_override": {},
+            "activation_checkpointing.stride": stride,
+            "activation_checkpointing.mode": "selective" if selective else "full",
+        }
+        if selective:
+            keys["activation_checkpointing.mm_save_every"] = selective
+        return {**keys, **{k: v for k, v in s.items() if "." in k and k not in keys and k != "sharding.replicate"}}
+
+    def changes(self, cfg: DictConfig) -> list[str]:
+        """The explicit keys where a config differs from it: what to add after its overrides, in any order."""
+        return [
+            f"{key}={_text(value)}"
+            for key, value in self.keys().items()
+            if (OmegaConf.to_container(found) if isinstance(found := OmegaConf.select(cfg, key), DictConfig) else found)
+            != value
+        ]
+
     def overrides(self, base: DictConfig) -> list[str]:
         """What makes it after the base config's overrides: the sharding and checkpointing options and the
         micro-batch always, the other knobs where they differ from the base's."""
@@ -84,6 +102,8 @@ class Candidate:
 
 
 def _text(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{}"
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -221,12 +241,14 @@ def advise(cfg: DictConfig, world_size: int, hw: Hardware, cap_gib: float) -> Ad
         run_settings(cfg, world_size, "cuda" if hw.overlap else "cpu"),
     )
     this = tokens_per_second(run, step_time(summary, run, hw))
-    return Advice(best, tuple(best.overrides(cfg)), this, memory(summary, run).peak, cap_gib, hw.name)
+    return Advice(best, tuple(best.changes(cfg)), this, memory(summary, run).peak, cap_gib, hw.name)
 
 
 def doctor_fit(cfg: DictConfig, world_size: int, device: torch.device) -> dict | None:
     """What the doctor's fit check reads: --fit's pick for doctor.fit_gpu's memory, or the CUDA device's this
     run trains on; None on CPU without doctor.fit_gpu, for a GPU not in the table, or when nothing fits."""
+    if not cfg.doctor.fit:
+        return None
     if cfg.doctor.fit_gpu:
         chosen = gpu(cfg.doctor.fit_gpu)
         cap = chosen.memory_gib
@@ -241,7 +263,8 @@ def doctor_fit(cfg: DictConfig, world_size: int, device: torch.device) -> dict |
     hw = gpu_hardware(chosen, dtypes(cfg.precision)[0].itemsize, link)
     try:
         advice = advise(cfg, world_size, hw, cap)
-    except ConfigError:  # a config the planner cannot search (the trainer's own checks have passed it)
+    except Exception as err:  # advice, never a reason to stop: a config the planner cannot search
+        log.warning(f"doctor: the fit check could not plan this config ({type(err).__name__}: {err})")
         return None
     if advice is None:
         return None

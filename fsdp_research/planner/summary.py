@@ -94,8 +94,9 @@ class ModelSummary:
     whole_matrices: int = 0
     # Checkpointed blocks: 0, full (only the input kept); n, selective (the 1st, (1+n)-th, ... matmul outputs kept).
     selective_every: int = 0
-    # Selective: attention's output kept (an SDPA kernel among save_ops).
+    # Selective: attention's output kept (an SDPA kernel among save_ops); matmul outputs kept (aten.mm among them).
     selective_attention: bool = True
+    selective_matmuls: bool = True
     # Training FLOPs per token (forward + backward, the MFU count), and the output layer's forward FLOPs per token.
     flops_per_token: float = 0.0
     head_flops_per_token: float = 0.0
@@ -182,7 +183,11 @@ def _checkpointing(cfg: DictConfig) -> dict:
     if cfg.mode is not CheckpointMode.selective:
         return {}
     kernels = [name for name in cfg.save_ops if "scaled_dot_product" in name]
-    return dict(selective_every=cfg.mm_save_every, selective_attention=bool(kernels))
+    return dict(
+        selective_every=cfg.mm_save_every,
+        selective_attention=bool(kernels),
+        selective_matmuls="aten.mm" in cfg.save_ops,
+    )
 
 
 def _optimizer(cfg: DictConfig, model: nn.Module, plan: ShardingPlan) -> dict:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from ..config import Strategy
 from ..hardware import COMPUTE_EFFICIENCY, LINK_EFFICIENCY, Device
-from .activations import FP32, recompute_share, selective_recompute
+from .activations import FP32, LLAMA_LIKE, recompute_share, selective_recompute
 from .summary import ModelSummary, Run
 from .traffic import traffic
 
@@ -87,9 +87,9 @@ def _bps(hw: Hardware, group: int) -> float:
 def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
     tokens = run.tokens * run.micro_steps
     compute = tokens * m.flops_per_token / hw.flops
-    redone = selective_recompute(m) if m.selective_every and m.model_type in ("llama", "mistral", "qwen2") else 1.0
-    if m.selective_every and redone == 1.0:
-        redone = 0.5  # a family whose block the planner does not enumerate: half of its forward
+    redone = 1.0
+    if m.selective_every:  # a family whose block the planner does not enumerate: half of its forward
+        redone = selective_recompute(m, run.seq_len) if m.model_type in LLAMA_LIKE else 0.5
     recompute = compute * recompute_share(m.checkpointed, redone)
     if run.loss_chunks > 1:  # one more forward of the output layer
         recompute += tokens * m.head_flops_per_token / hw.flops
