@@ -126,7 +126,7 @@ def test_a_build_longer_than_the_collective_timeout(tmp_path):
     the store's manifest, not in a collective, and the run trains."""
     tok = bpe_tokenizer(str(tmp_path / "tok"))
     text = tmp_path / "one_document.txt"
-    text.write_text(" ".join(DOCS[4:]) * 700)  # ~1 part, several seconds of BPE on one core
+    text.write_text(" ".join(DOCS[4:]) * 1400)  # ~1 part, twice the timeout of BPE on one core at least
     run = finish(
         start(
             with_overrides(
