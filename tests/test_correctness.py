@@ -82,3 +82,23 @@ def test_matches_single_process_reference(results, name):
 def test_loss_falls(results):
     (ref_losses, _), _ = results
     assert ref_losses[-1] < ref_losses[0] - 0.5
+
+
+# The knobs against the plain run of the same layout: what they change is memory and speed, never a number.
+SAME_AS = {
+    "blockwise+selective": ("blockwise", 1e-6),
+    "blockwise+prefetch": ("blockwise", 1e-6),
+    "blockwise+offload": ("blockwise", 1e-6),
+    "reshard_all+ac+prefetch": ("reshard_all+ac", 1e-6),
+    "blockwise+chunks": ("blockwise", 1e-5),
+    "ddp_classic+chunks": ("ddp_classic", 1e-5),
+}
+
+
+@pytest.mark.parametrize("name", SAME_AS)
+def test_knob_losses_equal_the_plain_runs(results, name):
+    _, runs = results
+    plain, rtol = SAME_AS[name]
+    torch.testing.assert_close(
+        torch.tensor(ok(runs, name)["losses"]), torch.tensor(ok(runs, plain)["losses"]), rtol=rtol, atol=0
+    )

@@ -17,8 +17,9 @@ from tests.helpers.dist import final_weights
 
 
 def plan_for(cfg: DictConfig) -> ShardingPlan:
-    """The plan on a meta-device model, built as the trainer builds it (activation checkpointing first)."""
-    return planned_model(cfg, build_hf_config(cfg.model))[1]
+    """The plan on a meta-device model, built as the trainer builds it (activation checkpointing first); shapes
+    only, as the doctor and the planner build it."""
+    return planned_model(cfg, build_hf_config(cfg.model), values=False)[1]
 
 
 def _fsdp_units(model: nn.Module) -> dict[str, FSDPModule]:
