@@ -132,12 +132,12 @@ def _chunkable(cfg: DictConfig, hf_config) -> tuple[int, ...]:
 
 
 def _variants(
-    summary: ModelSummary, run: Run, per_rank: int, chunks: tuple[int, ...]
+    summary: ModelSummary, run: Run, per_rank: int, chunks: tuple[int, ...], offloads: tuple[bool, ...]
 ) -> Iterator[tuple[ModelSummary, Run, dict[str, Any]]]:
     for option, (stride, selective) in _CHECKPOINTING.items():
         ckpt = replace(summary, checkpointed=_checkpointed(summary.n_blocks, stride), selective_every=selective)
         for micro, depth, offload, chunk in itertools.product(
-            _divisors(per_rank), [d for d in PREFETCH if d < summary.n_blocks], (False, True), chunks
+            _divisors(per_rank), [d for d in PREFETCH if d < summary.n_blocks], offloads, chunks
         ):
             planned = replace(
                 run,
@@ -186,7 +186,9 @@ def candidates(cfg: DictConfig, world_size: int, device_type: str, hw: Hardware)
             "sharding.replicate": keys.get("replicate"),
             "sharding.reshard_after_forward": keys.get("reshard_after_forward"),
         }
-        for ckpt, planned, settings in _variants(summary, run, per_rank, chunks):
+        # On a CPU the state is in host memory already: nothing to offload.
+        offloads = (False, True) if device_type == "cuda" else (False,)
+        for ckpt, planned, settings in _variants(summary, run, per_rank, chunks, offloads):
             time = step_time(ckpt, planned, hw)
             found.append(
                 Candidate({**named, **settings}, memory(ckpt, planned), time, tokens_per_second(planned, time))
