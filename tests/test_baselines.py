@@ -7,7 +7,7 @@ import torch
 
 from fsdp_research.composition import compose
 from tests.conftest import FAST
-from tests.helpers.dist import ok, train_distributed
+from tests.helpers.dist import final_weights, ok, train_distributed
 
 BASE = FAST + ["trainer.max_steps=6", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"]
 BF16 = ["precision=bf16"]
@@ -21,10 +21,16 @@ RUNS = {
 }
 
 
+def _weights_and_graphs(model: torch.nn.Module) -> dict:
+    """The final weights, and the graphs torch.compile has made in this process so far (dynamo's own count)."""
+    return {**final_weights(model), "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("baselines")
-    return train_distributed({name: compose(BASE + extra) for name, extra in RUNS.items()}, 2, str(out))
+    configs = {name: compose(BASE + extra) for name, extra in RUNS.items()}
+    return train_distributed(configs, 2, str(out), _weights_and_graphs)
 
 
 def _losses(runs, name) -> torch.Tensor:
@@ -40,6 +46,8 @@ def test_ddp_computes_as_fsdp_does(runs):
 
 @pytest.mark.parametrize("name", ["compiled", "compiled+ac"])
 def test_compiled_blocks_train_as_eager(runs, name):
+    """...and compile did compile: dynamo made graphs for it (the runs go in order, eager before compiled)."""
+    assert ok(runs, "eager")["graphs"] == 0 < ok(runs, name)["graphs"]
     torch.testing.assert_close(_losses(runs, name), _losses(runs, "eager"), rtol=1e-5, atol=0)
     eager, compiled = ok(runs, "eager")["weights"], ok(runs, name)["weights"]
     assert eager.keys() == compiled.keys()
