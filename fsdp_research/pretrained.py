@@ -14,6 +14,7 @@ moved rows count) summed over the shards equals the whole tensor's, converted fr
 unsharded pass that the ranks share; a tensor that differs (or stayed uninitialised) refuses the run by name."""
 
 import contextlib
+import importlib
 import json
 import math
 import os
@@ -71,19 +72,39 @@ def _slices(files: list[str], handles: ExitStack, meta: bool) -> dict[str, Any]:
     return state
 
 
+# The transformers this loading was written against: its loading API below is internal (no stability promise).
+TESTED_TRANSFORMERS = "5.24"
+
+
+def hf_internal(module: str, *names: str) -> tuple:
+    """Names of transformers' internal loading API (transformers.<module>), in one place: a release that moved
+    them fails with one line naming the version and what is missing, not deep inside a load."""
+    try:
+        found = importlib.import_module(f"transformers.{module}")
+        return tuple(getattr(found, name) for name in names)
+    except (ImportError, AttributeError) as err:
+        import transformers
+
+        raise ConfigError(
+            "model.load_weights",
+            f"transformers {transformers.__version__} lacks its internal loading API that this uses ({err})",
+            f"install transformers {TESTED_TRANSFORMERS}.x (what it was tested with), or model.load_weights=false",
+        ) from None
+
+
 def _mapping(model: nn.Module) -> list:
     """The family's conversion mapping, from an unwrapped twin: FSDP renames the classes it wraps
     (FSDPGPTNeoXForCausalLM), and transformers looks mappings up by class name."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
+    (get_model_conversion_mapping,) = hf_internal("conversion_mapping", "get_model_conversion_mapping")
     return get_model_conversion_mapping(build_model(model.config))
 
 
 def _load(model: nn.Module, mapping: list, state: dict[str, Any], device: str):
     """transformers' loading of checkpoint tensors into the model; returns its loading report."""
-    from transformers.core_model_loading import convert_and_load_state_dict_in_model
-    from transformers.modeling_utils import LoadStateDictConfig
     from transformers.utils import logging as hf_logging
+
+    (convert_and_load_state_dict_in_model,) = hf_internal("core_model_loading", "convert_and_load_state_dict_in_model")
+    (LoadStateDictConfig,) = hf_internal("modeling_utils", "LoadStateDictConfig")
 
     hf_logging.disable_progress_bar()
     config = LoadStateDictConfig(weight_mapping=mapping, device_map={"": device})
@@ -129,7 +150,7 @@ def _shard_safe(converter) -> bool:
     """Whether shard-on-read gives the right rows for a conversion: each rank reads the rows of the source
     tensors that its rows of the target come from. True for experts stacked along dim 0 (each rank keeps the
     experts it owns) and for concatenations or chunks along a later dim; not for anything that moves rows."""
-    from transformers.core_model_loading import Chunk, Concatenate, MergeModulelist
+    Chunk, Concatenate, MergeModulelist = hf_internal("core_model_loading", "Chunk", "Concatenate", "MergeModulelist")
 
     def safe(op) -> bool:
         if type(op) is MergeModulelist:
@@ -142,7 +163,9 @@ def _shard_safe(converter) -> bool:
 def _targets(model: nn.Module, mapping: list, keys) -> dict[str, tuple[str, bool]]:
     """Each checkpoint key -> (the model tensor it is converted into, whether its conversion is shard-safe),
     renamed as transformers' convert_and_load_state_dict_in_model renames it."""
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    WeightConverter, WeightRenaming, rename_source_key = hf_internal(
+        "core_model_loading", "WeightConverter", "WeightRenaming", "rename_source_key"
+    )
 
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
