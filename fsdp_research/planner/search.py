@@ -11,15 +11,13 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..build import planned_model
 from ..config import typed
 from ..errors import ConfigError
 from ..hardware import gpu, gpu_named
 from ..models import build_hf_config
-from ..precision import dtypes, kept_in_fp32
-from ..sharding import build_plan
+from ..precision import dtypes
 from .memory import Memory, memory
-from .summary import ModelSummary, Run, run_settings, summarize
+from .summary import ModelSummary, Run, run_settings, summaries_by_sharding, summary_for
 from .timing import Hardware, StepTime, gpu_hardware, step_time, tokens_per_second
 
 GIB = 2**30
@@ -170,16 +168,20 @@ def candidates(cfg: DictConfig, world_size: int, device_type: str, hw: Hardware)
     )
     base.sharding.reshard_override = {}
     hf_config = build_hf_config(base.model)
-    model, first = planned_model(base, hf_config, values=False)
-    blocks = [model.get_submodule(path) for path in first.blocks]
-    fp32 = kept_in_fp32(model, dtypes(base.precision)[0])
     per_rank = base.trainer.global_batch_size // world_size
     chunks = _chunkable(base, hf_config)
+    shardings = list(_shardings(world_size, hw.per_node))
+    variants = [
+        typed(
+            OmegaConf.merge(
+                base, {"sharding": {"replicate": 1, "reshard_after_forward": None, "cpu_offload": False, **keys}}
+            )
+        )
+        for keys in shardings
+    ]
     found = []
-    for keys in _shardings(world_size, hw.per_node):
-        sharding = {"replicate": 1, "reshard_after_forward": None, "cpu_offload": False, **keys}
-        variant = typed(OmegaConf.merge(base, {"sharding": sharding}))
-        summary = summarize(variant, model, build_plan(model, blocks, variant.sharding, fp32), hf_config)
+    # One model build for every sharding's plan.
+    for keys, variant, summary in zip(shardings, variants, summaries_by_sharding(variants)):
         run = run_settings(variant, world_size, device_type)
         named = {
             "sharding": keys["strategy"],
@@ -236,12 +238,7 @@ def advise(cfg: DictConfig, world_size: int, hw: Hardware, cap_gib: float) -> Ad
         best = fit(found, cap_gib, cfg)[0]
     except ConfigError:
         return None
-    hf_config = build_hf_config(cfg.model)
-    model, plan = planned_model(cfg, hf_config, values=False)
-    summary, run = (
-        summarize(cfg, model, plan, hf_config),
-        run_settings(cfg, world_size, "cuda" if hw.overlap else "cpu"),
-    )
+    summary, run = summary_for(cfg), run_settings(cfg, world_size, "cuda" if hw.overlap else "cpu")
     this = tokens_per_second(run, step_time(summary, run, hw))
     return Advice(best, tuple(best.changes(cfg)), this, memory(summary, run).peak, cap_gib, hw.name)
 
