@@ -3,13 +3,17 @@ the whole model) into checkpoints/.tmp_step_<N>/; once all ranks are done, rank 
 renames the directory to step_<N>. A checkpoint without a valid manifest never existed, so a process killed
 at any moment leaves the previous one loadable."""
 
+import io
 import json
 import logging
 import os
 import random
 import re
 import shutil
+import threading
+import time
 from collections.abc import Collection
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -17,14 +21,18 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .distributed import new_threads_single_threaded
+from .distributed import control_group, gloo_group, new_threads_single_threaded
 from .errors import CheckpointError
 
 log = logging.getLogger("fsdp_research")
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# Where pruned checkpoints wait to be removed: renamed (atomic) first, so no resume ever sees half of one.
+_TRASH = ".trash_"
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.pt"
 
@@ -67,28 +75,31 @@ def verify(step_dir: str) -> str | None:
     return None
 
 
-def _pinned_stager():
-    """On CUDA, async saves stage into pinned host memory that is kept and reused from one save to the next (no
-    fresh host allocations each time; device-to-host copies at full speed); elsewhere DCP's default staging."""
-    if not torch.cuda.is_available():
-        return None
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
+def _stager(pinned: bool) -> DefaultStager:
+    """What makes the host copy of the state for an async save, so training goes on while it is written. Pinned
+    (on CUDA): into pinned host memory kept and reused from one save to the next (no fresh host allocations each
+    time; device-to-host copies at full speed). Otherwise DCP's default staging, a stager per save as DCP makes it
+    (its reuse of host copies from save to save is only relied on for pinned memory)."""
     return DefaultStager(
         StagingOptions(
-            use_pinned_memory=True, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=True
+            use_pinned_memory=pinned, use_shared_memory=False, use_async_staging=False, use_non_blocking_copy=pinned
         )
     )
 
 
-def _rng_state() -> dict[str, Any]:
+def _rng_state() -> bytes:
+    """This rank's RNG states, pickled: saved with DCP under a key of the rank's own (one object in the rank's
+    shard file, no file of its own)."""
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(saved: bytes) -> None:
+    state = torch.load(io.BytesIO(saved), weights_only=False)
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -96,14 +107,10 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _mismatches(step_dir: str, state: dict[str, dict[str, Any]]) -> list[list[str]]:
-    """Tensor keys that are missing, unexpected or of another shape between the checkpoint and this run: one
-    list per kind, empty ones left out."""
-    saved = {
-        k: tuple(v.size)
-        for k, v in dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata.items()
-        if hasattr(v, "size")
-    }
+def _mismatches(saved_metadata: dict[str, Any], state: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """Tensor keys that are missing, unexpected or of another shape between the checkpoint (its DCP metadata's
+    state_dict_metadata) and this run: one list per kind, empty ones left out."""
+    saved = {k: tuple(v.size) for k, v in saved_metadata.items() if hasattr(v, "size")}
     ours = {f"model.{k}": tuple(v.shape) for k, v in state["model"].items() if hasattr(v, "shape")}
     ours.update(
         {
@@ -133,13 +140,24 @@ class Checkpointer:
         self.rank = dist.get_rank()
         self.extra_files = extra_files
         self.is_async = bool(cfg["async"])
-        # A gloo group of its own: CPU-side collectives on any backend stay off the training group. Async writes
-        # run collectives from a background thread, so they get one more: two threads interleaving collectives
-        # on one group (the step-boundary agreement runs every step) deadlock.
-        self.group = dist.new_group(backend="gloo")
-        self._async_group = dist.new_group(backend="gloo") if self.is_async else None
-        self._pending: tuple[Any, int, str] | None = None
-        self._stager = _pinned_stager() if self.is_async and pinned else None
+        self.group = control_group()
+        self._pending: tuple[Any, int, str, float] | None = None
+        # The wall time of the last complete save (started to published): what a stop's save will take.
+        self.last_save_s = 0.0
+        self._saved_step = 0
+        self._pruning: threading.Thread | None = None
+        # Repeated saves of the same state reuse the plan DCP gathered at the first (no plan to the coordinator
+        # and back): keyed by this checkpointer, so no other run in the process shares it.
+        self._plan_key = f"{DefaultSavePlanner.__name__}:{id(self)}"
+        if self.is_async:
+            # Async writes run collectives from a thread of their own, so they get a group of their own: two
+            # threads interleaving collectives on one group deadlock. The one thread is kept from save to save,
+            # and set to one intra-op thread as it starts (see new_threads_single_threaded).
+            self._async_group = gloo_group()
+            self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+            with new_threads_single_threaded():
+                self._writer.submit(torch.get_num_threads).result()
+            self._pinned = _stager(pinned=True) if pinned and torch.cuda.is_available() else None
 
     def due(self, step: int, max_steps: int) -> bool:
         return step == max_steps or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
@@ -147,6 +165,7 @@ class Checkpointer:
     def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any], callbacks=None) -> None:
         """callbacks: the callbacks' state (fsdp_research.callbacks.hooks.Callbacks.state_dict()), saved with DCP."""
         self.wait()
+        started = time.perf_counter()
         tmp = os.path.join(self.root, f".tmp_step_{step}")
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -155,7 +174,6 @@ class Checkpointer:
         error = None
         try:
             os.makedirs(tmp, exist_ok=True)
-            torch.save(_rng_state(), os.path.join(tmp, f"rng_rank{self.rank}.pt"))
             if self.rank == 0:
                 torch.save(trainer_state, os.path.join(tmp, TRAINER_STATE))
                 for name, text in self.extra_files.items():
@@ -164,27 +182,39 @@ class Checkpointer:
         except (OSError, RuntimeError) as err:  # torch.save reports a full disk as a RuntimeError
             error = err
         self._check_all(step, tmp, error)
-        state = {"model": model_state, "optim": optim_state, **({"callbacks": callbacks} if callbacks else {})}
+        state = {"model": model_state, "optim": optim_state, "rng": {f"rank_{self.rank}": _rng_state()}}
+        if callbacks:
+            state["callbacks"] = callbacks
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        planner._cached_plans_key = self._plan_key
         try:
             with new_threads_single_threaded():
                 if self.is_async:
-                    future = dcp.async_save(
-                        state, checkpoint_id=tmp, process_group=self._async_group, async_stager=self._stager
+                    staged = (self._pinned or _stager(pinned=False)).stage(state)
+                    future = self._writer.submit(
+                        dcp.save, staged, checkpoint_id=tmp, process_group=self._async_group, planner=planner
                     )
-                    self._pending = (future, step, tmp)
+                    future.add_done_callback(lambda done: setattr(done, "written_at", time.perf_counter()))
+                    self._pending = (future, step, tmp, started)
+                    self._saved_step = step
                     return
                 # DCP gathers every rank's write result, so a failure on any rank raises on all of them.
-                dcp.save(state, checkpoint_id=tmp, process_group=self.group)
+                dcp.save(state, checkpoint_id=tmp, process_group=self.group, planner=planner)
         except (Exception, dcp.CheckpointException) as err:  # the latter is a BaseException
             self._fail(step, tmp, err)
         self._publish(step, tmp)
+        self.last_save_s, self._saved_step = time.perf_counter() - started, step
+
+    def saved(self, step: int) -> bool:
+        """Whether step's checkpoint was saved (async: is being written) by this checkpointer."""
+        return self._saved_step == step
 
     def finished_step(self) -> int:
         """The step of the async save in flight once this rank has written its part, else 0 (what this rank
         tells the others at a step boundary)."""
         if self._pending is None:
             return 0
-        future, step, _ = self._pending
+        future, step, _, _ = self._pending
         return step if future.done() else 0
 
     def publish_finished(self, step: int) -> None:
@@ -200,21 +230,25 @@ class Checkpointer:
             self._pending = None
         else:
             self.wait()
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        if self.is_async:
+            self._writer.shutdown(wait=not failed)
+            if self._pinned is not None:
+                self._pinned.close()
+        if self._pruning is not None:
+            self._pruning.join()
 
     def wait(self) -> None:
         """Finish and publish the async save in flight, if any."""
         if self._pending is None:
             return
-        future, step, tmp = self._pending
+        future, step, tmp, started = self._pending
         self._pending = None
         try:
             future.result()
         except (Exception, dcp.CheckpointException) as err:
             self._fail(step, tmp, err)
         self._publish(step, tmp)
+        self.last_save_s = getattr(future, "written_at", time.perf_counter()) - started
 
     def _publish(self, step: int, tmp: str) -> None:
         self._barrier()  # every rank's shard is on disk
@@ -228,7 +262,7 @@ class Checkpointer:
                     os.fsync(f.fileno())
                 final = os.path.join(self.root, f"step_{step}")
                 if os.path.exists(final):  # resumed from an older step: this save replaces that future
-                    shutil.rmtree(final)
+                    os.rename(final, self._trash_path(step))
                 os.rename(tmp, final)
                 self._prune(step)
                 log.info(f"saved checkpoint {final}")
@@ -248,12 +282,22 @@ class Checkpointer:
 
     def _prune(self, step: int) -> None:
         """Once step_<step> is complete: drop the checkpoints after it (a run resumed from an older one abandoned
-        them, as its metrics.jsonl did; left, they would win the next resume) and all but the keep_last newest."""
+        them, as its metrics.jsonl did; left, they would win the next resume) and all but the keep_last newest.
+        Renamed away at once, removed by a thread of rank 0's (a large checkpoint takes a while to delete, and no
+        rank waits for that)."""
         found = checkpoints_in(self.root)
-        abandoned = [path for s, path in found if s > step]
-        kept = [path for s, path in found if s <= step]
-        for old in abandoned + (kept[self.cfg.keep_last :] if self.cfg.keep_last > 0 else []):
-            shutil.rmtree(old, ignore_errors=True)
+        abandoned = [(s, path) for s, path in found if s > step]
+        kept = [(s, path) for s, path in found if s <= step]
+        for s, old in abandoned + (kept[self.cfg.keep_last :] if self.cfg.keep_last > 0 else []):
+            os.rename(old, self._trash_path(s))
+        if self._pruning is not None:
+            self._pruning.join()
+        trash = [os.path.join(self.root, name) for name in os.listdir(self.root) if name.startswith(_TRASH)]
+        self._pruning = threading.Thread(target=_remove, args=(trash,), name="checkpoint-pruning", daemon=True)
+        self._pruning.start()
+
+    def _trash_path(self, step: int) -> str:
+        return os.path.join(self.root, f"{_TRASH}{step}_{os.getpid()}_{time.monotonic_ns()}")
 
     def _fail(self, step: int, tmp: str, err: BaseException) -> None:
         # Measured before the partial checkpoint goes: a full disk often says no more than "unexpected pos".
@@ -285,12 +329,16 @@ class Checkpointer:
         model_state, optim_state = get_state_dict(model, optimizer)
         state = {"model": model_state, "optim": optim_state}
         saved = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+        # Absent when resuming at a larger world size (and in checkpoints from before it was saved with DCP).
+        rng = f"rng.rank_{self.rank}"
+        if rng in saved:
+            state["rng"] = {f"rank_{self.rank}": b""}
         kept = {n: v for n, v in (callbacks or {}).items() if any(k.startswith(f"callbacks.{n}.") for k in saved)}
         for name in sorted((callbacks or {}).keys() - kept.keys()):
             log.info(f"callback {name}: the checkpoint has no state of it, it starts afresh")
         if kept:
             state["callbacks"] = kept
-        kinds = _mismatches(step_dir, state)
+        kinds = _mismatches(saved, state)
         if kinds:
             # A few of each kind: another optimizer shows as keys both missing and unexpected.
             shown = [problem for kind in kinds for problem in kind[:3]]
@@ -307,11 +355,15 @@ class Checkpointer:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         for group, values in zip(optimizer.param_groups, kept):
             group.update(values)
-        rng = os.path.join(step_dir, f"rng_rank{self.rank}.pt")
-        if os.path.exists(rng):  # absent when resuming at a larger world size
-            _set_rng_state(torch.load(rng, weights_only=False))
+        if "rng" in state:
+            _set_rng_state(state["rng"][f"rank_{self.rank}"])
         log.info(f"resumed from checkpoint {step_dir}")
         return torch.load(os.path.join(step_dir, TRAINER_STATE), weights_only=False), state.get("callbacks", {})
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def config_files(cfg: DictConfig, hf_config) -> dict[str, str]:

@@ -255,6 +255,14 @@ class TrainerConfig:
     # Signals that mean: finish the step, save a resume checkpoint, exit. SIGTERM: what schedulers send before they
     # kill; others (SLURM's warning before a time limit, sbatch --signal=USR2@<s>): the same, requeued under SLURM.
     preemption_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR2"])
+    # Seconds from the signal to the scheduler's SIGKILL (torchrun's shutdown and SLURM's KillWait: 30): when the
+    # last save's time says the stop's save would end later, it is skipped and said (status.json, the log) ...
+    preemption_grace_s: float = 25.0
+    # ... unless this is set: then it is tried anyway.
+    save_past_grace: bool = False
+    # The ranks agree on signals and finished async saves every that many steps (one CPU all-reduce of four
+    # numbers, whose latency grows with the ranks): a signal stops the run at the first such step after it.
+    agree_every: int = 1
     # >0: profile that many steps after a warm-up step (trace and time breakdown in <run dir>/profile/).
     profile_steps: int = 0
 

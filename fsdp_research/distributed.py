@@ -160,9 +160,48 @@ def init_distributed(cfg: DistributedConfig, device: torch.device) -> None:
         device_id=device if device.type == "cuda" else None,
         **rendezvous,
     )
+    if torch.device("cpu") in dist.group.WORLD._device_types:
+        _settle_worker_threads(None)
     global _members
     _members = [None] * env.world_size
     dist.all_gather_object(_members, (_node(), os.getpid()))
+
+
+def _settle_worker_threads(group: dist.ProcessGroup | None) -> None:
+    """Give a gloo group's worker threads one intra-op thread for good (see new_threads_single_threaded), once,
+    as the group is made: a few collectives whose results the workers copy (an ATen op: the thread's first
+    sets its OpenMP thread count) while the process-wide count is 1. Overlapping them reaches each of gloo's
+    workers, which take queued work in turn."""
+    world = dist.get_world_size(group)
+    with new_threads_single_threaded():
+        works = []
+        for _ in range(8):
+            outputs = [torch.empty(max(1, 2**18 // world)) for _ in range(world)]
+            works.append(dist.all_gather(outputs, torch.zeros_like(outputs[0]), group=group, async_op=True))
+        for work in works:
+            work.wait()
+
+
+def gloo_group() -> dist.ProcessGroup:
+    """A new gloo group (every rank calls this at the same point), its worker threads settled."""
+    group = dist.new_group(backend="gloo")
+    _settle_worker_threads(group)
+    return group
+
+
+# (the default group, the control group made for it): see control_group().
+_control: tuple[Any, dist.ProcessGroup] | None = None
+
+
+def control_group() -> dist.ProcessGroup:
+    """The one gloo group of this app's control traffic (the step-boundary agreement, the checkpoints' barriers
+    and checks): the default group itself where that is gloo, else one gloo group, made at the first call (a
+    collective) and kept: CPU-side collectives that never sync a GPU or wait behind NCCL traffic."""
+    global _control
+    world = dist.group.WORLD
+    if _control is None or _control[0] is not world:
+        _control = (world, world if dist.get_backend() == "gloo" else gloo_group())
+    return _control[1]
 
 
 def _attempt_store(env: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:

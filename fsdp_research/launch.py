@@ -49,7 +49,11 @@ def run_worker(cfg: Any, run_dir: str) -> dict[str, Any]:
     error = None
     try:
         result = train(cfg, run_dir)
-        outcome = {"status": "preempted", "requeue": result.stop == REQUEUE} if result.stop else {"status": "completed"}
+        outcome = {"status": "completed"}
+        if result.stop:
+            outcome = {"status": "preempted", "requeue": result.stop == REQUEUE}
+            if result.past_grace:
+                outcome["past_grace"] = result.past_grace
         return outcome
     except KeyboardInterrupt:
         outcome = {"status": "interrupted"}
@@ -138,6 +142,7 @@ def launch(cfg: DictConfig, output_dir: str) -> None:
     if multirun:
         _name_sweep_job(cfg)
     try:
+        rundir.check_restart(cfg.checkpoint.resume)
         outcome = _run(cfg, rundir.resolve(cfg.checkpoint.resume, output_dir))
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

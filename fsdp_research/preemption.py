@@ -1,19 +1,23 @@
 """Stopping at a step boundary. The signals a scheduler sends before it ends a job (SIGTERM, which scancel,
 SLURM's preemption, Kubernetes and most schedulers send before SIGKILL; the warning SLURM sends before a time
-limit, --signal=USR2@<s>) only set a flag; every rank finishes its step, and the ranks agree at the next step
-boundary through one small all-reduce, overlapped with the following step (a signal may reach only some of them).
-The same all-reduce tells which asynchronous checkpoint save has finished on every rank. The run then saves a
-resume checkpoint; on the warning signal, under SLURM, rank 0 requeues the job (on SIGTERM, SLURM decides: a
-preemption in REQUEUE mode requeues it, scancel ends it)."""
+limit, --signal=USR2@<s>) only set a flag; every rank finishes its step, and the ranks agree at that step's boundary
+(or the next of every trainer.agree_every) through one small all-reduce (a signal may reach only some of them). The
+same all-reduce tells which asynchronous checkpoint save has finished on every rank, how long ago the signal came
+and how long the last save took. The run then saves a resume checkpoint, if the save can end within
+trainer.preemption_grace_s of the signal; on the warning signal, under SLURM, rank 0 requeues the job (on SIGTERM,
+SLURM decides: a preemption in REQUEUE mode requeues it, scancel ends it)."""
 
 import logging
 import os
 import signal
 import subprocess
+import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from .distributed import control_group
 from .errors import ConfigError
 
 log = logging.getLogger("fsdp_research")
@@ -41,6 +45,7 @@ class Signals:
         take minutes."""
         self.code = NONE
         self.received: str | None = None
+        self._at: float | None = None
         self.enabled = bool(names)
         for name in names:
             signal.signal(_signum(name), self._on_signal)
@@ -49,39 +54,35 @@ class Signals:
         code = STOP if signum == signal.SIGTERM else REQUEUE
         if code > self.code:
             self.code, self.received = code, signal.Signals(signum).name
+        if self._at is None:
+            self._at = time.monotonic()
+
+    def waited_ms(self) -> int:
+        """Milliseconds since this rank's first signal; 0 without one."""
+        return 0 if self._at is None else int(1000 * (time.monotonic() - self._at))
 
 
-class Agreement:
-    """What every rank contributes at a step boundary, reduced with MAX over all ranks. The all-reduce started
-    after step k is read after step k+1, so it overlaps a step instead of waiting for the slowest rank. It runs on
-    a gloo group of its own: a CPU all-reduce that never syncs a GPU or waits behind other traffic."""
+class Boundary(NamedTuple):
+    """What the ranks agreed on at a step boundary."""
 
-    def __init__(self, width: int):
-        self._group = dist.new_group(backend="gloo")
-        self._width = width
-        self._pending = None
+    stop: int  # NONE, STOP or REQUEUE: the signal any rank received
+    finished_step: int  # the async save every rank has written (0: none)
+    waited_s: float  # since the earliest signal on any rank
+    save_s: float  # the longest time any rank took for the last complete save (0: none yet)
 
-    def exchange(self, values: list[int]) -> list[int] | None:
-        """Sends this step's values; returns the previous step's, agreed (None at the first call)."""
-        flags = torch.tensor(values, dtype=torch.int64)
-        work = dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        previous, self._pending = self._pending, (work, flags)
-        return self._read(previous)
+    def save_fits(self, grace_s: float) -> bool:
+        """Whether a save like the last one ends within grace_s of the signal (unknown before the first: yes)."""
+        return self.waited_s + self.save_s <= grace_s
 
-    def close(self, failed: bool = False) -> None:
-        """Finish the exchange in flight, before the process group goes (not after a failure: other ranks may be
-        gone)."""
-        pending, self._pending = self._pending, None
-        if not failed:
-            self._read(pending)
 
-    @staticmethod
-    def _read(pending) -> list[int] | None:
-        if pending is None:
-            return None
-        work, flags = pending
-        work.wait()
-        return flags.tolist()
+def agree(signals: Signals, finished_step: int, save_s: float) -> Boundary:
+    """This rank's view at a step boundary, reduced with MAX over all ranks on the control group (a CPU
+    all-reduce of four numbers that never syncs a GPU). Blocking, so that a signal received during step k stops
+    every rank after step k."""
+    flags = torch.tensor([signals.code, -finished_step, signals.waited_ms(), int(1000 * save_s)], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=control_group())
+    stop, finished, waited_ms, save_ms = flags.tolist()
+    return Boundary(stop, -finished, waited_ms / 1000, save_ms / 1000)
 
 
 def requeue() -> bool:

@@ -2,12 +2,14 @@
 that run's dir; a group torchrun restarts finds the dir its first attempt chose), which checkpoint it resumes from,
 whether a fresh start may use it, and its status.json."""
 
+import datetime
 import json
 import logging
 import os
 import socket
-import tempfile
 from typing import Any
+
+import torch.distributed as dist
 
 from .checkpoint import checkpoints_in, is_step_dir, verify
 from .distributed import restarted
@@ -18,29 +20,48 @@ log = logging.getLogger("fsdp_research")
 STATUS = "status.json"
 
 
-def _torchrun_record() -> str | None:
-    """Where rank 0 of a torchrun group records its run dir: keyed by the host, the torchrun agent (this process's
-    parent) and the rendezvous run id, so that the group torchrun starts again after a failure finds it."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
+# Where rank 0 of a torchrun job's first attempt leaves its run dir: torchrun's own store (the agents'), under a key
+# of no attempt's prefix, outlives the attempts, reaches every node and goes with the job.
+_RUN_DIR_KEY = "fsdp_research/run_dir"
+# Why a restarted torchrun group could not find its run dir (said by check_restart, before any compute).
+_lost: str | None = None
+
+
+def _torchrun_store() -> dist.Store | None:
+    """A client of torchrun's store where the workers reach the agents' (TORCHELASTIC_USE_AGENT_STORE); None
+    outside torchrun or where each attempt's rank 0 hosts a store of its own."""
+    env = os.environ
+    if "TORCHELASTIC_RUN_ID" not in env or env.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
         return None
-    key = f"{socket.gethostname()}-{os.getppid()}-{os.environ['TORCHELASTIC_RUN_ID']}"
-    return os.path.join(tempfile.gettempdir(), "fsdp_research", f"torchrun-{key}.json")
+    timeout = datetime.timedelta(seconds=60)
+    return dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False, timeout=timeout)
 
 
 def this_launch(default: str) -> str:
     """The run dir of this launch when nothing names one: under torchrun, the one its first attempt chose (a
-    restarted group goes on with that run), else default. Called once, by rank 0, when Hydra makes the run dir."""
-    record = _torchrun_record()
-    if record is None:
+    restarted group goes on with that run, whichever node its rank 0 is on now), else default. Called by every
+    rank when Hydra makes the run dir (rank 0's is the run's)."""
+    global _lost
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
         return default
-    if restarted() and os.path.exists(record):
-        with open(record) as f:
-            return json.load(f)["run_dir"]
-    os.makedirs(os.path.dirname(record), exist_ok=True)
-    with open(record + ".tmp", "w") as f:
-        json.dump({"run_dir": os.path.abspath(default)}, f)
-    os.replace(record + ".tmp", record)
+    store = _torchrun_store()
+    if not restarted():
+        if store is not None and int(os.environ.get("RANK", 0)) == 0:
+            store.set(_RUN_DIR_KEY, os.path.abspath(default))
+        return default
+    if store is not None and store.check([_RUN_DIR_KEY]):
+        return store.get(_RUN_DIR_KEY).decode()
+    _lost = "torchrun restarted this group and its first attempt's run dir is not in torchrun's store" + (
+        "" if store is not None else " (this rendezvous gives the workers no agent store)"
+    )
     return default
+
+
+def check_restart(resume: str) -> None:
+    """A restarted torchrun group that lost its run dir (and is not told it by checkpoint.resume) stops here
+    instead of training from step 0 elsewhere."""
+    if _lost is not None and resume in ("auto", "never"):
+        raise ConfigError("checkpoint.resume", _lost, "give checkpoint.resume=<the run dir> on torchrun's command line")
 
 
 def resolve(resume: str, default: str) -> str:

@@ -42,6 +42,8 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     # Stopped early by a signal, after saving a resume checkpoint: preemption's STOP or REQUEUE code.
     stop: int = 0
+    # Why the stop saved no checkpoint: it would have ended past trainer.preemption_grace_s.
+    past_grace: str | None = None
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -37,7 +37,7 @@ from .metrics import MEAN_LOSSES, PeakMemory, Throughput, loss_metrics
 from .models import build_hf_config
 from .optim import build_optimizer, clip_, clip_grad_norm, configured_keys, grad_norm
 from .precision import LossScaler, autocast
-from .preemption import NONE, Agreement, Signals
+from .preemption import NONE, Boundary, Signals, agree
 from .profiling import StepProfiler, region
 from .sharding import ShardingPlan, grad_sync
 from .sinks import Sinks, setup_logging
@@ -76,7 +76,8 @@ class Run:
     throughput: Throughput
     peak: PeakMemory
     signals: Signals
-    agreement: Agreement | None
+    # Whether the ranks agree at step boundaries: there is a signal to catch or an async save to publish.
+    agrees: bool
     save_times: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
 
@@ -89,8 +90,8 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
 
 def train(cfg: Any, run_dir: str) -> TrainResult:
     """Train on this process's rank; every rank of the job calls it (rank 0's run_dir is the run's). Joins an
-    existing process group or makes one. Sinks, profiler, checkpointer and the step-boundary agreement are closed
-    however it ends; a failed run's W&B run is marked failed."""
+    existing process group or makes one. Sinks, profiler and checkpointer are closed however it ends; a failed
+    run's W&B run is marked failed."""
     cfg = typed(cfg)
     # First: until the handler is in place a signal would end the process, and set-up can take minutes.
     signals = Signals(list(cfg.trainer.preemption_signal or []))
@@ -121,17 +122,11 @@ def _prepare(cfg: DictConfig, run_dir: str) -> tuple[torch.device, str, Any, nn.
     return device, run_dir, hf_config, model, plan, resume_dir
 
 
-def _checkpointing(
-    cfg: DictConfig, run_dir: str, hf_config, signals: Signals, resources: contextlib.ExitStack
-) -> tuple[Checkpointer, Agreement | None]:
-    """The checkpointer, and the step-boundary agreement, only when there is something to agree on: a signal to
-    catch, or async saves to publish; both closed when the run ends."""
+def _checkpointer(cfg: DictConfig, run_dir: str, hf_config, resources: contextlib.ExitStack) -> Checkpointer:
+    """The checkpointer, closed when the run ends."""
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
     close_on_exit(resources, checkpointer.close)
-    agreement = Agreement(width=2) if signals.enabled or checkpointer.is_async else None
-    if agreement is not None:
-        close_on_exit(resources, agreement.close)
-    return checkpointer, agreement
+    return checkpointer
 
 
 def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextlib.ExitStack) -> Run:
@@ -148,7 +143,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     balancer = BiasBalancer(model, cfg.model.moe.bias_update_rate)
     close_on_exit(resources, lambda failed: balancer.close())
     state = TrainState(scheduler, LossScaler(cfg.precision))
-    checkpointer, agreement = _checkpointing(cfg, run_dir, hf_config, signals, resources)
+    checkpointer = _checkpointer(cfg, run_dir, hf_config, resources)
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
         trainer_state, callback_state = checkpointer.load(
             resume_dir, model, optimizer, callbacks.state_dict(), configured_keys(cfg.optim)
@@ -185,7 +180,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         throughput=throughput,
         peak=PeakMemory(device),
         signals=signals,
-        agreement=agreement,
+        agrees=signals.enabled or checkpointer.is_async,
     )
     handle.step = state.step
     handle.bind(sinks.log, functools.partial(evaluate, run), functools.partial(_export, run))
@@ -284,31 +279,37 @@ def _loop(run: Run, result: TrainResult) -> None:
         # Before the checkpoint, so that the run's final save stays out of the profiled window (the summary
         # times saves on their own).
         run.profiler.step(done)
-        result.stop = _at_boundary(run)
-        if run.checkpointer.due(done, t.max_steps) or result.stop or stopped_by_callback:
-            with run.throughput.paused():
-                _save(run)
-        if result.stop:
-            log.info(
-                f"preemption signal ({run.signals.received or 'on another rank'}): stopped after step {done} "
-                "with a resume checkpoint"
+        boundary = _at_boundary(run, done)
+        result.stop = boundary.stop
+        if result.stop and not boundary.save_fits(t.preemption_grace_s):
+            result.past_grace = (
+                f"a save takes {boundary.save_s:.1f} s and the signal came {boundary.waited_s:.1f} s ago: it would "
+                f"end past trainer.preemption_grace_s={t.preemption_grace_s:g}"
             )
+        if run.checkpointer.due(done, t.max_steps) or result.stop or stopped_by_callback:
+            if result.past_grace and not t.save_past_grace:
+                log.warning(f"no resume checkpoint at step {done}: {result.past_grace} (trainer.save_past_grace)")
+            else:
+                with run.throughput.paused():
+                    _save(run)
+        if result.stop:
+            saved = "with a resume checkpoint" if run.checkpointer.saved(done) else "without a checkpoint"
+            by = run.signals.received or "on another rank"
+            log.info(f"preemption signal ({by}): stopped after step {done} {saved}")
             return
         if stopped_by_callback:
             log.info(f"a callback asked to stop: stopped after step {done} with a checkpoint")
             return
 
 
-def _at_boundary(run: Run) -> int:
-    """What the ranks agreed on at the previous step boundary: publish the async save every rank has finished;
-    returns the stop code (a signal any rank received)."""
-    if run.agreement is None:
-        return NONE
-    agreed = run.agreement.exchange([run.signals.code, -run.checkpointer.finished_step()])
-    if agreed is None:
-        return NONE
-    run.checkpointer.publish_finished(-agreed[1])
-    return agreed[0]
+def _at_boundary(run: Run, done: int) -> Boundary:
+    """What the ranks agree on at this step boundary (every trainer.agree_every steps): publish the async save
+    every rank has finished; the stop code (a signal any rank received) and the times the grace check needs."""
+    if not run.agrees or done % run.cfg.trainer.agree_every:
+        return Boundary(NONE, 0, 0.0, 0.0)
+    boundary = agree(run.signals, run.checkpointer.finished_step(), run.checkpointer.last_save_s)
+    run.checkpointer.publish_finished(boundary.finished_step)
+    return boundary
 
 
 def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> dict[str, Any]:
@@ -370,12 +371,10 @@ def _export(run: Run, out_dir: str) -> None:
 
 
 def _finish(run: Run, result: TrainResult, wall_time_s: float) -> None:
-    """After the loop: close the profile and the agreement, publish the last save, export the weights (a
+    """After the loop: close the profile, publish the last save, export the weights (a
     collective: every rank gathers), and the summary: a log line and a {"step", "summary"} record."""
     cfg = run.cfg
     run.profiler.close()
-    if run.agreement is not None:
-        run.agreement.close()
     run.checkpointer.wait()
     if cfg.checkpoint.export and not result.preempted:
         _export(run, os.path.join(run.run_dir, "export"))

@@ -37,9 +37,13 @@ from .targets import resolve
 
 
 def check_trainer(t: TrainerConfig, world_size: int) -> None:
-    for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_interval"):
+    for key in ("max_steps", "global_batch_size", "micro_batch_size", "log_interval", "agree_every"):
         if t[key] < 1:
             raise ConfigError(f"trainer.{key}", f"{t[key]} is below 1", f"set trainer.{key} to 1 or more")
+    if t.preemption_grace_s < 0:
+        raise ConfigError(
+            "trainer.preemption_grace_s", f"{t.preemption_grace_s} is negative", "give the seconds until SIGKILL: 25"
+        )
     if t.profile_steps < 0:
         raise ConfigError("trainer.profile_steps", f"{t.profile_steps} is negative", "use 0 (off) or a few steps")
     unit = t.micro_batch_size * world_size

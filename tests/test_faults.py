@@ -10,6 +10,9 @@ import json
 import logging
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -22,7 +25,7 @@ from fsdp_research.rundir import outcome
 from fsdp_research.sinks import JsonlSink, read_records
 from tests.conftest import FAST
 from tests.helpers.checkpointing import complete_steps, with_overrides
-from tests.helpers.cli import read_metrics
+from tests.helpers.cli import TRAIN, read_metrics, subprocess_env
 from tests.helpers.faults import Launch
 
 STEPS, INTERVAL = 24, 6
@@ -90,21 +93,54 @@ def baselines(work):
     return {"spawn": str(work / "spawn" / "run"), "torchrun": torchrun_dir}
 
 
-def test_torchrun_restart_continues_the_same_run(work, baselines):
-    """One worker SIGKILLed after the first checkpoint; torchrun restarts the group, which finds its run dir (no
-    hydra.run.dir given), resumes from the newest checkpoint and ends bitwise where the uninterrupted run ends."""
-    cwd = str(work / "restarted")
-    job = Launch(cwd, BASE, torchrun=2, max_restarts=1)
-    runs = os.path.join(cwd, "outputs", "runs", "*", "*")
-    job.wait_until("the first checkpoint", lambda: bool(glob.glob(f"{runs}/checkpoints/step_{INTERVAL}")))
-    os.kill(job.worker(1), signal.SIGKILL)
-    run = job.finish()
-    assert run.returncode == 0, run.stderr[-3000:]
-    [run_dir] = glob.glob(runs)
+def test_torchrun_restart_finds_its_run_from_any_node(work, baselines):
+    """Two torchrun agents, as on two nodes (each its own cwd, so its own default run dir, and its own $TMPDIR),
+    one worker each; the first agent's worker SIGKILLed after the first checkpoint. The restarted group (its rank 0
+    on either agent) finds the first attempt's run dir in torchrun's store, resumes from the newest checkpoint and
+    ends bitwise where the uninterrupted run ends."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    rendezvous = ["--nnodes", "2", "--rdzv-backend", "c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id", "job"]
+    agents = []
+    for node in ("node_a", "node_b"):
+        os.makedirs(work / node / "tmp")
+        env = {"TMPDIR": str(work / node / "tmp")}
+        agents.append(Launch(str(work / node), BASE, torchrun=1, max_restarts=1, rendezvous=rendezvous, env=env))
+    runs = [str(work / node / "outputs" / "runs" / "*" / "*") for node in ("node_a", "node_b")]
+    first = lambda: [d for pattern in runs for d in glob.glob(f"{pattern}/checkpoints/step_{INTERVAL}")]  # noqa: E731
+    agents[0].wait_until("the first checkpoint", lambda: bool(first()))
+    [step_dir] = first()
+    run_dir = os.path.dirname(os.path.dirname(step_dir))
+    [worker] = agents[0].workers()
+    os.kill(worker, signal.SIGKILL)
+    for agent in agents:
+        run = agent.finish()
+        assert run.returncode == 0, run.stderr[-3000:]
     with open(os.path.join(run_dir, "train.log")) as f:
         assert f"resumed from checkpoint {run_dir}/checkpoints/step_" in f.read()
     _same_run(run_dir, baselines["torchrun"])
     assert _status(run_dir)["status"] == "completed"
+    assert not any("fsdp_research" in os.listdir(work / node / "tmp") for node in ("node_a", "node_b"))
+
+
+def test_a_restarted_group_that_lost_its_run_dir_fails_instead_of_starting_over(tmp_path):
+    """As torchrun starts a restarted group's rank 0 (its environment, its store: a real TCPStore holding no run
+    dir), when the first attempt never recorded one: one line naming the key and the fix, exit 2, no run dir."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {
+        **subprocess_env(),
+        **dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1"),
+        **dict(MASTER_PORT=str(store.port), TORCHELASTIC_RUN_ID="job", TORCHELASTIC_RESTART_COUNT="1"),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    run = subprocess.run([sys.executable, TRAIN, *FAST], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert run.returncode == 2, run.stderr[-3000:]
+    assert run.stderr.strip().splitlines()[-1] == (
+        "error: checkpoint.resume: torchrun restarted this group and its first attempt's run dir is not in "
+        "torchrun's store; fix: give checkpoint.resume=<the run dir> on torchrun's command line"
+    )
+    assert not glob.glob(str(tmp_path / "outputs" / "runs" / "*" / "*" / "*.jsonl"))
 
 
 def _signalled(work, name: str, *signums: int):

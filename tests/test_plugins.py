@@ -269,6 +269,7 @@ RUN = with_overrides(
     "checkpoint.interval=4",
 )
 CALLBACKS = "+callbacks.recorder._target_=tests.helpers.plugins.Recorder"
+SIGNAL = ["+callbacks.sig._target_=tests.helpers.plugins.SignalAt", "+callbacks.sig.step=5"]
 RUNS = {
     # A skip asked by rank 1 at step 3 and a stop after step 6, with every shipped callback and the z-loss.
     "hooks": [
@@ -283,6 +284,9 @@ RUNS = {
         "+callbacks.ask.stop_at=6",
     ],
     "raises": ["trainer.max_steps=4", "+callbacks.boom._target_=tests.helpers.plugins.Raises"],
+    # SIGTERM on rank 0 only, during step 5; then the same after saves that took longer than a grace of 0 s.
+    "signal": ["trainer.max_steps=10", *SIGNAL],
+    "past_grace": ["trainer.max_steps=10", "checkpoint.interval=2", "trainer.preemption_grace_s=0", *SIGNAL],
     # The lr 300x higher at step 9's update: step 10's loss spikes, and its update is skipped.
     "spike": [
         "trainer.max_steps=12",
@@ -380,6 +384,31 @@ def test_a_callback_that_raises_fails_the_run_naming_it(runs):
     status = json.load(open(os.path.join(run.run_dir, "status.json")))
     assert status["status"] == "failed"
     assert "callback 'boom' (Raises.on_step_end) raised ValueError: this callback fails at step 2" in status["error"]
+
+
+def _stopped(run) -> tuple[dict, str, list[int]]:
+    """status.json, the train.log line of the stop, and the checkpoints left."""
+    assert run.returncode == 143, run.stderr[-3000:]
+    with open(os.path.join(run.run_dir, "train.log")) as f:
+        [line] = [line for line in f if "preemption signal" in line]
+    status = json.load(open(os.path.join(run.run_dir, "status.json")))
+    steps = sorted(int(name.split("_")[1]) for name in os.listdir(os.path.join(run.run_dir, "checkpoints")))
+    return status, line.split("INFO] ")[1].strip(), steps
+
+
+def test_a_signal_stops_every_rank_after_the_step_it_came_in(runs):
+    """No step after it is taken: the ranks agree on it at that step's boundary."""
+    status, line, steps = _stopped(runs["signal"])
+    assert (status["status"], status["requeue"], "past_grace" in status) == ("preempted", False, False)
+    assert line == "preemption signal (SIGTERM): stopped after step 5 with a resume checkpoint"
+    assert steps == [4, 5] and [m["step"] for m in runs["signal"].metrics() if "loss" in m][-1] == 5
+
+
+def test_a_save_that_would_end_past_the_grace_is_skipped_and_said(runs):
+    status, line, steps = _stopped(runs["past_grace"])
+    assert line.startswith("preemption signal (SIGTERM): stopped after step 5 without a checkpoint"), line
+    assert status["status"] == "preempted" and "past trainer.preemption_grace_s=0" in status["past_grace"], status
+    assert steps == [2, 4]
 
 
 def test_a_spike_is_logged_and_its_step_skipped(runs):

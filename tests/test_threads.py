@@ -43,9 +43,11 @@ def _run_with_saves(cfg, run_dir: str) -> dict:
     return {"before": baseline, "after": _workload()}
 
 
-def test_a_checkpoint_leaves_the_training_threads_as_they_were(tmp_path):
+@pytest.mark.parametrize("saves", ["sync", "async"])
+def test_a_checkpoint_leaves_the_training_threads_as_they_were(tmp_path, saves):
+    """Async saves write from a thread of the checkpointer's, set to one intra-op thread as it starts."""
     cfg = compose(FAST + ["trainer.max_steps=4", "checkpoint.interval=2", "trainer.global_batch_size=4",
-                          "trainer.micro_batch_size=4"])  # fmt: skip
+                          "trainer.micro_batch_size=4", f"checkpoint.async={saves == 'async'}"])  # fmt: skip
     result = run_distributed(_run_with_saves, 1, cfg, str(tmp_path / "run"))
     # Without the fix: 546 switches after, none before; with it, a handful either way.
     assert result["after"] < 3 * result["before"] + 200, result

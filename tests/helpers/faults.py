@@ -37,9 +37,18 @@ def _rank_of(pid: int) -> int | None:
 
 
 class Launch:
-    """`python train.py <overrides>` (or torchrun with `torchrun` workers) in cwd; output to <cwd>/job.out/.err."""
+    """`python train.py <overrides>` (or torchrun with `torchrun` workers, and `rendezvous`: its arguments for one
+    agent of several) in cwd, with `env` added; output to <cwd>/job.out/.err."""
 
-    def __init__(self, cwd: str, overrides: Sequence[str], torchrun: int = 0, max_restarts: int = 0):
+    def __init__(
+        self,
+        cwd: str,
+        overrides: Sequence[str],
+        torchrun: int = 0,
+        max_restarts: int = 0,
+        rendezvous: Sequence[str] = (),
+        env: dict[str, str] | None = None,
+    ):
         self.cwd = cwd
         os.makedirs(cwd, exist_ok=True)
         command = [sys.executable]
@@ -53,13 +62,13 @@ class Launch:
                 str(max_restarts),
                 "--monitor-interval",
                 "0.5",
+                *rendezvous,
             ]
         command += [os.path.join(ROOT, "train.py"), *overrides]
         self._out, self._err = os.path.join(cwd, "job.out"), os.path.join(cwd, "job.err")
         with open(self._out, "w") as out, open(self._err, "w") as err:
-            self.proc = subprocess.Popen(
-                command, cwd=cwd, env=subprocess_env(), stdout=out, stderr=err, start_new_session=True
-            )
+            env = {**subprocess_env(), **(env or {})}
+            self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
 
     def wait_until(self, what: str, check: Callable[[], bool], timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
@@ -78,6 +87,10 @@ class Launch:
             if _rank_of(pid) == rank:
                 return pid
         raise AssertionError(f"no worker of rank {rank} under pid {self.proc.pid}")
+
+    def workers(self) -> list[int]:
+        """The pids of this launcher's worker processes."""
+        return _children(self.proc.pid)
 
     def signal(self, signum: int) -> None:
         """To the launcher only (python train.py, or torchrun), as a scheduler or a shell's kill does."""

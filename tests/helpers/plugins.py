@@ -1,8 +1,10 @@
 """Plug-ins the tests load by `_target_`, as a user's package would be: callbacks that record what every rank saw
-or ask for a skip or a stop on one rank only, one that raises, and a schedule function that spikes the lr."""
+or ask for a skip or a stop on one rank only, one that signals its own process, one that raises, and a schedule
+function that spikes the lr."""
 
 import json
 import os
+import signal
 
 import torch
 
@@ -59,6 +61,18 @@ class AskOnOneRank:
     def on_step_end(self, run, step: int, metrics: dict) -> None:
         if run.rank == self.rank and step == self.stop_at:
             run.request_stop()
+
+
+class SignalAt:
+    """On rank `rank`, during step `step` (before its optimizer step): SIGTERM to this process, as a scheduler
+    sends it."""
+
+    def __init__(self, step: int, rank: int = 0):
+        self.step, self.rank = step, rank
+
+    def on_before_optimizer_step(self, run, step: int, metrics: dict) -> None:
+        if run.rank == self.rank and step == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class Raises:
