@@ -3,16 +3,29 @@
 # together): the CUDA tests (1-GPU run against the CPU reference, bf16 MFU and the planner's peak against
 # torch.cuda.max_memory_allocated, cpu_offload, compile), the trainer's overhead against a bare fully_shard loop
 # (eager and compiled), our trainer against Accelerate's FSDP2, Muon's step against AdamW's, and llama_1b's MFU in
-# bf16. Each step has its own time limit (under 8 minutes in all); a failed step does not stop the others. Figures
-# go to stdout and $OUT/gpu_check.log (OUT: the device tool's folder, else outputs/gpu_check).
+# bf16. Each step has its own time limit (under 8 minutes in all, set-up included; the CUDA tests' limit leaves
+# room for Inductor's cold compile); a failed step does not stop the others. Figures go to stdout and
+# $OUT/gpu_check.log (OUT: the device tool's folder, else outputs/gpu_check).
+# It sets up its own environment, assuming no .venv: a venv over the machine's python3 (which holds CUDA torch and
+# transformers), with what is missing there from the wheels in .whl/ (bench/gpu_wheels.sh fetches them here; the
+# device tool carries them: carry [".whl"]), and this package from the working tree (PYTHONPATH).
 #   bash bench/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY="${PYTHON:-python3}"
-if [[ -x .venv/bin/python ]]; then PY=.venv/bin/python; fi
 OUT="${OUT:-outputs/gpu_check}"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+
+VENV="${GPU_CHECK_VENV:-/tmp/gpu_check_venv}"
+if [[ ! -x "$VENV/bin/python" ]]; then
+    echo "== set-up: $VENV ($(date -Is))"
+    python3 -m venv --system-site-packages "$VENV" || exit 1
+    if compgen -G ".whl/*.whl" >/dev/null; then
+        "$VENV/bin/python" -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl || exit 1
+    fi
+fi
+PY="$VENV/bin/python"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # this package, from the working tree (no build needed)
 
 step() {  # step <seconds> <title> <command...>
     local limit="$1" title="$2"; shift 2
@@ -22,13 +35,13 @@ step() {  # step <seconds> <title> <command...>
 }
 
 step 20 "device" "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
-step 120 "CUDA tests" "$PY" -m pytest -x -q tests/test_gpu.py tests/test_flops.py
-step 100 "overhead, llama_1b bf16" "$PY" bench/overhead.py --nproc 1 --steps 30 --repeats 1 \
+step 210 "CUDA tests" "$PY" -m pytest -x -q tests/test_gpu.py tests/test_flops.py
+step 70 "overhead, llama_1b bf16" "$PY" bench/overhead.py --nproc 1 --steps 30 --repeats 1 \
     model=llama_1b precision=bf16 data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=8
-step 90 "against Accelerate's FSDP2 (needs accelerate installed)" "$PY" bench/peers.py --nproc 1 --steps 30 \
+step 50 "against Accelerate's FSDP2 (needs accelerate installed)" "$PY" bench/peers.py --nproc 1 --steps 30 \
     --repeats 1 model=llama_1b precision=bf16 data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=8
-step 60 "Muon's optimizer step against AdamW's" "$PY" bench/optimizers.py --nproc 1 --steps 5 --repeats 2
-step 80 "MFU, llama_1b bf16" "$PY" train.py model=llama_1b precision=bf16 data=synthetic data.seq_len=2048 \
+step 40 "Muon's optimizer step against AdamW's" "$PY" bench/optimizers.py --nproc 1 --steps 5 --repeats 2
+step 60 "MFU, llama_1b bf16" "$PY" train.py model=llama_1b precision=bf16 data=synthetic data.seq_len=2048 \
     trainer.global_batch_size=8 trainer.micro_batch_size=8 trainer.max_steps=30 trainer.eval_interval=0 \
     checkpoint.interval=0 checkpoint.export=false logger=none hydra.run.dir="$OUT/mfu"
 "$PY" - "$OUT/mfu" <<'PY'
