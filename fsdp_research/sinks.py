@@ -96,10 +96,15 @@ class JsonlSink:
 
     def __init__(self, run_dir: str, resume_step: int):
         path = os.path.join(run_dir, METRICS)
+        # What the file keeps, and whether it held steps after resume_step (that this run trains again).
+        self.kept: list[dict[str, Any]] = []
+        self.rewound = False
         if os.path.exists(path):
-            kept = [record for record in read_records(run_dir) if record["step"] <= resume_step]
+            records = read_records(run_dir)
+            self.kept = [record for record in records if record["step"] <= resume_step]
+            self.rewound = len(self.kept) < len(records)
             with open(path + ".tmp", "w") as f:
-                f.writelines(json.dumps(record) + "\n" for record in kept)
+                f.writelines(json.dumps(record) + "\n" for record in self.kept)
             os.replace(path + ".tmp", path)
         self.file = open(path, "a", buffering=1)
 
@@ -114,9 +119,21 @@ class JsonlSink:
 
 
 class WandbSink:
-    def __init__(self, cfg: LoggerConfig, run_dir: str, config: dict[str, Any], run_id: str):
+    """The run's W&B run (id: the checkpoint's, so a resume continues it). A resume from a step older than what W&B
+    holds (it keeps the first row of a step and drops later ones, so the steps trained again would be lost and the
+    dead attempt's kept) goes to a new W&B run instead, forked: same name and group, config `forked_from`
+    "<id>@<step>", and metrics.jsonl's records up to that step logged into it first. Its history is then
+    metrics.jsonl's, in any mode (W&B's own rewind, resume_from, is a server-side beta that offline runs lack)."""
+
+    def __init__(
+        self, cfg: LoggerConfig, run_dir: str, config: dict[str, Any], run_id: str, fork: JsonlSink | None = None
+    ):
         import wandb
 
+        if fork is not None:
+            step = max((record["step"] for record in fork.kept), default=0)
+            config = {**config, "forked_from": f"{run_id}@{step}"}
+            run_id = new_run_id()
         self.run = wandb.init(
             project=cfg.project,
             group=cfg.group,
@@ -128,6 +145,15 @@ class WandbSink:
             id=run_id,
             resume="allow",
         )
+        self.run_id = run_id
+        for record in fork.kept if fork is not None else []:
+            # Per-step rows hold numbers; notes (findings, the summary, a profile) went to the summary.
+            if all(v is None or isinstance(v, (int, float)) for v in record.values()):
+                self.log(record)
+            else:
+                for key, value in record.items():
+                    if key != "step":
+                        self.note(record["step"], key, value)
 
     def log(self, metrics: dict[str, Any]) -> None:
         self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
@@ -146,6 +172,11 @@ class Sinks:
 
     def __init__(self, sinks: list):
         self.sinks = sinks
+
+    @property
+    def wandb_run_id(self) -> str | None:
+        """The W&B run's id (a new one where a resume forked it), None without W&B."""
+        return next((sink.run_id for sink in self.sinks if isinstance(sink, WandbSink)), None)
 
     def log(self, metrics: dict[str, Any]) -> None:
         for sink in self.sinks:
@@ -177,7 +208,8 @@ def build_sinks(
 ) -> Sinks:
     if rank != 0:
         return Sinks([])
-    sinks: list = [Console(max_steps), JsonlSink(run_dir, resume_step)]
+    jsonl = JsonlSink(run_dir, resume_step)
+    sinks: list = [Console(max_steps), jsonl]
     if cfg.kind == "wandb":
-        sinks.append(WandbSink(cfg, run_dir, config, run_id))
+        sinks.append(WandbSink(cfg, run_dir, config, run_id, fork=jsonl if jsonl.rewound else None))
     return Sinks(sinks)

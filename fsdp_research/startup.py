@@ -124,6 +124,8 @@ def observe(
         state.step,
     )
     close_on_exit(resources, sinks.finish)
+    # Saved with the next checkpoint by rank 0, the only rank with sinks.
+    state.wandb_run_id = sinks.wandb_run_id or state.wandb_run_id
     if rank == 0:
         rundir.write_status(run_dir, "running", ranks=members())
         findings = diagnose(cfg, plan, world, planned_nodes(), fit=doctor_fit(cfg, world, device))

@@ -6,6 +6,7 @@ import json
 import os
 
 import pytest
+import torch
 import yaml
 
 from tests.conftest import FAST
@@ -122,14 +123,43 @@ def test_wandb_offline_run_on_rank0_only(runs, name):
     assert os.path.dirname(offline_runs[0]) == os.path.join(_run_dir(runs, name), "wandb")
     [log_file] = glob.glob(os.path.join(offline_runs[0], "run-*.wandb"))
     assert exit_codes(log_file) == [0]
-    rows = history(log_file)
-    metrics = read_metrics(_run_dir(runs, name))
+    _wandb_rows_match_metrics(log_file, _run_dir(runs, name))
+
+
+def _wandb_rows_match_metrics(log_file: str, run_dir: str) -> None:
+    rows, metrics = history(log_file), read_metrics(run_dir)
     assert [row["_step"] for row in rows] == [m["step"] for m in metrics]
-    # W&B keeps one row per step: an eval record joins its step's metrics.
-    evals = {e["step"]: e for e in _eval_records(_run_dir(runs, name))}
+    evals = {e["step"]: e for e in _eval_records(run_dir)}  # W&B keeps one row per step: an eval joins its step's
     for row, m in zip(rows, metrics):
         expected = {k: v for k, v in {**m, **evals.get(m["step"], {})}.items() if k != "step"}
         assert {k: row[k] for k in expected} == expected
+
+
+def test_a_resume_from_an_older_step_forks_the_wandb_run(tmp_path):
+    """Resumed from step 2 of a run that logged 4 (with another weight decay, so steps 3-4 train anew): W&B would keep
+    the first attempt's rows 3-4 and drop the new ones. The resume logs to a new W&B run whose history is
+    metrics.jsonl's (steps 1-2 as first logged, then 3-6), and the checkpoints carry the new run's id."""
+    run_dir = tmp_path / "run"
+    overrides = [*OVERRIDES, "logger=wandb", "checkpoint.interval=2", f"hydra.run.dir={run_dir}"]
+    assert finish(start(overrides, str(tmp_path))).returncode == 0
+    [first] = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    first_rows = history(first)
+    resume = [
+        *overrides,
+        "trainer.max_steps=6",
+        "optim.weight_decay=0.5",
+        f"checkpoint.resume={run_dir}/checkpoints/step_2",
+    ]
+    result = finish(start(resume, str(tmp_path)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    [forked] = set(glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))) - {first}
+    assert history(first) == first_rows  # the first W&B run is left as it was
+    _wandb_rows_match_metrics(forked, str(run_dir))
+    retrained = read_metrics(str(run_dir))
+    assert retrained[3]["loss"] != first_rows[3]["loss"]
+    new_id = os.path.basename(forked)[len("run-") : -len(".wandb")]
+    state = torch.load(run_dir / "checkpoints" / "step_6" / "trainer_state.pt", weights_only=False)
+    assert state["wandb_run_id"] == new_id != os.path.basename(first)[len("run-") : -len(".wandb")]
 
 
 def test_a_run_that_fails_closes_its_wandb_run_as_failed(tmp_path):
