@@ -4,9 +4,12 @@
   batch encode of the same text in memory on the same number of processes (byte tokenizer and a BPE);
 - per-rank peak RSS of 2-rank training on a small and a large corpus (the stores built first);
 - time to open the data (start to first step, beyond the model) with existing stores of both sizes;
-- the data share of a profiled step of the default job.
+- the data share of a profiled step of the default job;
+- start-up with a source of --files files of one document each (as code corpora are), its store existing: the
+  trainer's own `data: ... ready in <s> s` line.
 
-    .venv/bin/python bench/data.py [--small-mb 20] [--large-mb 2000] [--bpe-mb 40] [--workers 2] [--out DIR]
+    .venv/bin/python bench/data.py [--small-mb 20] [--large-mb 2000] [--bpe-mb 40] [--workers 2] [--files 200000]
+        [--out DIR]
 
 The corpora are JSON Lines of real text (this Python's standard-library sources, in 4 KB records), written under
 --out (default: a temporary directory; the large one needs about 3x --large-mb of disk)."""
@@ -145,6 +148,27 @@ def data_share(out: str) -> dict:
     )
 
 
+def many_files(out: str, count: int) -> tuple[float, float]:
+    """A source of `count` files of one document each, in directories of 1,000: the seconds its store takes to
+    build, and the trainer's `ready in` with the store existing (1 process, 1 step)."""
+    root = os.path.join(out, "many")
+    for i in range(count):
+        if i % 1000 == 0:
+            os.makedirs(os.path.join(root, f"d{i // 1000:04d}"), exist_ok=True)
+        with open(os.path.join(root, f"d{i // 1000:04d}", f"f{i:07d}.py"), "w") as f:
+            f.write(f"def f{i}(x):\n    return x + {i}\n")
+    paths, store_dir = f"{root}/**/*.py", os.path.join(out, "many_stores")
+    started = time.perf_counter()
+    open_stores(compose([f"data.paths=[{paths}]", f"data.store_dir={store_dir}"]).data)
+    built = time.perf_counter() - started
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), "logger=none", "trainer.max_steps=1",
+           "trainer.eval_interval=0", "checkpoint.interval=0", "checkpoint.export=false", f"data.paths=[{paths}]",
+           f"data.store_dir={store_dir}", f"hydra.run.dir={out}/run_many"]  # fmt: skip
+    log = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=ROOT).stdout
+    ready = next(line for line in log.splitlines() if "; ready in " in line)
+    return built, float(ready.rsplit("ready in ", 1)[1].split()[0])
+
+
 def open_time(corpus: str, store_dir: str) -> float:
     cfg = compose([f"data.paths=[{corpus}]", f"data.store_dir={store_dir}"]).data
     started = time.perf_counter()
@@ -158,6 +182,7 @@ def main() -> None:
     parser.add_argument("--large-mb", type=int, default=2000)
     parser.add_argument("--bpe-mb", type=int, default=40)
     parser.add_argument("--workers", type=int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--files", type=int, default=200_000)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="bench_data_")
@@ -187,6 +212,11 @@ def main() -> None:
         print(
             f"default job, profiled: data {profile['data_s'] * 1e3:.3f} ms of a {profile['step_time_s'] * 1e3:.1f} "
             f"ms step ({profile['data_s'] / profile['step_time_s']:.2%})"
+        )
+        built, ready = many_files(out, args.files)
+        print(
+            f"{args.files:,} files of one document each: store built in {built:.1f} s; with it, the trainer's "
+            f"data ready in {ready:.2f} s"
         )
     finally:
         if not args.out:

@@ -45,6 +45,7 @@ def open_data(cfg: DictConfig, vocab_size: int) -> Data:
         workers=cfg.data.build_workers or cores_per_rank(),
         name=on_rank0(lambda: secrets.token_hex(8)),
         report=progress if rank == 0 else None,
+        timeout_s=cfg.distributed.timeout_s,
     )
     data = build_data(cfg.data, vocab_size, cfg.trainer.seed, build)
     log.info(f"data: {data.describe()}; ready in {time.perf_counter() - started:.2f} s")

@@ -20,7 +20,7 @@ from .config import (
     Strategy,
     TrainerConfig,
 )
-from .data.parts import probe, resolve_files
+from .data.parts import first_file, probe
 from .data.pipeline import check_tokenizer, sources
 from .dimensions import max_positions
 from .distributed import backend_for
@@ -69,7 +69,7 @@ def check_sources(cfg: DataConfig) -> None:
                 "set each source's weight to its share of the samples",
             )
         for source in sources(cfg):
-            probe(resolve_files(source.paths, source.key), source.text_field)
+            probe(first_file(source.paths, source.key), source.text_field)
     if cfg.build_workers < 0:
         raise ConfigError("data.build_workers", f"{cfg.build_workers} is negative", "use 0 (all cores) or N")
 

@@ -18,6 +18,7 @@ from fsdp_research.data import parts
 from fsdp_research.data import store as store_module
 from fsdp_research.data.pipeline import Build, build_data, open_stores, store_specs
 from fsdp_research.data.store import MANIFEST, ensure_store
+from fsdp_research.errors import DataError
 from tests.conftest import ROOT
 from tests.helpers.corpora import DOCS, bpe_tokenizer, write
 
@@ -111,6 +112,32 @@ def test_workers_and_ranks_build_the_same_store(tmp_path, monkeypatch):
         assert store.manifest["parts"] == serial.manifest["parts"]
         np.testing.assert_array_equal(store.tokens(0, store.n_tokens), serial.tokens(0, serial.n_tokens))
     assert stores[0].path == stores[1].path
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_builder_that_died_without_a_word_fails_the_waiters(tmp_path, monkeypatch, rank):
+    """The other builder of two never comes (killed before it could record an error): once no part has finished
+    for timeout_s, this one fails with one line, as rank 0 (waiting for the parts) and as another rank (waiting for
+    the store)."""
+    [spec] = store_specs(_cfg(tmp_path, _many_parts(tmp_path, monkeypatch)))
+    with pytest.raises(DataError, match=r"no part finished and no error recorded for 1 s \(distributed.timeout_s\)"):
+        ensure_store(spec, str(tmp_path / "stores"), rank, 2, 1, "b", timeout_s=1)
+
+
+def test_an_existing_store_opens_with_one_stat_per_file_and_no_read(tmp_path, monkeypatch):
+    """Many files of one document each, as code corpora are, and a Parquet file: once the store exists, a start
+    stats each source file once and reads none (no footer either)."""
+    corpus = write("txt", str(tmp_path / "corpus"))
+    paths = [corpus, write("parquet", str(tmp_path / "corpus"))]
+    cfg = _cfg(tmp_path, paths)
+    built = open_stores(cfg)[0]
+    sources = set(parts.resolve_files(paths, "data.paths"))
+    stats, real_stat = [], os.stat
+    monkeypatch.setattr(os, "stat", lambda path, *a, **k: stats.append(str(path)) or real_stat(path, *a, **k))
+    for name in ("read", "row_groups", "dataset_size"):
+        monkeypatch.setattr(parts, name, lambda *a, **k: pytest.fail("a source file was read"))
+    assert open_stores(cfg)[0].path == built.path
+    assert sorted(p for p in stats if p in sources) == sorted(sources)
 
 
 def test_a_store_that_does_not_match_its_manifest_is_rebuilt(tmp_path, caplog):

@@ -45,7 +45,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if verify(os.path.join(root, s.fingerprint), s.fingerprint) is None
         }
         started = time.perf_counter()
-        build = Build(rank, world, cfg.data.build_workers or cores_per_rank(), name, _bar if rank == 0 else None, 1.0)
+        workers = cfg.data.build_workers or cores_per_rank()
+        build = Build(rank, world, workers, name, _bar if rank == 0 else None, 1.0, cfg.distributed.timeout_s)
         stores = open_stores(cfg.data, build)
     except (ConfigError, DataError) as err:
         return fail(err)

@@ -34,9 +34,10 @@ def compression(path: str) -> str | None:
     return next((c for c in _COMPRESSION if path.lower().endswith(c)), None)
 
 
-def file_format(path: str) -> str:
-    """The reader a path takes: by its name (a compression suffix aside); a directory is a saved dataset."""
-    if os.path.isdir(path):
+def file_format(path: str, is_dir: bool | None = None) -> str:
+    """The reader a path takes: by its name (a compression suffix aside); a directory is a saved dataset. is_dir:
+    what a stat already said (None: look)."""
+    if os.path.isdir(path) if is_dir is None else is_dir:
         if os.path.exists(os.path.join(path, "dataset_info.json")) or os.path.exists(os.path.join(path, "state.json")):
             return "saved"
         raise ConfigError(

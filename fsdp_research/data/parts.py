@@ -6,6 +6,7 @@ documents whoever reads them. Imports nothing heavier than numpy: tokenization w
 import glob
 import json
 import os
+import stat
 import sysconfig
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -38,29 +39,61 @@ def default_paths() -> list[str]:
     return [os.path.join(sysconfig.get_paths()["stdlib"], "*.py")]
 
 
+# A source's files (and saved datasets' directories), sorted, each with the one stat taken of it.
+Files = dict[str, os.stat_result]
+
+
+def _matches(patterns: Sequence[str]) -> list[str]:
+    hits = (glob.glob(os.path.expanduser(pattern), recursive=True) for pattern in patterns)
+    return sorted({os.path.abspath(path) for paths in hits for path in paths})
+
+
+def _no_file(patterns: Sequence[str], key: str) -> ConfigError:
+    return ConfigError(key, f"{list(patterns)} matches no file", f"point {key} at existing files or globs")
+
+
+def _is_source(path: str, st: os.stat_result) -> bool:
+    return stat.S_ISREG(st.st_mode) or (stat.S_ISDIR(st.st_mode) and file_format(path, is_dir=True) == "saved")
+
+
+def scan(patterns: Sequence[str], key: str) -> Files:
+    """The files (and saved-dataset directories) that paths and globs name, with one stat each; ConfigError if
+    none. A corpus of many small files (code) opens its store at the cost of this listing."""
+    found = {}
+    for path in _matches(patterns):
+        st = os.stat(path)
+        if _is_source(path, st):
+            found[path] = st
+    if not found:
+        raise _no_file(patterns, key)
+    return found
+
+
 def resolve_files(patterns: Sequence[str], key: str) -> list[str]:
     """The files (and saved-dataset directories) that paths and globs name, sorted; ConfigError if none."""
-    found = set()
-    for pattern in patterns:
-        for path in glob.glob(os.path.expanduser(pattern), recursive=True):
-            if os.path.isfile(path) or (os.path.isdir(path) and file_format(path) == "saved"):
-                found.add(os.path.abspath(path))
-    if not found:
-        raise ConfigError(key, f"{list(patterns)} matches no file", f"point {key} at existing files or globs")
-    return sorted(found)
+    return list(scan(patterns, key))
 
 
-def identity(files: Sequence[str]) -> list[list[Any]]:
+def first_file(patterns: Sequence[str], key: str) -> str:
+    """The first of resolve_files(), found with a stat of as few paths as it takes (the config's check)."""
+    for path in _matches(patterns):
+        if _is_source(path, os.stat(path)):
+            return path
+    raise _no_file(patterns, key)
+
+
+def _members(path: str, st: os.stat_result) -> list[tuple[str, os.stat_result]]:
+    """A file itself, or every file of a saved dataset's directory."""
+    if not stat.S_ISDIR(st.st_mode):
+        return [(path, st)]
+    members = [(m, os.stat(m)) for m in sorted(glob.glob(os.path.join(path, "**", "*"), recursive=True))]
+    return [(m, m_st) for m, m_st in members if stat.S_ISREG(m_st.st_mode)]
+
+
+def identity(files: Files) -> list[list[Any]]:
     """What names the sources' content for the store's key: each file's path, size and modification time (every
-    file of a saved dataset's directory)."""
-    out = []
-    for path in files:
-        members = sorted(glob.glob(os.path.join(path, "**", "*"), recursive=True)) if os.path.isdir(path) else [path]
-        for member in members:
-            if os.path.isfile(member):
-                stat = os.stat(member)
-                out.append([member, stat.st_size, stat.st_mtime_ns])
-    return out
+    file of a saved dataset's directory), from scan()'s stats."""
+    return [[m, m_st.st_size, m_st.st_mtime_ns] for path, st in files.items() for m, m_st in _members(path, st)]
 
 
 def part_bytes(total: int) -> int:
@@ -100,26 +133,29 @@ def _row_parts(files: tuple[str, ...], fmt: str, text_field: str, rows: int, nby
     ]
 
 
-def plan_parts(files: Sequence[str], text_field: str) -> list[Part]:
+def plan_parts(scanned: Files, text_field: str) -> list[Part]:
     """The parts of a source, in document order: consecutive files of a whole-file format grouped up to the part
-    size, a file of a splittable format (uncompressed JSON Lines, Parquet, saved datasets) split into ranges."""
-    sizes = [sum(size for _, size, _ in identity([f])) for f in files]
+    size, a file of a splittable format (uncompressed JSON Lines, Parquet, saved datasets) split into ranges. Only
+    where a store is built (a Parquet file's footer is read here)."""
+    files = list(scanned)
+    sizes = [sum(m_st.st_size for _, m_st in _members(path, st)) for path, st in scanned.items()]
+    formats = [file_format(path, is_dir=stat.S_ISDIR(st.st_mode)) for path, st in scanned.items()]
     limit = part_bytes(sum(sizes))
     parts: list[Part] = []
     run: list[int] = []  # consecutive whole-file files of one format, not yet in parts
 
     def flush() -> None:
         for a, b in _sized_ranges([sizes[i] for i in run], limit):
-            parts.append(Part(tuple(files[i] for i in run[a:b]), file_format(files[run[a]]), text_field))
+            parts.append(Part(tuple(files[i] for i in run[a:b]), formats[run[a]], text_field))
         run.clear()
 
     for i, path in enumerate(files):
-        fmt = file_format(path)
+        fmt = formats[i]
         if fmt in SPLITTABLE and not compression(path):
             flush()
             parts += _split(path, fmt, text_field, limit)
         else:
-            if run and file_format(files[run[-1]]) != fmt:
+            if run and formats[run[-1]] != fmt:
                 flush()
             run.append(i)
     flush()
@@ -136,12 +172,12 @@ def hub_parts(spec: dict[str, Any], text_field: str) -> list[Part]:
     return _row_parts(files, "hub", text_field, rows, nbytes, part_bytes(nbytes))
 
 
-def probe(files: Sequence[str], text_field: str) -> None:
-    """Read the first record of the first file where that is cheap: a wrong text field or a file of another
-    format fails here, before anything is tokenized."""
-    fmt = file_format(files[0])
+def probe(first: str, text_field: str) -> None:
+    """Read the first record of a source's first file where that is cheap: a wrong text field or a file of
+    another format fails here, before anything is tokenized."""
+    fmt = file_format(first)
     if fmt in ("jsonl", "csv", "parquet", "saved"):
-        next(iter(read(fmt, files[0], text_field, 0, None if fmt in ("jsonl", "csv") else 1)), None)
+        next(iter(read(fmt, first, text_field, 0, None if fmt in ("jsonl", "csv") else 1)), None)
 
 
 def read_part(part: Part) -> Iterator[Any]:

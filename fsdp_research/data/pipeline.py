@@ -2,6 +2,7 @@
 tokens) -> their token stores (built once, opened by every rank) -> a Stream of windows by global sample index
 -> this rank's slice of each step's global batch, read ahead in a background thread."""
 
+import functools
 import os
 import queue
 import threading
@@ -14,7 +15,7 @@ import torch
 
 from ..config import DataConfig, DataKind
 from ..errors import ConfigError
-from .parts import default_paths, hub_parts, identity, plan_parts, resolve_files
+from .parts import default_paths, hub_parts, identity, plan_parts, scan
 from .sampling import StoreWindows, Stream, SyntheticWindows
 from .store import Report, StoreSpec, TokenStore, ensure_store, store_spec
 from .tokenizer import load_tokenizer
@@ -58,12 +59,13 @@ def store_specs(cfg: DataConfig) -> list[StoreSpec]:
             "cache_dir": cfg.cache_dir,
             "max_documents": cfg.max_documents,
         }
-        parts = hub_parts(hub, cfg.text_field)
-        return [store_spec(parts, {k: v for k, v in hub.items() if k != "cache_dir"}, cfg.tokenizer)]
+        parts = functools.partial(hub_parts, hub, cfg.text_field)
+        return [store_spec(parts, {k: v for k, v in hub.items() if k != "cache_dir"}, cfg.text_field, cfg.tokenizer)]
     specs = []
     for source in sources(cfg):
-        files = resolve_files(source.paths, source.key)
-        specs.append(store_spec(plan_parts(files, source.text_field), identity(files), cfg.tokenizer))
+        files = scan(source.paths, source.key)
+        parts = functools.partial(plan_parts, files, source.text_field)  # planned only where the store is built
+        specs.append(store_spec(parts, identity(files), source.text_field, cfg.tokenizer))
     return specs
 
 
@@ -78,6 +80,8 @@ class Build:
     name: str = "local"
     report: Report | None = None
     every_s: float = 10.0
+    # A build that shows no progress this long fails (distributed.timeout_s).
+    timeout_s: float = 600.0
 
 
 def open_stores(cfg: DataConfig, build: Build = Build()) -> list[TokenStore]:
@@ -85,7 +89,8 @@ def open_stores(cfg: DataConfig, build: Build = Build()) -> list[TokenStore]:
     root = store_root(cfg)
     b = build
     return [
-        ensure_store(spec, root, b.rank, b.world, b.workers, b.name, b.report, b.every_s) for spec in store_specs(cfg)
+        ensure_store(spec, root, b.rank, b.world, b.workers, b.name, b.report, b.every_s, b.timeout_s)
+        for spec in store_specs(cfg)
     ]
 
 

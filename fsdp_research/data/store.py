@@ -15,6 +15,7 @@ worker processes); rank 0 publishes. Ranks wait for parts and for the manifest o
 a collective, so an hour of tokenization cannot time a job out. A part that fails leaves an error marker that
 the waiting ranks raise too."""
 
+import functools
 import hashlib
 import json
 import logging
@@ -38,6 +39,7 @@ log = logging.getLogger("fsdp_research")
 
 VERSION = 1
 MANIFEST = "manifest.json"
+KEY = "key.json"
 POLL_S = 0.2
 # About a second of one core's work: the text a worker process is worth starting for.
 WORKER_BYTES = {"byte": 100 * 2**20, "other": 4 * 2**20}
@@ -45,29 +47,35 @@ WORKER_BYTES = {"byte": 100 * 2**20, "other": 4 * 2**20}
 
 @dataclass(frozen=True)
 class StoreSpec:
-    """What a store is built from: its parts, in document order, and the key its fingerprint is taken of."""
+    """What a store is built from: its parts, in document order (planned when first asked for: only a build
+    needs them), and the key its fingerprint is taken of."""
 
-    parts: tuple[Part, ...]
+    plan: Callable[[], Sequence[Part]]
     key: str  # JSON
     tokenizer: str
+
+    @functools.cached_property
+    def parts(self) -> tuple[Part, ...]:
+        return tuple(self.plan())
 
     @property
     def fingerprint(self) -> str:
         return hashlib.sha256(self.key.encode()).hexdigest()[:24]
 
 
-def store_spec(parts: Sequence[Part], identity: Any, tokenizer_name: str) -> StoreSpec:
-    """The spec of a source's store: identity names the source's content (its files, or the hub dataset)."""
+def store_spec(parts: Callable[[], Sequence[Part]], identity: Any, text_field: str, tokenizer_name: str) -> StoreSpec:
+    """The spec of a source's store: parts() plans its parts; identity names the source's content (its files, or
+    the hub dataset)."""
     tok = load_tokenizer(tokenizer_name)
     key = {
         "version": VERSION,
         "source": identity,
-        "text_field": sorted({p.text_field for p in parts}),
+        "text_field": [text_field],
         "tokenizer": tok.fingerprint,
         "eos": tok.eos_id,
         "dtype": tok.dtype.name,
     }
-    return StoreSpec(tuple(parts), json.dumps(key, sort_keys=True), tokenizer_name)
+    return StoreSpec(parts, json.dumps(key, sort_keys=True), tokenizer_name)
 
 
 def _name(index: int) -> str:
@@ -317,7 +325,6 @@ def _publish(build_dir: str, path: str, spec: StoreSpec) -> None:
     manifest = {
         "version": VERSION,
         "fingerprint": spec.fingerprint,
-        "key": json.loads(spec.key),
         "dtype": tok.dtype.name,
         "eos_id": tok.eos_id,
         "vocab_size": tok.vocab_size,
@@ -328,6 +335,8 @@ def _publish(build_dir: str, path: str, spec: StoreSpec) -> None:
         "files": files,
     }
     try:
+        # The key (every source file's path, size and time) beside the manifest, which every start reads.
+        _write_atomic(os.path.join(build_dir, KEY), lambda f: f.write(spec.key))
         _write_atomic(os.path.join(build_dir, MANIFEST), lambda f: json.dump(manifest, f, indent=1))
         if os.path.exists(path):  # a broken store of this fingerprint: replaced
             shutil.rmtree(path)
@@ -347,10 +356,12 @@ def ensure_store(
     build: str = "local",
     report: Report | None = None,
     every_s: float = 10.0,
+    timeout_s: float = 600.0,
 ) -> TokenStore:
     """The store of spec under root: opened when it exists and verifies, else built by every rank of the job
     (rank r takes parts r, r + world, ...) and published by rank 0. `build` names this build (the same on every
-    rank of the job); report(parts done, parts, seconds) is called every every_s seconds while it is built."""
+    rank of the job); report(parts done, parts, seconds) is called every every_s seconds while it is built; a
+    build that shows no progress for timeout_s fails on every rank."""
     path = os.path.join(root, spec.fingerprint)
     if os.path.isdir(path):
         problem = verify(path, spec.fingerprint)
@@ -364,13 +375,40 @@ def ensure_store(
     mine = [(i, p) for i, p in enumerate(spec.parts) if i % world == rank and _done(build_dir, i) is None]
     _run_workers(mine, build_dir, spec, build, workers, lambda: progress.update(build_dir))
     if rank == 0:
-        while _done_count(build_dir) < len(spec.parts):
-            _recorded_error(build_dir, build)
-            progress.update(build_dir)
-            time.sleep(POLL_S)
+        _wait(build_dir, build, timeout_s, progress, lambda: _done_count(build_dir) == len(spec.parts))
         _publish(build_dir, path, spec)
     else:
-        while verify(path, spec.fingerprint) is not None:
-            _recorded_error(build_dir, build)
-            time.sleep(POLL_S)
+        _wait(build_dir, build, timeout_s, progress, lambda: verify(path, spec.fingerprint) is None)
     return TokenStore(path)
+
+
+# However the build dir's time stamp behaves (coarse on some file systems), the waiters look in full this often.
+LOOK_S = 5.0
+
+
+def _wait(build_dir: str, build: str, timeout_s: float, progress: _Progress, finished: Callable[[], bool]) -> None:
+    """Until finished(), which is asked when the build dir changes: one stat a poll (a part's marker, an error's
+    and the publishing rename all change it), not a listing of the parts. An error a builder recorded is raised;
+    no change for timeout_s (a builder killed before it could record an error) fails on every waiter."""
+    seen, changed, looked = None, time.monotonic(), 0.0
+    while True:
+        try:
+            stamp = os.stat(build_dir).st_mtime_ns
+        except FileNotFoundError:  # renamed: published
+            stamp = None
+        now = time.monotonic()
+        if stamp != seen or now - looked >= LOOK_S:
+            if stamp != seen:
+                seen, changed = stamp, now
+            looked = now
+            _recorded_error(build_dir, build)
+            if finished():
+                return
+        if now - changed > timeout_s:
+            raise DataError(
+                f"token store build {build_dir}: no part finished and no error recorded for {timeout_s:g} s "
+                "(distributed.timeout_s): a builder died without a word; start the job again (finished parts "
+                "are kept)"
+            )
+        progress.update(build_dir)
+        time.sleep(POLL_S)
