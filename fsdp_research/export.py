@@ -2,21 +2,30 @@
 size, the tokenizer when one is used) that AutoModelForCausalLM.from_pretrained loads; for a model of one's own
 (model._target_), its state_dict as safetensors (model.safetensors, or shards and an index), the tokenizer beside.
 
-At the end of training the full weights are gathered once; `fsdp-research export <step dir> <out dir>`
-converts any resume checkpoint offline, with no process group and no GPU."""
+At the end of training no rank gathers the model: each gathers the full tensors of the groups it owns (a block, or
+a module outside the blocks), one round of groups at a time, writes them as the family's save_pretrained does into
+files of its own, and then its share of the final shards, consolidated from those files by byte copies
+(fsdp_research.consolidate). `fsdp-research export <step dir> <out dir>` converts any resume checkpoint offline,
+with no process group and no GPU."""
 
 import logging
 import os
 import re
+import shutil
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
+from .consolidate import INDEX, consolidate, write_index
 from .data.tokenizer import load_tokenizer
+from .distributed import control_group
 from .errors import ConfigError
 from .models import build_model, clean_name
 from .precision import fp32_names, parse_dtype
@@ -38,21 +47,20 @@ def export_dtype(cfg: DictConfig) -> torch.dtype:
     return parse_dtype(cfg.checkpoint.export_dtype or cfg.precision.param_dtype, "checkpoint.export_dtype")
 
 
-def write_hf_dir(
-    state: dict[str, torch.Tensor],
-    hf_config,
-    out_dir: str,
-    dtype: torch.dtype,
-    shard_size: int,
-    tokenizer: str | None = None,
-) -> None:
-    """Write full weights as the family's save_pretrained writes them: its on-disk key names and layout (the
-    reverse of its load-time conversions, experts one by one where the checkpoint format has them so), tied
-    weights once, sharded with an index above shard_size; and the tokenizer."""
+Writer = Callable[[dict[str, torch.Tensor], str], None]
+
+
+def _hf_writer(hf_config, dtype: torch.dtype, shard_size: int) -> Writer:
+    """write(state, out_dir): full weights as the family's save_pretrained writes them: its on-disk key names and
+    layout (the reverse of its load-time conversions, experts one by one where the checkpoint format has them so),
+    tied weights once, sharded with an index above shard_size. state may be some of the model's weights (a family's
+    conversions between keys stay within a module)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     twin = build_model(hf_config)  # on the meta device: save_pretrained only needs the family's conventions
+    # save_pretrained writes on rank 0 alone where a process group exists; here every rank writes its own part.
+    twin.should_save_on_this_rank = lambda is_main_process: is_main_process
     twin.config.dtype = dtype
     tied = set(getattr(twin, "all_tied_weights_keys", None) or {})
     # What from_pretrained keeps in fp32 at this dtype (router gates) is written in fp32, as its save_pretrained does.
@@ -61,17 +69,44 @@ def write_hf_dir(
     def cast(name: str, value: torch.Tensor) -> torch.Tensor:
         return value.to(torch.float32 if fp32 and fp32.search(name) else dtype).contiguous()
 
-    tensors = {clean_name(k): cast(clean_name(k), v) for k, v in state.items() if clean_name(k) not in tied}
-    twin.save_pretrained(out_dir, state_dict=tensors, max_shard_size=shard_size)
+    def write(state: dict[str, torch.Tensor], out_dir: str) -> None:
+        tensors = {clean_name(k): cast(clean_name(k), v) for k, v in state.items() if clean_name(k) not in tied}
+        twin.save_pretrained(out_dir, state_dict=tensors, max_shard_size=shard_size)
+
+    return write
+
+
+def write_hf_dir(
+    state: dict[str, torch.Tensor],
+    hf_config,
+    out_dir: str,
+    dtype: torch.dtype,
+    shard_size: int,
+    tokenizer: str | None = None,
+) -> None:
+    """Write full weights as the family's save_pretrained writes them (see _hf_writer), and the tokenizer."""
+    _hf_writer(hf_config, dtype, shard_size)(state, out_dir)
     if tokenizer:
         load_tokenizer(tokenizer).save(out_dir)
+
+
+def _state_writer(dtype: torch.dtype, shard_size: int) -> Writer:
+    """write(state, out_dir) for a model of one's own: its state_dict (wrapper names stripped) in safetensors
+    files, every name with its own copy (tied weights too), so that model.load_state_dict(load_file(...)) takes
+    it whole."""
+    return lambda state, out_dir: _write_state(state, out_dir, dtype, shard_size)
 
 
 def write_state_dir(
     state: dict[str, torch.Tensor], out_dir: str, dtype: torch.dtype, shard_size: int, tokenizer: str | None = None
 ) -> None:
-    """A model of one's own: its state_dict (wrapper names stripped) in safetensors files, every name with its
-    own copy (tied weights too), so that model.load_state_dict(safetensors.torch.load_file(...)) takes it whole."""
+    """A model of one's own: its state_dict in safetensors files (see _state_writer), the tokenizer beside."""
+    _write_state(state, out_dir, dtype, shard_size)
+    if tokenizer:
+        load_tokenizer(tokenizer).save(out_dir)
+
+
+def _write_state(state: dict[str, torch.Tensor], out_dir: str, dtype: torch.dtype, shard_size: int) -> None:
     from huggingface_hub import save_torch_state_dict
 
     tensors, seen = {}, set()
@@ -88,23 +123,73 @@ def write_state_dir(
         save_torch_state_dict(tensors, out_dir, max_shard_size=shard_size)
     finally:
         hub_log.setLevel(level)
-    if tokenizer:
-        load_tokenizer(tokenizer).save(out_dir)
+
+
+def _groups(model: torch.nn.Module, names: list[str]) -> list[list[str]]:
+    """The export's units of work: each FSDP unit's own weights (a block), and each module's outside the units,
+    in the state dict's order; one group of all where nothing is sharded (every rank holds the whole model)."""
+    units = sorted(
+        (clean_name(n) for n, m in model.named_modules() if n and isinstance(m, FSDPModule)), key=len, reverse=True
+    )
+    if not units:
+        return [names]
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        clean = clean_name(name)
+        unit = next((u for u in units if clean.startswith(f"{u}.")), clean.rpartition(".")[0])
+        groups.setdefault(unit, []).append(name)
+    return list(groups.values())
 
 
 def export_model(
     model: torch.nn.Module, hf_config, out_dir: str, dtype: torch.dtype, shard_size: int, tokenizer: str | None
 ) -> None:
-    """Gather the full weights (a collective, every rank calls it) and write them from rank 0 (hf_config None:
-    a model of one's own)."""
-    state = get_model_state_dict(
-        getattr(model, "module", model), options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    if dist.get_rank() == 0:
-        if hf_config is None:
-            write_state_dir(state, out_dir, dtype, shard_size, tokenizer)
-        else:
-            write_hf_dir(state, hf_config, out_dir, dtype, shard_size, tokenizer)
+    """Write the weights as a Hugging Face directory (hf_config None: a model of one's own) from every rank, none
+    holding more than a group at a time (a collective, every rank calls it): group i is written by rank i % world
+    into <out_dir>.parts/, the shards consolidated from those files by every rank, the index, config and
+    tokenizer by rank 0."""
+    inner = getattr(model, "module", model)
+    state = get_model_state_dict(inner)
+    rank, world, group = dist.get_rank(), dist.get_world_size(), control_group()
+    parts = f"{os.path.normpath(out_dir)}.parts"
+    write = _hf_writer(hf_config, dtype, shard_size) if hf_config is not None else _state_writer(dtype, shard_size)
+    if rank == 0:
+        shutil.rmtree(parts, ignore_errors=True)
+        os.makedirs(out_dir, exist_ok=True)
+        for name in os.listdir(out_dir):  # an earlier export's weights (its shards may be other ones)
+            if name.endswith(".safetensors") or name == INDEX:
+                os.remove(os.path.join(out_dir, name))
+    dist.barrier(group=group)
+    groups = _groups(inner, list(state))
+    for first in range(0, len(groups), world):
+        mine: dict[str, torch.Tensor] = {}
+        for i in range(first, min(first + world, len(groups))):
+            for name in groups[i]:  # every rank takes part in each gather; the group's owner keeps the tensor
+                value = state[name]
+                full = value.full_tensor() if isinstance(value, DTensor) else value
+                if i % world == rank:
+                    mine[name] = full.detach().cpu()
+        if mine:
+            write(mine, os.path.join(parts, f"{first + rank:06d}"))
+        del mine
+    dist.barrier(group=group)
+    files = [
+        os.path.join(parts, d, f)
+        for d in sorted(os.listdir(parts))
+        for f in sorted(os.listdir(os.path.join(parts, d)))
+        if f.endswith(".safetensors")
+    ]
+    shards = consolidate(files, out_dir, shard_size, rank, world)
+    dist.barrier(group=group)
+    if rank == 0:
+        write_index(shards, out_dir)
+        first_part = os.path.join(parts, sorted(os.listdir(parts))[0])
+        for name in os.listdir(first_part):  # config.json, generation_config.json
+            if not name.endswith(".safetensors") and name != INDEX:
+                shutil.move(os.path.join(first_part, name), os.path.join(out_dir, name))
+        if tokenizer:
+            load_tokenizer(tokenizer).save(out_dir)
+        shutil.rmtree(parts)
         log.info(f"exported the weights to {out_dir}")
 
 
