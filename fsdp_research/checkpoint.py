@@ -31,6 +31,7 @@ from .errors import CheckpointError
 log = logging.getLogger("fsdp_research")
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_STAGER_KEEPS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
 # Where pruned checkpoints wait to be removed: renamed (atomic) first, so no resume ever sees half of one.
 _TRASH = ".trash_"
 MANIFEST = "manifest.json"
@@ -157,7 +158,9 @@ class Checkpointer:
             self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
             with new_threads_single_threaded():
                 self._writer.submit(torch.get_num_threads).result()
-            self._pinned = _stager(pinned=True) if pinned and torch.cuda.is_available() else None
+            self._pinning = pinned and torch.cuda.is_available()
+            # A kept stager crashes on its second save before torch 2.13 (pytorch#183413): one per save there.
+            self._pinned = _stager(pinned=True) if self._pinning and _STAGER_KEEPS else None
 
     def due(self, step: int, max_steps: int) -> bool:
         return step == max_steps or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
@@ -190,7 +193,7 @@ class Checkpointer:
         try:
             with new_threads_single_threaded():
                 if self.is_async:
-                    staged = (self._pinned or _stager(pinned=False)).stage(state)
+                    staged = (self._pinned or _stager(self._pinning)).stage(state)
                     future = self._writer.submit(
                         dcp.save, staged, checkpoint_id=tmp, process_group=self._async_group, planner=planner
                     )

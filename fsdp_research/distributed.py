@@ -148,8 +148,16 @@ def init_distributed(cfg: DistributedConfig, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    store = None
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        rendezvous = {"store": _attempt_store(env, timeout)}
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=env.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True),
+            timeout=timeout,
+        )
+        rendezvous = {"store": _group_store(store)}
     else:
         rendezvous = {"init_method": f"tcp://{env.master_addr}:{env.master_port}"}
     dist.init_process_group(
@@ -160,6 +168,8 @@ def init_distributed(cfg: DistributedConfig, device: torch.device) -> None:
         device_id=device if device.type == "cuda" else None,
         **rendezvous,
     )
+    if store is not None and env.rank == 0:
+        store.add(_GENERATION, 1)  # every rank of this group has read it: the next group gets the next one
     if torch.device("cpu") in dist.group.WORLD._device_types:
         _settle_worker_threads(None)
     global _members
@@ -204,14 +214,17 @@ def control_group() -> dist.ProcessGroup:
     return _control[1]
 
 
-def _attempt_store(env: LaunchEnv, timeout: datetime.timedelta) -> dist.Store:
-    """torchrun's store, under a prefix of this attempt's own: the store outlives a failed attempt, and a group
-    torchrun restarts would otherwise find the dead group's addresses there ("Gloo connectFullMesh failed")."""
-    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
-    store = dist.TCPStore(
-        env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0 and not agent, timeout=timeout
-    )
-    return dist.PrefixStore(f"fsdp_research/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", store)
+# How many groups have formed on torchrun's store (see _group_store).
+_GENERATION = "fsdp_research/groups_formed"
+
+
+def _group_store(store: dist.Store) -> dist.Store:
+    """torchrun's store, under a prefix of this group's own: the store outlives a failed group, and a group torchrun
+    restarts would otherwise find the dead group's addresses there ("Gloo connectFullMesh failed"). The prefix is
+    how many groups formed before: every rank reads it before the group forms, and rank 0 counts the group once it
+    has (TORCHELASTIC_RESTART_COUNT cannot serve: an agent whose workers stop for another node's failure restarts
+    them without counting it, so the ranks of one group can see different counts)."""
+    return dist.PrefixStore(f"fsdp_research/group_{store.add(_GENERATION, 0)}", store)
 
 
 # (node, pid) of every rank of the group this process joined: what names a rank that died.
