@@ -9,7 +9,7 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   if [ -n "${TORCH_SPEC:-}" ]; then
     .venv/bin/pip install -q "$TORCH_SPEC"
   elif command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
-    .venv/bin/pip install -q "torch>=2.6"
+    .venv/bin/pip install -q "torch>=2.9"
   else
     # A local CPU wheel (this project's dev/CI machines keep 2.13.0's on disk), else PyTorch's CPU index.
     .venv/bin/pip install -q "torch==2.13.0+cpu" 2>/dev/null \
