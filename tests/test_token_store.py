@@ -114,12 +114,27 @@ def test_workers_and_ranks_build_the_same_store(tmp_path, monkeypatch):
     assert stores[0].path == stores[1].path
 
 
+def test_a_lone_builder_takes_the_other_ranks_parts(tmp_path, monkeypatch):
+    """Work stealing: rank 0 of two, the other never coming, builds every part itself (its own, then the other's,
+    each claimed once) and publishes the store a single builder makes."""
+    paths = _many_parts(tmp_path, monkeypatch)
+    serial = open_stores(_cfg(tmp_path / "serial", paths))[0]
+    [spec] = store_specs(_cfg(tmp_path, paths))
+    alone = ensure_store(spec, str(tmp_path / "stores"), 0, 2, 1, "b", timeout_s=60)
+    assert alone.manifest["parts"] == serial.manifest["parts"]
+    np.testing.assert_array_equal(alone.tokens(0, alone.n_tokens), serial.tokens(0, serial.n_tokens))
+    assert not [p for p in os.listdir(alone.path) if p.startswith("claims-")]
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_builder_that_died_without_a_word_fails_the_waiters(tmp_path, monkeypatch, rank):
-    """The other builder of two never comes (killed before it could record an error): once no part has finished
-    for timeout_s, this one fails with one line, as rank 0 (waiting for the parts) and as another rank (waiting for
-    the store)."""
+    """A builder took part 1 and died before it could record an error (its claim is all that is left): once no
+    part has finished for timeout_s, this one fails with one line, as rank 0 (waiting for the parts) and as
+    another rank (waiting for the store)."""
     [spec] = store_specs(_cfg(tmp_path, _many_parts(tmp_path, monkeypatch)))
+    claims = tmp_path / "stores" / f".build-{spec.fingerprint}" / "claims-b"
+    claims.mkdir(parents=True)
+    (claims / "part_00001").touch()
     with pytest.raises(DataError, match=r"no part finished and no error recorded for 1 s \(distributed.timeout_s\)"):
         ensure_store(spec, str(tmp_path / "stores"), rank, 2, 1, "b", timeout_s=1)
 

@@ -25,7 +25,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -197,7 +197,7 @@ def build_part(part: Part, index: int, build_dir: str, tokenizer_name: str) -> d
     return counts
 
 
-def build_parts(jobs: Sequence[tuple[int, Part]], build_dir: str, tokenizer_name: str, build: str) -> Iterator[dict]:
+def build_parts(jobs: Iterable[tuple[int, Part]], build_dir: str, tokenizer_name: str, build: str) -> Iterator[dict]:
     """Build each (index, part), yielding {"index", "tokens", "documents", "text_bytes"} as each is done; a part
     that fails leaves an error marker for the ranks that wait on it, and raises."""
     for index, part in jobs:
@@ -252,12 +252,37 @@ def _worker_count(jobs: Sequence[tuple[int, Part]], tokenizer_name: str, workers
     return max(1, min(workers, len(jobs), -(-text // per_worker)))
 
 
+def _claimed(build_dir: str, build: str, rank: int, world: int, parts: Sequence[Part]) -> Iterator[tuple[int, Part]]:
+    """The parts this rank builds: its own (r, r + world, ...), then any other rank's not yet taken, from the end
+    (work stealing: a rank with slow or large parts leaves them to those done first). Each is taken by creating its
+    claim in a directory of this build's, so that a part is built once per build."""
+    claims = os.path.join(build_dir, f"claims-{build}")
+    os.makedirs(claims, exist_ok=True)
+    order = [i for i in range(len(parts)) if i % world == rank] + [
+        i for i in reversed(range(len(parts))) if i % world != rank
+    ]
+    for i in order:
+        if _done(build_dir, i) is not None:
+            continue
+        try:
+            os.close(os.open(os.path.join(claims, _name(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except (FileExistsError, FileNotFoundError):  # taken, or the store is published and its build dir gone
+            continue
+        yield i, parts[i]
+
+
 def _run_workers(
-    jobs: list[tuple[int, Part]], build_dir: str, spec: StoreSpec, build: str, workers: int, tick: Callable[[], None]
+    jobs: Iterator[tuple[int, Part]],
+    estimate: Sequence[tuple[int, Part]],
+    build_dir: str,
+    spec: StoreSpec,
+    build: str,
+    workers: int,
+    tick: Callable[[], None],
 ) -> None:
-    """This rank's parts on `workers` processes (in this one when one is enough), each taking the next part when
-    it is done with one; tick() now and then."""
-    workers = _worker_count(jobs, spec.tokenizer, workers)
+    """The parts jobs yields on `workers` processes (in this one when one is enough; as many as the parts of
+    `estimate` are worth), each taking the next part when it is done with one; tick() now and then."""
+    workers = _worker_count(estimate, spec.tokenizer, workers)
     if workers == 1:
         for _ in build_parts(jobs, build_dir, spec.tokenizer, build):
             tick()
@@ -269,12 +294,12 @@ def _run_workers(
         subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         for _ in range(workers)
     ]
-    pending = list(jobs)
 
     def feed(proc) -> None:
         """The next part to this worker, or the end of its work."""
-        if pending:
-            index, part = pending.pop(0)
+        job = next(jobs, None)
+        if job is not None:
+            index, part = job
             proc.stdin.write(json.dumps([index, asdict(part)]) + "\n")
             proc.stdin.flush()
         else:
@@ -338,6 +363,9 @@ def _publish(build_dir: str, path: str, spec: StoreSpec) -> None:
         # The key (every source file's path, size and time) beside the manifest, which every start reads.
         _write_atomic(os.path.join(build_dir, KEY), lambda f: f.write(spec.key))
         _write_atomic(os.path.join(build_dir, MANIFEST), lambda f: json.dump(manifest, f, indent=1))
+        for name in os.listdir(build_dir):  # the builds' claims
+            if name.startswith("claims-"):
+                shutil.rmtree(os.path.join(build_dir, name), ignore_errors=True)
         if os.path.exists(path):  # a broken store of this fingerprint: replaced
             shutil.rmtree(path)
         os.rename(build_dir, path)
@@ -373,7 +401,8 @@ def ensure_store(
     os.makedirs(build_dir, exist_ok=True)
     progress = _Progress(len(spec.parts), report, every_s)
     mine = [(i, p) for i, p in enumerate(spec.parts) if i % world == rank and _done(build_dir, i) is None]
-    _run_workers(mine, build_dir, spec, build, workers, lambda: progress.update(build_dir))
+    jobs = _claimed(build_dir, build, rank, world, spec.parts)
+    _run_workers(jobs, mine, build_dir, spec, build, workers, lambda: progress.update(build_dir))
     if rank == 0:
         _wait(build_dir, build, timeout_s, progress, lambda: _done_count(build_dir) == len(spec.parts))
         _publish(build_dir, path, spec)
