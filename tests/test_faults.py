@@ -9,6 +9,7 @@ import glob
 import json
 import logging
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -21,8 +22,11 @@ import torch
 from safetensors.torch import load_file
 
 from fsdp_research.checkpoint import verify
+from fsdp_research.composition import compose
+from fsdp_research.errors import ConfigError
 from fsdp_research.rundir import outcome
 from fsdp_research.sinks import JsonlSink, read_records
+from fsdp_research.validation import check_trainer
 from tests.conftest import FAST
 from tests.helpers.checkpointing import complete_steps, with_overrides
 from tests.helpers.cli import TRAIN, read_metrics, subprocess_env
@@ -141,6 +145,15 @@ def test_a_restarted_group_that_lost_its_run_dir_fails_instead_of_starting_over(
         "torchrun's store; fix: give checkpoint.resume=<the run dir> on torchrun's command line"
     )
     assert not glob.glob(str(tmp_path / "outputs" / "runs" / "*" / "*" / "*.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [("trainer.agree_every=0", "trainer.agree_every"), ("trainer.preemption_grace_s=-1", "trainer.preemption_grace_s")],
+)
+def test_stop_keys_refused_before_any_compute(override, key):
+    with pytest.raises(ConfigError, match=rf"^{re.escape(key)}: .*; fix: "):
+        check_trainer(compose([override]).trainer, 1)
 
 
 def _signalled(work, name: str, *signums: int):
