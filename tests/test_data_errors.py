@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from fsdp_research.composition import compose
+from fsdp_research.data.builder import ensure_store
 from fsdp_research.data.pipeline import build_data, open_stores, store_specs
-from fsdp_research.data.store import ensure_store
 from fsdp_research.errors import ConfigError, DataError
 from fsdp_research.models import build_hf_config
 from fsdp_research.validation import check_config, check_sources

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from fsdp_research.composition import compose
-from fsdp_research.data import parts
-from fsdp_research.data import store as store_module
+from fsdp_research.data import builder, parts
+from fsdp_research.data.builder import ensure_store
 from fsdp_research.data.pipeline import Build, build_data, open_stores, store_specs
-from fsdp_research.data.store import MANIFEST, ensure_store
+from fsdp_research.data.store import MANIFEST
 from fsdp_research.errors import DataError
 from tests.conftest import ROOT
 from tests.helpers.corpora import DOCS, bpe_tokenizer, write
@@ -86,7 +86,7 @@ def test_the_key_is_source_tokenizer_and_field_not_seq_len(tmp_path):
 def _many_parts(tmp_path, monkeypatch):
     """A corpus of several files and a big JSON Lines file, cut into many parts (small parts for the test)."""
     monkeypatch.setattr(parts, "MIN_PART_BYTES", 2048)
-    monkeypatch.setattr(store_module, "WORKER_BYTES", {"byte": 1, "other": 1})
+    monkeypatch.setattr(builder, "WORKER_BYTES", {"byte": 1, "other": 1})
     corpus = str(tmp_path / "corpus")
     return [write("txt", corpus), write("jsonl", corpus)]
 

@@ -15,9 +15,10 @@ import torch
 
 from ..config import DataConfig, DataKind
 from ..errors import ConfigError
+from .builder import Report, ensure_store
 from .parts import default_paths, hub_parts, identity, plan_parts, scan
 from .sampling import StoreWindows, Stream, SyntheticWindows
-from .store import Report, StoreSpec, TokenStore, ensure_store, store_spec
+from .store import StoreSpec, TokenStore, store_spec
 from .tokenizer import load_tokenizer
 
 

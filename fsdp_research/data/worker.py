@@ -10,8 +10,8 @@ import threading
 import time
 
 from ..errors import ConfigError, DataError
+from .builder import build_parts
 from .parts import Part
-from .store import build_parts
 
 
 def _exit_with_parent(parent: int) -> None:

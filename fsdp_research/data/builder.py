@@ -1,0 +1,324 @@
+"""Building token stores (fsdp_research.data.store says what one is): every rank of a job builds parts, each with
+this rank's share of the node's cores, in worker processes: its own (r, r + world, ...), then any other's not yet
+taken (each claimed once); rank 0 publishes. Ranks wait for parts and for the manifest on the file system, never
+inside a collective, so an hour of tokenization cannot time a job out. A part that fails leaves an error marker
+that the waiting ranks raise too; a builder that dies without one fails them after distributed.timeout_s."""
+
+import json
+import logging
+import os
+import selectors
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import numpy as np
+
+from ..errors import ConfigError, DataError
+from .parts import Part, batches, read_part, text_bytes
+from .store import KEY, MANIFEST, VERSION, StoreSpec, TokenStore, part_name, verify
+from .tokenizer import load_tokenizer
+
+log = logging.getLogger("fsdp_research")
+
+POLL_S = 0.2
+# About a second of one core's work: the text a worker process is worth starting for.
+WORKER_BYTES = {"byte": 100 * 2**20, "other": 4 * 2**20}
+
+
+def _write_atomic(path: str, write: Callable[[Any], None], mode: str = "w") -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _error_record(err: BaseException, build: str) -> dict[str, Any]:
+    if isinstance(err, ConfigError):
+        return {"build": build, "kind": "config", "key": err.key, "problem": err.problem, "fix": err.fix}
+    return {"build": build, "kind": "data", "message": str(err)}
+
+
+def _raise_recorded(record: dict[str, Any]) -> None:
+    if record["kind"] == "config":
+        raise ConfigError(record["key"], record["problem"], record["fix"])
+    raise DataError(record["message"])
+
+
+def build_part(part: Part, index: int, build_dir: str, tokenizer_name: str) -> dict[str, int]:
+    """Tokenize one part into build_dir: its tokens, its document index, then its completion marker."""
+    tok = load_tokenizer(tokenizer_name)
+    prefix = os.path.join(build_dir, part_name(index))
+    ends: list[np.ndarray] = []
+    counts = {"tokens": 0, "documents": 0, "text_bytes": 0}
+
+    def write_tokens(f) -> None:
+        for texts in batches(read_part(part)):
+            tokens, lengths = tok.encode(texts)
+            f.write(tokens.tobytes())
+            ends.append(counts["tokens"] + np.cumsum(lengths))
+            counts["tokens"] += len(tokens)
+            counts["documents"] += len(texts)
+            counts["text_bytes"] += text_bytes(texts)
+
+    _write_atomic(prefix + ".tokens", write_tokens, "wb")
+    _write_atomic(prefix + ".docs.npy", lambda f: np.save(f, np.concatenate([np.zeros(0, np.int64), *ends])), "wb")
+    files = {os.path.basename(prefix) + s: os.path.getsize(prefix + s) for s in (".tokens", ".docs.npy")}
+    _write_atomic(prefix + ".json", lambda f: json.dump({**counts, "files": files}, f))
+    return counts
+
+
+def build_parts(jobs: Iterable[tuple[int, Part]], build_dir: str, tokenizer_name: str, build: str) -> Iterator[dict]:
+    """Build each (index, part), yielding {"index", "tokens", "documents", "text_bytes"} as each is done; a part
+    that fails leaves an error marker for the ranks that wait on it, and raises."""
+    for index, part in jobs:
+        try:
+            yield {"index": index, **build_part(part, index, build_dir, tokenizer_name)}
+        except (ConfigError, OSError) as err:
+            error = err
+            if isinstance(err, OSError):
+                free = shutil.disk_usage(build_dir).free / 2**20
+                error = DataError(
+                    f"writing token store part {index} in {build_dir} failed ({type(err).__name__}: {err}; "
+                    f"{free:.1f} MiB free there); no store was published, earlier stores are intact"
+                )
+            marker = os.path.join(build_dir, f"{part_name(index)}.error")
+            try:
+                _write_atomic(marker, lambda f: json.dump(_error_record(error, build), f))
+            except OSError:
+                pass  # a full disk may refuse even this: the launcher stops the waiting ranks when this one exits
+            raise error from None
+
+
+def _done(build_dir: str, index: int) -> dict | None:
+    try:
+        with open(os.path.join(build_dir, f"{part_name(index)}.json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _done_count(build_dir: str) -> int:
+    """Complete parts in the build dir (one directory listing, however many parts)."""
+    return sum(name.startswith("part_") and name.endswith(".json") for name in os.listdir(build_dir))
+
+
+def _recorded_error(build_dir: str, build: str) -> None:
+    """Raise the first error a part of this build recorded (markers of earlier builds are ignored)."""
+    for name in sorted(os.listdir(build_dir)) if os.path.isdir(build_dir) else []:
+        if name.endswith(".error"):
+            try:
+                with open(os.path.join(build_dir, name)) as f:
+                    record = json.load(f)
+            except (OSError, ValueError):
+                continue
+            if record.get("build") == build:
+                _raise_recorded(record)
+
+
+def _worker_count(jobs: Sequence[tuple[int, Part]], tokenizer_name: str, workers: int) -> int:
+    """Worker processes worth starting: each costs about a second, so only for about a second of work each."""
+    per_worker = WORKER_BYTES["byte" if tokenizer_name == "byte" else "other"]
+    text = sum(os.path.getsize(f) for _, part in jobs for f in part.files if os.path.isfile(f))
+    return max(1, min(workers, len(jobs), -(-text // per_worker)))
+
+
+def _claimed(build_dir: str, build: str, rank: int, world: int, parts: Sequence[Part]) -> Iterator[tuple[int, Part]]:
+    """The parts this rank builds: its own (r, r + world, ...), then any other rank's not yet taken, from the end
+    (work stealing: a rank with slow or large parts leaves them to those done first). Each is taken by creating its
+    claim in a directory of this build's, so that a part is built once per build."""
+    claims = os.path.join(build_dir, f"claims-{build}")
+    os.makedirs(claims, exist_ok=True)
+    order = [i for i in range(len(parts)) if i % world == rank] + [
+        i for i in reversed(range(len(parts))) if i % world != rank
+    ]
+    for i in order:
+        if _done(build_dir, i) is not None:
+            continue
+        try:
+            os.close(os.open(os.path.join(claims, part_name(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except (FileExistsError, FileNotFoundError):  # taken, or the store is published and its build dir gone
+            continue
+        yield i, parts[i]
+
+
+def _run_workers(
+    jobs: Iterator[tuple[int, Part]],
+    estimate: Sequence[tuple[int, Part]],
+    build_dir: str,
+    spec: StoreSpec,
+    build: str,
+    workers: int,
+    tick: Callable[[], None],
+) -> None:
+    """The parts jobs yields on `workers` processes (in this one when one is enough; as many as the parts of
+    `estimate` are worth), each taking the next part when it is done with one; tick() now and then."""
+    workers = _worker_count(estimate, spec.tokenizer, workers)
+    if workers == 1:
+        for _ in build_parts(jobs, build_dir, spec.tokenizer, build):
+            tick()
+        return
+    # One thread each: the processes are the parallelism.
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    command = [sys.executable, "-m", "fsdp_research.data.worker", build_dir, spec.tokenizer, build]
+    procs = [
+        subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        for _ in range(workers)
+    ]
+
+    def feed(proc) -> None:
+        """The next part to this worker, or the end of its work."""
+        job = next(jobs, None)
+        if job is not None:
+            index, part = job
+            proc.stdin.write(json.dumps([index, asdict(part)]) + "\n")
+            proc.stdin.flush()
+        else:
+            proc.stdin.close()
+
+    try:
+        with selectors.DefaultSelector() as selector:
+            for proc in procs:
+                feed(proc)
+                selector.register(proc.stdout, selectors.EVENT_READ, proc)
+            while selector.get_map():
+                for key, _ in selector.select(POLL_S):
+                    if key.data.stdout.readline():  # a part done
+                        feed(key.data)
+                    else:  # the worker has ended
+                        selector.unregister(key.fileobj)
+                tick()
+        if any(proc.wait() for proc in procs):
+            _recorded_error(build_dir, build)
+            codes = sorted({proc.returncode for proc in procs})
+            raise DataError(f"a tokenization worker failed (exit codes {codes}; its error is on stderr)")
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+Report = Callable[[int, int, float], None]
+
+
+class _Progress:
+    """report(parts done, parts, seconds) now and then while a store is built."""
+
+    def __init__(self, total_parts: int, report: Report | None, every_s: float):
+        self.total, self.report, self.every_s = total_parts, report, every_s
+        self.started = self._last = time.monotonic()
+
+    def update(self, build_dir: str) -> None:
+        now = time.monotonic()
+        if self.report is not None and now - self._last >= self.every_s:
+            self._last = now
+            self.report(_done_count(build_dir), self.total, now - self.started)
+
+
+def _publish(build_dir: str, path: str, spec: StoreSpec) -> None:
+    done = [_done(build_dir, i) for i in range(len(spec.parts))]
+    files = {name: size for d in done for name, size in d["files"].items()}
+    tok = load_tokenizer(spec.tokenizer)
+    manifest = {
+        "version": VERSION,
+        "fingerprint": spec.fingerprint,
+        "dtype": tok.dtype.name,
+        "eos_id": tok.eos_id,
+        "vocab_size": tok.vocab_size,
+        "tokens": sum(d["tokens"] for d in done),
+        "documents": sum(d["documents"] for d in done),
+        "text_bytes": sum(d["text_bytes"] for d in done),
+        "parts": [{"tokens": d["tokens"], "documents": d["documents"]} for d in done],
+        "files": files,
+    }
+    try:
+        # The key (every source file's path, size and time) beside the manifest, which every start reads.
+        _write_atomic(os.path.join(build_dir, KEY), lambda f: f.write(spec.key))
+        _write_atomic(os.path.join(build_dir, MANIFEST), lambda f: json.dump(manifest, f, indent=1))
+        for name in os.listdir(build_dir):  # the builds' claims
+            if name.startswith("claims-"):
+                shutil.rmtree(os.path.join(build_dir, name), ignore_errors=True)
+        if os.path.exists(path):  # a broken store of this fingerprint: replaced
+            shutil.rmtree(path)
+        os.rename(build_dir, path)
+    except OSError as err:
+        if verify(path, spec.fingerprint) is None:  # another job published the same store first
+            return
+        raise DataError(f"publishing token store {path} failed ({type(err).__name__}: {err})") from None
+
+
+def ensure_store(
+    spec: StoreSpec,
+    root: str,
+    rank: int = 0,
+    world: int = 1,
+    workers: int = 1,
+    build: str = "local",
+    report: Report | None = None,
+    every_s: float = 10.0,
+    timeout_s: float = 600.0,
+) -> TokenStore:
+    """The store of spec under root: opened when it exists and verifies, else built by every rank of the job
+    (rank r takes parts r, r + world, ...) and published by rank 0. `build` names this build (the same on every
+    rank of the job); report(parts done, parts, seconds) is called every every_s seconds while it is built; a
+    build that shows no progress for timeout_s fails on every rank."""
+    path = os.path.join(root, spec.fingerprint)
+    if os.path.isdir(path):
+        problem = verify(path, spec.fingerprint)
+        if problem is None:
+            return TokenStore(path)
+        if rank == 0:
+            log.warning(f"token store {path}: {problem}; rebuilding it")
+    build_dir = os.path.join(root, f".build-{spec.fingerprint}")
+    os.makedirs(build_dir, exist_ok=True)
+    progress = _Progress(len(spec.parts), report, every_s)
+    mine = [(i, p) for i, p in enumerate(spec.parts) if i % world == rank and _done(build_dir, i) is None]
+    jobs = _claimed(build_dir, build, rank, world, spec.parts)
+    _run_workers(jobs, mine, build_dir, spec, build, workers, lambda: progress.update(build_dir))
+    if rank == 0:
+        _wait(build_dir, build, timeout_s, progress, lambda: _done_count(build_dir) == len(spec.parts))
+        _publish(build_dir, path, spec)
+    else:
+        _wait(build_dir, build, timeout_s, progress, lambda: verify(path, spec.fingerprint) is None)
+    return TokenStore(path)
+
+
+# However the build dir's time stamp behaves (coarse on some file systems), the waiters look in full this often.
+LOOK_S = 5.0
+
+
+def _wait(build_dir: str, build: str, timeout_s: float, progress: _Progress, finished: Callable[[], bool]) -> None:
+    """Until finished(), which is asked when the build dir changes: one stat a poll (a part's marker, an error's
+    and the publishing rename all change it), not a listing of the parts. An error a builder recorded is raised;
+    no change for timeout_s (a builder killed before it could record an error) fails on every waiter."""
+    seen, changed, looked = None, time.monotonic(), 0.0
+    while True:
+        try:
+            stamp = os.stat(build_dir).st_mtime_ns
+        except FileNotFoundError:  # renamed: published
+            stamp = None
+        now = time.monotonic()
+        if stamp != seen or now - looked >= LOOK_S:
+            if stamp != seen:
+                seen, changed = stamp, now
+            looked = now
+            _recorded_error(build_dir, build)
+            if finished():
+                return
+        if now - changed > timeout_s:
+            raise DataError(
+                f"token store build {build_dir}: no part finished and no error recorded for {timeout_s:g} s "
+                "(distributed.timeout_s): a builder died without a word; start the job again (finished parts "
+                "are kept)"
+            )
+        progress.update(build_dir)
+        time.sleep(POLL_S)
