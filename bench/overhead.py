@@ -1,6 +1,8 @@
 """Trainer overhead: the trainer's steady-state step time against a bare loop of per-block fully_shard +
 AdamW and nothing else, same model, batch, sharding and data, on the same ranks, alternated in one run; and the
-trainer with trainer.compile=true (each block's forward compiled; compile time is in the warm-up steps).
+trainer with trainer.compile=true (each block's forward compiled; compile time is in the warm-up steps). Then
+what the trainer adds around a step, item by item, each timed alone on the same ranks, as a share of the trainer's
+step at log_interval 1 and 10.
 
     .venv/bin/python bench/overhead.py [--nproc 2] [--steps 60] [--repeats 3] [overrides ...]
 """
@@ -25,12 +27,14 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E4
 from fsdp_research.composition import compose  # noqa: E402
 from fsdp_research.config import typed  # noqa: E402
 from fsdp_research.data.pipeline import build_data  # noqa: E402
-from fsdp_research.distributed import device_for, spawn  # noqa: E402
+from fsdp_research.distributed import device_for, init_distributed, spawn  # noqa: E402
 from fsdp_research.initialization import init_weights, materialize  # noqa: E402
+from fsdp_research.metrics import PeakMemory  # noqa: E402
 from fsdp_research.models import block_class_name, build_hf_config, build_model, find_blocks  # noqa: E402
 from fsdp_research.precision import dtypes  # noqa: E402
-from fsdp_research.sinks import step_metrics  # noqa: E402
-from fsdp_research.trainer import train  # noqa: E402
+from fsdp_research.preemption import Signals, agree  # noqa: E402
+from fsdp_research.sinks import JsonlSink, step_metrics  # noqa: E402
+from fsdp_research.trainer import _mean_over_ranks, train  # noqa: E402
 
 WARMUP = 10
 
@@ -125,11 +129,48 @@ def bench_main(worker: Callable, default_steps: int) -> tuple[argparse.Namespace
     with tempfile.TemporaryDirectory() as out:
         spawn(worker, args.nproc, OmegaConf.to_container(cfg, resolve=True), args.steps, args.repeats, out)
         with open(os.path.join(out, "times.json")) as f:
-            return args, cfg, json.load(f)
+            times = json.load(f)
+        if os.path.exists(os.path.join(out, "items.json")):
+            with open(os.path.join(out, "items.json")) as f:
+                times["items"] = json.load(f)
+        return args, cfg, times
+
+
+# What the trainer does around a step, and how often: every step, or every log.
+EVERY_STEP, EVERY_LOG = "every step", "every log"
+
+
+def itemize(cfg, out: str, calls: int = 300) -> None:
+    """Seconds per call of each thing the trainer adds around a step, timed alone on these ranks (in lockstep);
+    rank 0 writes items.json."""
+    device = device_for(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
+    init_distributed(cfg.distributed, device)
+    signals, peak, loss = Signals([]), PeakMemory(device), torch.tensor(1.0, device=device)
+    sink = JsonlSink(out, 0)
+    row = {"step": 1, "time": 0.0, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0}
+    items = {
+        (EVERY_STEP, "the step-boundary agreement (4 integers, control group)"): lambda: agree(signals, 0, 0.0),
+        (EVERY_LOG, "the mean loss (an all-reduce)"): lambda: _mean_over_ranks(loss),
+        (EVERY_LOG, "peak memory (read, reset, a max all-reduce)"): lambda: (peak.window(), peak.reset()),
+        (EVERY_LOG, "the metrics.jsonl line"): lambda: sink.log(row),
+    }
+    seconds = {}
+    for (when, name), call in items.items():
+        _sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        _sync()
+        seconds[f"{when}: {name}"] = (time.perf_counter() - start) / calls
+    sink.finish()
+    if dist.get_rank() == 0:
+        with open(os.path.join(out, "items.json"), "w") as f:
+            json.dump(seconds, f)
 
 
 def _bench(container, steps: int, repeats: int, out: str) -> None:
     cfg = typed(container)
+    itemize(cfg, out)
     compiled = typed({**container, "trainer": {**container["trainer"], "compile": True}})
     alternate(
         {
@@ -156,6 +197,11 @@ def main() -> None:
         f"overhead {100 * (trainer / bare - 1):+.1f}% (per repeat: {', '.join(f'{r:+.1f}%' for r in ratios)})"
     )
     print(f"trainer.compile=true {compiled * 1e3:.1f} ms/step | compiled / eager = {compiled / trainer:.2f}x")
+    print("what the trainer adds, each timed alone: per call | share of the trainer's step at log_interval 1, 10")
+    for name, seconds in times["items"].items():
+        every = 1 if name.startswith(EVERY_STEP) else None
+        shares = [seconds / (trainer * (every or interval)) for interval in (1, 10)]
+        print(f"  {name}: {seconds * 1e6:7.1f} us | {shares[0]:6.2%}, {shares[1]:6.2%}")
 
 
 if __name__ == "__main__":
