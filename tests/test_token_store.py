@@ -135,7 +135,9 @@ def test_a_builder_that_died_without_a_word_fails_the_waiters(tmp_path, monkeypa
     claims = tmp_path / "stores" / f".build-{spec.fingerprint}" / "claims-b"
     claims.mkdir(parents=True)
     (claims / "part_00001").touch()
-    with pytest.raises(DataError, match=r"no part finished and no error recorded for 1 s \(distributed.timeout_s\)"):
+    with pytest.raises(
+        DataError, match=r"no part finished, no error recorded and no builder alive for 1 s \(distributed.timeout_s\)"
+    ):
         ensure_store(spec, str(tmp_path / "stores"), rank, 2, 1, "b", timeout_s=1)
 
 

@@ -4,6 +4,7 @@ taken (each claimed once); rank 0 publishes. Ranks wait for parts and for the ma
 inside a collective, so an hour of tokenization cannot time a job out. A part that fails leaves an error marker
 that the waiting ranks raise too; a builder that dies without one fails them after distributed.timeout_s."""
 
+import contextlib
 import json
 import logging
 import os
@@ -11,6 +12,7 @@ import selectors
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
@@ -244,9 +246,11 @@ def _publish(build_dir: str, path: str, spec: StoreSpec) -> None:
         # The key (every source file's path, size and time) beside the manifest, which every start reads.
         _write_atomic(os.path.join(build_dir, KEY), lambda f: f.write(spec.key))
         _write_atomic(os.path.join(build_dir, MANIFEST), lambda f: json.dump(manifest, f, indent=1))
-        for name in os.listdir(build_dir):  # the builds' claims
-            if name.startswith("claims-"):
+        for name in os.listdir(build_dir):  # the builds' claims and heartbeats
+            if name.startswith(("claims-", "alive-")):
                 shutil.rmtree(os.path.join(build_dir, name), ignore_errors=True)
+                with contextlib.suppress(OSError):
+                    os.remove(os.path.join(build_dir, name))
         if os.path.exists(path):  # a broken store of this fingerprint: replaced
             shutil.rmtree(path)
         os.rename(build_dir, path)
@@ -283,7 +287,8 @@ def ensure_store(
     progress = _Progress(len(spec.parts), report, every_s)
     mine = [(i, p) for i, p in enumerate(spec.parts) if i % world == rank and _done(build_dir, i) is None]
     jobs = _claimed(build_dir, build, rank, world, spec.parts)
-    _run_workers(jobs, mine, build_dir, spec, build, workers, lambda: progress.update(build_dir))
+    with _heartbeat(build_dir, build, rank, min(5.0, timeout_s / 4)):
+        _run_workers(jobs, mine, build_dir, spec, build, workers, lambda: progress.update(build_dir))
     if rank == 0:
         _wait(build_dir, build, timeout_s, progress, lambda: _done_count(build_dir) == len(spec.parts))
         _publish(build_dir, path, spec)
@@ -296,10 +301,47 @@ def ensure_store(
 LOOK_S = 5.0
 
 
+@contextlib.contextmanager
+def _heartbeat(build_dir: str, build: str, rank: int, every_s: float) -> Iterator[None]:
+    """While this rank builds: a file of its own touched every every_s, which tells the waiters it is alive however
+    long a part takes (not while it waits: a rank waiting for a dead one must not keep the build alive)."""
+    path = os.path.join(build_dir, f"alive-{build}-{rank}")
+    stop = threading.Event()
+
+    def beat() -> None:
+        while True:
+            with contextlib.suppress(OSError), open(path, "a"):
+                os.utime(path)
+            if stop.wait(every_s):
+                return
+
+    thread = threading.Thread(target=beat, name="token-store-heartbeat", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def _alive(build_dir: str, build: str, within_s: float) -> bool:
+    """Whether a builder of this build has touched its heartbeat in the last within_s seconds."""
+    try:
+        names = [name for name in os.listdir(build_dir) if name.startswith(f"alive-{build}-")]
+    except FileNotFoundError:
+        return False
+    for name in names:
+        with contextlib.suppress(OSError):
+            if time.time() - os.stat(os.path.join(build_dir, name)).st_mtime < within_s:
+                return True
+    return False
+
+
 def _wait(build_dir: str, build: str, timeout_s: float, progress: _Progress, finished: Callable[[], bool]) -> None:
     """Until finished(), which is asked when the build dir changes: one stat a poll (a part's marker, an error's
     and the publishing rename all change it), not a listing of the parts. An error a builder recorded is raised;
-    no change for timeout_s (a builder killed before it could record an error) fails on every waiter."""
+    no change for timeout_s with no builder's heartbeat in that time (a builder killed before it could record an
+    error) fails on every waiter. A part may take longer than timeout_s: its builder's heartbeat goes on."""
     seen, changed, looked = None, time.monotonic(), 0.0
     while True:
         try:
@@ -315,10 +357,13 @@ def _wait(build_dir: str, build: str, timeout_s: float, progress: _Progress, fin
             if finished():
                 return
         if now - changed > timeout_s:
-            raise DataError(
-                f"token store build {build_dir}: no part finished and no error recorded for {timeout_s:g} s "
-                "(distributed.timeout_s): a builder died without a word; start the job again (finished parts "
-                "are kept)"
-            )
+            if _alive(build_dir, build, timeout_s):
+                changed = now
+            else:
+                raise DataError(
+                    f"token store build {build_dir}: no part finished, no error recorded and no builder alive for "
+                    f"{timeout_s:g} s (distributed.timeout_s): a builder died without a word; start the job again "
+                    "(finished parts are kept)"
+                )
         progress.update(build_dir)
         time.sleep(POLL_S)
