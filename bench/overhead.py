@@ -34,7 +34,7 @@ from fsdp_research.models import block_class_name, build_hf_config, build_model,
 from fsdp_research.precision import dtypes  # noqa: E402
 from fsdp_research.preemption import Signals, agree  # noqa: E402
 from fsdp_research.sinks import JsonlSink, step_metrics  # noqa: E402
-from fsdp_research.trainer import _mean_over_ranks, train  # noqa: E402
+from fsdp_research.trainer import mean_over_ranks, train  # noqa: E402
 
 WARMUP = 10
 
@@ -150,7 +150,7 @@ def itemize(cfg, out: str, calls: int = 300) -> None:
     row = {"step": 1, "time": 0.0, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0}
     items = {
         (EVERY_STEP, "the step-boundary agreement (4 integers, control group)"): lambda: agree(signals, 0, 0.0),
-        (EVERY_LOG, "the mean loss (an all-reduce)"): lambda: _mean_over_ranks(loss),
+        (EVERY_LOG, "the mean loss (an all-reduce)"): lambda: mean_over_ranks(loss),
         (EVERY_LOG, "peak memory (read, reset, a max all-reduce)"): lambda: (peak.window(), peak.reset()),
         (EVERY_LOG, "the metrics.jsonl line"): lambda: sink.log(row),
     }

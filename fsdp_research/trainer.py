@@ -82,7 +82,7 @@ class Run:
     rates: list[float] = field(default_factory=list)
 
 
-def _mean_over_ranks(value: torch.Tensor) -> float:
+def mean_over_ranks(value: torch.Tensor) -> float:
     value = value.detach().clone()
     dist.all_reduce(value)
     return value.item() / dist.get_world_size()
@@ -239,7 +239,7 @@ def _clip(run: Run, step: int, loss_sum: torch.Tensor) -> tuple[torch.Tensor, fl
     if not run.callbacks:
         return clip_grad_norm(run.model, run.cfg.optim.grad_clip), None, False
     norm, grads = grad_norm(run.model)
-    mean_loss, skip = _mean_over_ranks(loss_sum), False
+    mean_loss, skip = mean_over_ranks(loss_sum), False
     if run.callbacks.has("on_before_optimizer_step"):
         run.handle.step = step + 1
         metrics = {"loss": mean_loss, "grad_norm": norm.item()}
@@ -320,7 +320,7 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> dic
         # Wall clock (Unix seconds) when the window closed: what a reader holds step times against.
         "time": time.time(),
         # Already reduced for the callbacks, where there are some.
-        "loss": out.mean_loss if out.mean_loss is not None else _mean_over_ranks(out.loss),
+        "loss": out.mean_loss if out.mean_loss is not None else mean_over_ranks(out.loss),
         "lr": out.lr,
         "grad_norm": out.grad_norm.item(),
         **loss_metrics(out.stats),
