@@ -146,7 +146,8 @@ def itemize(cfg, out: str, calls: int = 300) -> None:
     device = device_for(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", 0)))
     init_distributed(cfg.distributed, device)
     signals, peak, loss = Signals([]), PeakMemory(device), torch.tensor(1.0, device=device)
-    sink = JsonlSink(out, 0)
+    os.makedirs(os.path.join(out, f"items_rank{dist.get_rank()}"), exist_ok=True)
+    sink = JsonlSink(os.path.join(out, f"items_rank{dist.get_rank()}"), 0)
     row = {"step": 1, "time": 0.0, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0}
     items = {
         (EVERY_STEP, "the step-boundary agreement (4 integers, control group)"): lambda: agree(signals, 0, 0.0),

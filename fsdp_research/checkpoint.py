@@ -4,6 +4,7 @@ renames the directory to step_<N>. A checkpoint without a valid manifest never e
 at any moment leaves the previous one loadable."""
 
 import io
+import itertools
 import json
 import logging
 import os
@@ -31,6 +32,9 @@ from .errors import CheckpointError
 log = logging.getLogger("fsdp_research")
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+# Checkpointers made in this process, counted alike on every rank (all make them at the same points): the key of
+# each one's cached save plans (an object's id could be reused, and differently on each rank).
+_checkpointers = itertools.count()
 _STAGER_KEEPS = tuple(int(v) for v in torch.__version__.split(".")[:2]) >= (2, 13)
 # Where pruned checkpoints wait to be removed: renamed (atomic) first, so no resume ever sees half of one.
 _TRASH = ".trash_"
@@ -149,7 +153,7 @@ class Checkpointer:
         self._pruning: threading.Thread | None = None
         # Repeated saves of the same state reuse the plan DCP gathered at the first (no plan to the coordinator
         # and back): keyed by this checkpointer, so no other run in the process shares it.
-        self._plan_key = f"{DefaultSavePlanner.__name__}:{id(self)}"
+        self._plan_key = f"{DefaultSavePlanner.__name__}:{next(_checkpointers)}"
         if self.is_async:
             # Async writes run collectives from a thread of their own, so they get a group of their own: two
             # threads interleaving collectives on one group deadlock. The one thread is kept from save to save,
@@ -358,8 +362,12 @@ class Checkpointer:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         for group, values in zip(optimizer.param_groups, kept):
             group.update(values)
+        old_rng = os.path.join(step_dir, f"rng_rank{self.rank}.pt")  # a checkpoint from before the states were in DCP
         if "rng" in state:
             _set_rng_state(state["rng"][f"rank_{self.rank}"])
+        elif os.path.exists(old_rng):
+            with open(old_rng, "rb") as f:
+                _set_rng_state(f.read())
         log.info(f"resumed from checkpoint {step_dir}")
         return torch.load(os.path.join(step_dir, TRAINER_STATE), weights_only=False), state.get("callbacks", {})
 

@@ -255,7 +255,7 @@ class TrainerConfig:
     # Signals that mean: finish the step, save a resume checkpoint, exit. SIGTERM: what schedulers send before they
     # kill; others (SLURM's warning before a time limit, sbatch --signal=USR2@<s>): the same, requeued under SLURM.
     preemption_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR2"])
-    # Seconds from the signal to the scheduler's SIGKILL (torchrun's shutdown and SLURM's KillWait: 30): when the
+    # Seconds from SIGTERM to the scheduler's SIGKILL (torchrun's shutdown and SLURM's KillWait: 30): when the
     # last save's time says the stop's save would end later, it is skipped and said (status.json, the log) ...
     preemption_grace_s: float = 25.0
     # ... unless this is set: then it is tried anyway.

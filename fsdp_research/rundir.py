@@ -25,6 +25,9 @@ STATUS = "status.json"
 _RUN_DIR_KEY = "fsdp_research/run_dir"
 # Why a restarted torchrun group could not find its run dir (said by check_restart, before any compute).
 _lost: str | None = None
+# Whether this launch continues a run an earlier attempt of the same torchrun job started (its run dir was in
+# torchrun's store): a restart, whatever this agent's restart count says.
+_continued = False
 
 
 def _torchrun_store() -> dist.Store | None:
@@ -41,16 +44,19 @@ def this_launch(default: str) -> str:
     """The run dir of this launch when nothing names one: under torchrun, the one its first attempt chose (a
     restarted group goes on with that run, whichever node its rank 0 is on now), else default. Called by every
     rank when Hydra makes the run dir (rank 0's is the run's)."""
-    global _lost
+    global _lost, _continued
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return default
     store = _torchrun_store()
+    # The store lives as long as the torchrun job: a run dir in it is an earlier attempt's. Asked first, since an
+    # agent restarts its workers for another node's failure without counting it (TORCHELASTIC_RESTART_COUNT 0).
+    if store is not None and store.check([_RUN_DIR_KEY]):
+        _continued = True
+        return store.get(_RUN_DIR_KEY).decode()
     if not restarted():
         if store is not None and int(os.environ.get("RANK", 0)) == 0:
             store.set(_RUN_DIR_KEY, os.path.abspath(default))
         return default
-    if store is not None and store.check([_RUN_DIR_KEY]):
-        return store.get(_RUN_DIR_KEY).decode()
     _lost = "torchrun restarted this group and its first attempt's run dir is not in torchrun's store" + (
         "" if store is not None else " (this rendezvous gives the workers no agent store)"
     )
@@ -76,7 +82,7 @@ def resume_point(resume: str, run_dir: str) -> str | None:
     """The step dir to resume from: the newest complete one (skipping broken ones, with a warning), or None.
     resume=never refuses a run dir that already holds checkpoints: they belong to another run (unless this is a
     restart of the run, by torchrun or a SLURM requeue: they are its own)."""
-    if resume == "never" and restarted():
+    if resume == "never" and (restarted() or _continued):
         resume = "auto"
     if resume == "never":
         if checkpoints_in(os.path.join(run_dir, "checkpoints")):

@@ -118,18 +118,24 @@ class JsonlSink:
         self.file.close()
 
 
+WANDB_RUN = "wandb_run.json"
+
+
 class WandbSink:
     """The run's W&B run (id: the checkpoint's, so a resume continues it). A resume from a step older than what W&B
     holds (it keeps the first row of a step and drops later ones, so the steps trained again would be lost and the
     dead attempt's kept) goes to a new W&B run instead, forked: same name and group, config `forked_from`
     "<id>@<step>", and metrics.jsonl's records up to that step logged into it first. Its history is then
-    metrics.jsonl's, in any mode (W&B's own rewind, resume_from, is a server-side beta that offline runs lack)."""
+    metrics.jsonl's, in any mode (W&B's own rewind, resume_from, is a server-side beta that offline runs lack).
+    <run dir>/wandb_run.json says which W&B run the run dir logged to last and up to which step, so that a run that
+    forked and died before its next checkpoint is known (the checkpoint still names the run it forked from)."""
 
     def __init__(
         self, cfg: LoggerConfig, run_dir: str, config: dict[str, Any], run_id: str, fork: JsonlSink | None = None
     ):
         import wandb
 
+        self._record = os.path.join(run_dir, WANDB_RUN)
         if fork is not None:
             step = max((record["step"] for record in fork.kept), default=0)
             config = {**config, "forked_from": f"{run_id}@{step}"}
@@ -157,6 +163,9 @@ class WandbSink:
 
     def log(self, metrics: dict[str, Any]) -> None:
         self.run.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+        with open(self._record + ".tmp", "w") as f:
+            json.dump({"id": self.run_id, "step": metrics["step"]}, f)
+        os.replace(self._record + ".tmp", self._record)
 
     def note(self, step: int, key: str, value: Any) -> None:
         # The summary, not the history: one record per run, and the history stays one row per logged step.
@@ -211,5 +220,11 @@ def build_sinks(
     jsonl = JsonlSink(run_dir, resume_step)
     sinks: list = [Console(max_steps), jsonl]
     if cfg.kind == "wandb":
-        sinks.append(WandbSink(cfg, run_dir, config, run_id, fork=jsonl if jsonl.rewound else None))
+        try:  # the W&B run this run dir logged to last, and its last step
+            with open(os.path.join(run_dir, WANDB_RUN)) as f:
+                last = json.load(f)
+        except (OSError, ValueError):
+            last = {"id": run_id, "step": 0}
+        rewound = jsonl.rewound or last["step"] > resume_step
+        sinks.append(WandbSink(cfg, run_dir, config, last["id"], fork=jsonl if rewound else None))
     return Sinks(sinks)

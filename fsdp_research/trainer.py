@@ -37,7 +37,7 @@ from .metrics import MEAN_LOSSES, PeakMemory, Throughput, loss_metrics
 from .models import build_hf_config
 from .optim import build_optimizer, clip_, clip_grad_norm, configured_keys, grad_norm
 from .precision import LossScaler, autocast
-from .preemption import NONE, Boundary, Signals, agree
+from .preemption import NONE, STOP, Boundary, Signals, agree
 from .profiling import StepProfiler, region
 from .sharding import ShardingPlan, grad_sync
 from .sinks import Sinks, setup_logging
@@ -281,7 +281,8 @@ def _loop(run: Run, result: TrainResult) -> None:
         run.profiler.step(done)
         boundary = _at_boundary(run, done)
         result.stop = boundary.stop
-        if result.stop and not boundary.save_fits(t.preemption_grace_s):
+        # The grace is SIGTERM's: a warning signal (SLURM's --signal=USR2@<s>) comes well before the kill.
+        if result.stop == STOP and not boundary.save_fits(t.preemption_grace_s):
             result.past_grace = (
                 f"a save takes {boundary.save_s:.1f} s and the signal came {boundary.waited_s:.1f} s ago: it would "
                 f"end past trainer.preemption_grace_s={t.preemption_grace_s:g}"

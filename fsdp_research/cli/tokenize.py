@@ -33,8 +33,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     env = launch_env()
     rank, world = (env.rank, env.world_size) if env else (0, 1)
-    # Every task of one srun step names the same build; alone, any name will do.
-    name = f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', 0)}" if env else secrets.token_hex(8)
+    # Every task of one srun step names the same build (a requeued job another: the dead one's claims stay
+    # behind); alone, any name will do.
+    slurm = os.environ.get("SLURM_JOB_ID")
+    name = (
+        f"slurm-{slurm}.{os.environ.get('SLURM_STEP_ID', 0)}.{os.environ.get('SLURM_RESTART_COUNT', 0)}"
+        if env and slurm
+        else secrets.token_hex(8)
+    )
     try:
         cfg = compose(args.overrides)
         check_sources(cfg.data)

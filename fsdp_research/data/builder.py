@@ -140,7 +140,12 @@ def _claimed(build_dir: str, build: str, rank: int, world: int, parts: Sequence[
     (work stealing: a rank with slow or large parts leaves them to those done first). Each is taken by creating its
     claim in a directory of this build's, so that a part is built once per build."""
     claims = os.path.join(build_dir, f"claims-{build}")
-    os.makedirs(claims, exist_ok=True)
+    try:
+        os.mkdir(claims)  # not makedirs: a build dir already published (renamed) must not come back
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        return
     order = [i for i in range(len(parts)) if i % world == rank] + [
         i for i in reversed(range(len(parts))) if i % world != rank
     ]

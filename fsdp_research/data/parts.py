@@ -61,7 +61,10 @@ def scan(patterns: Sequence[str], key: str) -> Files:
     none. A corpus of many small files (code) opens its store at the cost of this listing."""
     found = {}
     for path in _matches(patterns):
-        st = os.stat(path)
+        try:
+            st = os.stat(path)
+        except OSError:  # a broken link, or a file gone since the listing
+            continue
         if _is_source(path, st):
             found[path] = st
     if not found:
@@ -77,8 +80,11 @@ def resolve_files(patterns: Sequence[str], key: str) -> list[str]:
 def first_file(patterns: Sequence[str], key: str) -> str:
     """The first of resolve_files(), found with a stat of as few paths as it takes (the config's check)."""
     for path in _matches(patterns):
-        if _is_source(path, os.stat(path)):
-            return path
+        try:
+            if _is_source(path, os.stat(path)):
+                return path
+        except OSError:
+            continue
     raise _no_file(patterns, key)
 
 
