@@ -1,14 +1,17 @@
 """Materialize a meta-device model shard by shard, and initialise it as its family does (its `_init_weights`:
 Gemma's zero-centred norm scales, GPT-2's scaled residual projections, padding rows, routers, ...), identically at
-any world size and never holding more than one block's full parameters at a time.
+any world size, each rank computing its shard's rows only.
 
-A group is one repeating block, or what lies outside the blocks (embeddings, final norm, head). Each group's
-parameters get full-size stand-ins on the CPU holding what their modules' constructors gave them (small tensors'
-values, large ones' mean and spread, then torch's reset_parameters where a module has one: what the family's
-init leaves untouched keeps them; a parameter nothing initialises refuses the run), the family's init runs over
-the group's modules as transformers runs it (children first, each sub-model with its own `_init_weights`), from a
-generator seeded by (seed, group), and each rank keeps its slice of the result."""
+A group is one repeating block, or what lies outside the blocks (embeddings, final norm, head). The family's init
+runs over the group's modules as transformers runs it (children first, each sub-model with its own
+`_init_weights`), after torch's reset_parameters where a module has a parameter of unknown constructor values, on
+meta stand-ins: what it writes is recorded (fsdp_research.recipes), after what the constructors wrote (small
+parameters' values, large ones' recipes), and replayed on this rank's rows, chunk by chunk from generators seeded
+by (seed, group, parameter, chunk). A parameter nothing initialises refuses the run. A group whose init cannot be
+replayed row by row (an orthogonal init, a value read back) runs at full size on the CPU instead, over stand-ins
+holding the constructors' values, each rank keeping its slice."""
 
+import logging
 import math
 import zlib
 from collections.abc import Iterator, Sequence
@@ -16,9 +19,13 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from .errors import ConfigError
 from .models import as_built, clean_name
+from .recipes import Recipe, Unsupported, recording, replay
+
+log = logging.getLogger("fsdp_research")
 
 
 def materialize(model: nn.Module, params: torch.device, device: torch.device) -> None:
@@ -85,44 +92,66 @@ def _init_fn(model: nn.Module, path: str):
     return found[-1]._init_weights if found else (lambda module: None)
 
 
-def _stand_in(module: nn.Module, name: str, shape: torch.Size, generator: torch.Generator) -> nn.Parameter:
-    """A full-size parameter holding what the module's constructor gave it: its values (small ones), or values of
-    their mean and spread (large ones; NaN where those are not finite: torch.empty's), for torch's reset and the
-    family's _init_weights to overwrite where they initialise it."""
+def _stand_in(module: nn.Module, name: str, shape: torch.Size, seed: int) -> nn.Parameter:
+    """A full-size parameter holding what the module's constructor gave it (NaN where that is not known), for
+    torch's reset and the family's _init_weights to overwrite where they initialise it."""
     built = as_built(module, name)
     if isinstance(built, torch.Tensor):
         return nn.Parameter(built.clone().reshape(shape))
+    if isinstance(built, Recipe):
+        return nn.Parameter(replay(built, 0, shape[0] if shape else 1, seed).reshape(shape))
+    return nn.Parameter(_from_spread(built, shape, torch.Generator().manual_seed(seed)))
+
+
+def _from_spread(built, shape, generator: torch.Generator) -> torch.Tensor:
+    """Values of the (mean, std) a constructor's large parameter had (NaN where not finite: torch.empty's)."""
     values = torch.full(shape, float("nan"))
     if built is not None and all(math.isfinite(v) for v in built):
         values.normal_(*built, generator=generator) if built[1] > 0 else values.fill_(built[0])
-    return nn.Parameter(values)
+    return values
+
+
+def _start(built, shape):
+    """A chunk's values before the group's init writes: what the constructor gave the parameter."""
+    if isinstance(built, torch.Tensor):
+        rows = built.reshape(shape if shape else (1,))
+        return lambda first, last, generator: rows[first:last].clone()
+    return lambda first, last, generator: _from_spread(built, (last - first, *shape[1:]), generator)
+
+
+def _needs_reset(module: nn.Module) -> bool:
+    """A module with a parameter whose constructor values are known by their spread only, or not at all."""
+    return any(
+        not isinstance(as_built(module, n), (torch.Tensor, Recipe))
+        for n, p in module._parameters.items()
+        if p is not None
+    )
 
 
 def _reset(modules: list[nn.Module], generator_seed: int) -> None:
-    """torch's constructor initialisation of modules with a large parameter (what their constructors do after
+    """torch's constructor initialisation of the modules with such a parameter (what their constructors do after
     registering it), from a stream of its own: what _init_weights draws from the group's seed stays the same."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(generator_seed)
         for module in modules:
-            if any(
-                not isinstance(as_built(module, n), torch.Tensor)
-                for n, p in module._parameters.items()
-                if p is not None
-            ):
+            if _needs_reset(module):
                 getattr(module, "reset_parameters", lambda: None)()
 
 
-@torch.no_grad()
-def _init_group(model: nn.Module, path: str, skip: set[int], seed: int) -> None:
-    """Every place a parameter is registered gets a stand-in of its own, as in transformers, where weights are tied
-    only after they are initialised: a parameter shared by several places (tied embeddings) keeps the value of
-    the place that is not a tie's target."""
+def _group_seed(seed: int, path: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63
+
+
+def _initialised(model: nn.Module, path: str, skip: set[int], seed: int, make) -> dict:
+    """The group's family init run over stand-ins (make(module, name, param, where)), one for every place a
+    parameter is registered, as in transformers, where weights are tied only after they are initialised. Per
+    parameter: (parameter, final stand-in, where, module, name); a parameter shared by several places (tied
+    embeddings) keeps the stand-in of the place that is not a tie's target, and an init that assigns a new
+    parameter instead of writing into the stand-in gives the new one."""
     tie_targets = set(getattr(model, "all_tied_weights_keys", None) or {})
     places, kept = [], {}
-    group_seed = (seed * 1_000_003 + zlib.crc32(path.encode())) % 2**63
+    group_seed = _group_seed(seed, path)
     modules = list(_modules(model.get_submodule(path), path, skip))
-    # Its own stream: what _init_weights draws from the group's seed does not depend on the stand-ins.
-    generator = torch.Generator().manual_seed(group_seed ^ 0x57A9D)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(group_seed)
@@ -130,35 +159,113 @@ def _init_group(model: nn.Module, path: str, skip: set[int], seed: int) -> None:
                 for name, param in module._parameters.items():
                     if param is not None:
                         where = clean_name(f"{module_path}.{name}".lstrip("."))
-                        stand_in = _stand_in(module, name, param.shape, generator)
+                        stand_in = make(module, name, param, where)
                         stand_in.requires_grad_(param.requires_grad)
                         places.append((module, name, param, stand_in))
                         module._parameters[name] = stand_in
                         if where not in tie_targets or id(param) not in kept:
-                            kept[id(param)] = (param, stand_in, where, module)
+                            kept[id(param)] = (param, stand_in, where, module, name)
             _reset([m for _, m in modules], group_seed ^ 0x5EED)
             _init(model.get_submodule(path), _init_fn(model, path), skip)
-        # An init that assigns a new parameter instead of writing into the stand-in: the new one is what counts.
         for module, name, original, stand_in in places:
             current = module._parameters[name]
             if current is not stand_in and kept[id(original)][1] is stand_in:
                 kept[id(original)] = (original, current, *kept[id(original)][2:])
-        for original, full, where, module in kept.values():
-            if full.isnan().any():
-                raise ConfigError(
-                    "model.model_type",
-                    f"{where} is not initialised by the family's _init_weights nor by torch's reset of its "
-                    f"{type(module).__name__} (its constructor's values are not replayed at this size)",
-                    "load pretrained weights (model=pretrained), or report the family",
-                )
-            _keep_shard(original, full.detach().to(original.device, original.dtype))
     finally:
         for module, name, original, _ in places:
             module._parameters[name] = original
+    return kept
+
+
+def _uninitialised(where: str, module: nn.Module) -> ConfigError:
+    return ConfigError(
+        "model.model_type",
+        f"{where} is not initialised by the family's _init_weights nor by torch's reset of its "
+        f"{type(module).__name__} (its constructor's values are not replayed at this size)",
+        "load pretrained weights (model=pretrained), or report the family",
+    )
+
+
+@torch.no_grad()
+def _init_group_whole(model: nn.Module, path: str, skip: set[int], seed: int) -> None:
+    """The group initialised at full size on the CPU, each rank keeping its slice: for an init that cannot be
+    replayed row by row."""
+    group_seed = _group_seed(seed, path)
+
+    def make(module, name, param, where):
+        return _stand_in(module, name, param.shape, _group_seed(group_seed, where))
+
+    for original, full, where, module, _ in _initialised(model, path, skip, seed, make).values():
+        if full.isnan().any():
+            raise _uninitialised(where, module)
+        _keep_shard(original, full.detach().to(original.device, original.dtype))
+
+
+def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and offset in the full parameter of this rank's shard."""
+    if isinstance(param, DTensor):
+        return compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return tuple(param.shape), (0,) * param.dim()
+
+
+def _recipes(model: nn.Module, path: str, skip: set[int], seed: int) -> list:
+    """The group's construction and init recorded on meta stand-ins: per parameter, (parameter, name, the
+    constructor's note, its recipe or the real parameter an init assigned)."""
+    with recording() as recorder:
+
+        def make(module, name, param, where):
+            stand_in = nn.Parameter(torch.empty(param.shape, device="meta"))
+            recorder.add(stand_in)
+            return stand_in
+
+        kept = _initialised(model, path, skip, seed, make)
+    plans = []
+    for original, final, where, module, name in kept.values():
+        built, recipe = as_built(module, name), recorder.recipe(final)
+        if recipe is None and final.is_meta:
+            raise Unsupported(f"{where} is replaced by a parameter computed from others")
+        if recipe is not None:
+            recipe = Recipe(recipe.shape, [*(built.writes if isinstance(built, Recipe) else ()), *recipe.writes])
+            known = isinstance(built, torch.Tensor) or (
+                isinstance(built, tuple) and all(math.isfinite(v) for v in built)
+            )
+            if not (known or recipe.covers()):
+                raise _uninitialised(where, module)
+        plans.append((original, where, built, recipe if recipe is not None else final))
+    return plans
+
+
+@torch.no_grad()
+def _init_group_by_shard(model: nn.Module, path: str, skip: set[int], seed: int) -> None:
+    """Replays the group's recipes on this rank's rows only (fsdp_research.recipes); raises Unsupported before
+    anything is written where they cannot be."""
+    group_seed = _group_seed(seed, path)
+    for original, where, built, recipe in _recipes(model, path, skip, seed):
+        shape, offset = _local_box(original)
+        if 0 in shape:
+            continue
+        rows = (offset[0], offset[0] + shape[0]) if shape else (0, 1)
+        if isinstance(recipe, Recipe):
+            start = None if isinstance(built, Recipe) else _start(built, tuple(original.shape))
+            values = replay(recipe, *rows, _group_seed(group_seed, where), start)
+        else:  # a real parameter an init assigned
+            values = recipe.detach().reshape(recipe.shape or (1,))[rows[0] : rows[1]].float()
+        for dim in range(1, len(shape)):
+            values = values.narrow(dim, offset[dim], shape[dim])
+        target = original.to_local() if isinstance(original, DTensor) else original
+        target.copy_(values.reshape(shape))
 
 
 def init_weights(model: nn.Module, blocks: Sequence[str], seed: int) -> None:
-    """Initialise the materialized (possibly sharded) model: each block in turn, then everything outside them."""
-    for path in blocks:
-        _init_group(model, path, set(), seed)
-    _init_group(model, "", {id(model.get_submodule(path)) for path in blocks}, seed)
+    """Initialise the materialized (possibly sharded) model: each block in turn, then everything outside them;
+    each group by shard where its init replays row by row, else at full size (logged once, with the reason)."""
+    whole = []
+    outside = {id(model.get_submodule(path)) for path in blocks}
+    for path, skip in [*((path, set()) for path in blocks), ("", outside)]:
+        try:
+            _init_group_by_shard(model, path, skip, seed)
+        except Unsupported as why:
+            whole.append(f"{path or 'outside the blocks'} ({why})")
+            _init_group_whole(model, path, skip, seed)
+    if whole:
+        log.info("init: %d of %d groups at full size: %s", len(whole), len(blocks) + 1, whole[0])

@@ -12,6 +12,7 @@ from torch.nn.modules.module import register_module_module_registration_hook
 
 from .config import ModelConfig
 from .errors import ConfigError
+from .recipes import Recipe, Recorder, recording
 from .targets import build as build_target
 
 # model's own keys: with model._target_ the others are the factory's keyword arguments.
@@ -70,14 +71,16 @@ def _check_own_model(cfg: ModelConfig) -> None:
 
 
 # A parameter up to this size (vectors, small tables) keeps the values its module's constructor gave it; a larger
-# one only their mean and spread (a block's weights are never all held on the CPU at once).
+# one is made on the meta device, with a recipe of what its constructor wrote (fsdp_research.recipes), or, where
+# that cannot be recorded, made for real and noted by the mean and spread of its values.
 _KEPT_AS_BUILT = 2**16
 
 
-def as_built(module: nn.Module, name: str) -> torch.Tensor | tuple[float, float] | None:
-    """What the module's constructor gave its parameter `name`: its values (a small parameter) or their (mean,
-    std) (a large one): what initialisation starts from where the family's _init_weights leaves a parameter to
-    its module (attention sinks, state-space A_log, GPT's Conv1D)."""
+def as_built(module: nn.Module, name: str) -> torch.Tensor | tuple[float, float] | Recipe | None:
+    """What the module's constructor gave its parameter `name`: its values (a small parameter), or what the
+    constructor wrote into it (a large one, built on the meta device), or, where that could not be recorded, the
+    mean and std of its values: what initialisation starts from where the family's _init_weights leaves a
+    parameter to its module (attention sinks, state-space A_log, GPT's Conv1D)."""
     return module.__dict__.get("_as_built", {}).get(name)
 
 
@@ -95,26 +98,52 @@ def _meta(param: nn.Parameter) -> nn.Parameter:
     return param._on_meta
 
 
-def _to_meta(module: nn.Module, keep_all: bool = False) -> None:
-    """Every parameter of the module on the meta device, with a note of what it held (keep_all: every value)."""
+def _to_meta(module: nn.Module, keep_all: bool = False, recorder: Recorder | None = None) -> None:
+    """Every parameter of the module on the meta device, with a note of what it held (keep_all: every value), or
+    of what was written into it where it was built on the meta device (`recorder` recorded it)."""
     for m in module.modules():
         for name, param in m._parameters.items():
-            if param is not None and not param.is_meta:
+            if param is None:
+                continue
+            if not param.is_meta:
                 m.__dict__.setdefault("_as_built", {})[name] = _noted(param, keep_all)
                 m._parameters[name] = _meta(param)
+            elif recorder is not None and recorder.recipe(param) is not None:
+                m.__dict__.setdefault("_as_built", {})[name] = recorder.recipe(param)
 
 
 @contextlib.contextmanager
-def _parameters_on_meta() -> Iterator:
+def _parameters_on_meta(recorder: Recorder | None) -> Iterator:
     """Parameters go to the meta device once the module holding them is built (when it is registered in its
     parent: its constructor has finished), with a note of what they hold; buffers (rotary tables) stay real, so
-    they need no recomputation after materialization. Only a module's own parameters are real at a time (its
-    children's went when they were registered in it)."""
-    handle = register_module_module_registration_hook(lambda parent, name, child: _to_meta(child) if child else None)
+    they need no recomputation after materialization. Only a module's own small parameters are real at a time
+    (its children's went when they were registered in it); with a recorder, large ones are made on the meta
+    device and what the constructor writes into them recorded."""
+    handle = register_module_module_registration_hook(
+        lambda parent, name, child: _to_meta(child, recorder=recorder) if child else None
+    )
     try:
         yield
     finally:
         handle.remove()
+
+
+def _built(hf_config, seed: int, recorder: Recorder | None) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    with _parameters_on_meta(recorder), torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        _to_meta(model, recorder=recorder)  # the root's own parameters
+    return model
+
+
+def _recorded(model: nn.Module) -> bool:
+    """Every buffer real, and every parameter noted (one made on the meta device from a value computed from
+    another is not: its recipe is unknown)."""
+    return not any(b.is_meta for b in model.buffers()) and all(
+        as_built(m, n) is not None for m in model.modules() for n, p in m._parameters.items() if p is not None
+    )
 
 
 def build_model(hf_config, seed: int = 0, values: bool = True) -> nn.Module:
@@ -122,10 +151,11 @@ def build_model(hf_config, seed: int = 0, values: bool = True) -> nn.Module:
     `seed` (what constructors draw is the same on every rank), each module's parameters noted as built (what
     initialisation needs); values=False: shapes only (the planner, the checks before a launch), built on the meta
     device outright, which skips a large model's minute of constructor initialisation."""
-    from transformers import AutoModelForCausalLM
 
     if not values:
         try:
+            from transformers import AutoModelForCausalLM
+
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
             model.config.use_cache = False
@@ -133,10 +163,14 @@ def build_model(hf_config, seed: int = 0, values: bool = True) -> nn.Module:
         except Exception:  # a constructor that needs real values: the full build below says what is wrong
             pass
     try:
-        with _parameters_on_meta(), torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-            _to_meta(model)  # the root's own parameters
+        model = None
+        try:
+            with recording(factories=True, large=_KEPT_AS_BUILT) as recorder:
+                model = _built(hf_config, seed, recorder)
+        except Exception:  # a constructor that needs a large parameter's values: built for real below
+            pass
+        if model is None or not _recorded(model):
+            model = _built(hf_config, seed, None)
     except (ValueError, TypeError, AttributeError, RuntimeError) as err:
         raise ConfigError(
             "model.config",

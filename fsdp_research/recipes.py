@@ -1,0 +1,338 @@
+"""What a constructor or an init does to a parameter, recorded once at full size on the meta device (no memory, no
+draws) and replayed on any of its rows: a rank builds only the rows of its shard.
+
+A recipe is the list of writes made to a parameter (torch.nn.init's elementwise draws, fills, copies, in-place
+arithmetic), each on the region of rows it touched. Replay cuts the rows into chunks of at most CHUNK elements,
+fixed by the shape alone, each drawing from a generator of its own (the parameter's seed and the chunk's index):
+the values of a row are the same whichever rank builds it, at any world size. A write the recorder cannot replay
+exactly (orthogonal_, a value read back, a view across rows) raises Unsupported: the caller then builds at full
+size, never on a guess."""
+
+import contextlib
+import functools
+import inspect
+import math
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CHUNK = 2**18
+
+# torch.nn.init's elementwise functions (replayed as such: trunc_normal_ is a no-op on the meta device) and the
+# shape-dependent ones that end in an elementwise draw (recorded as that draw, its spread from the full shape).
+_INIT = {"uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_"}
+_SHAPED = {"kaiming_uniform_", "kaiming_normal_", "xavier_uniform_", "xavier_normal_"}
+_METHODS = {
+    *("normal_", "uniform_", "bernoulli_", "exponential_", "log_normal_", "cauchy_", "geometric_", "random_"),
+    *("zero_", "fill_", "copy_", "masked_fill_", "clamp_", "clamp_min_", "clamp_max_", "erfinv_"),
+    *("mul_", "add_", "sub_", "div_", "exp_", "log_", "sqrt_", "abs_", "neg_", "pow_"),
+    *("__iadd__", "__isub__", "__imul__", "__itruediv__"),
+}
+_RANDOM = {"normal_", "uniform_", "trunc_normal_", "bernoulli_", "exponential_", "log_normal_", "cauchy_"}
+_RANDOM |= {"geometric_", "random_"}
+# Writes that do not read what was there: one over the whole parameter initialises it.
+_FILLS = _RANDOM | {"constant_", "ones_", "zeros_", "zero_", "fill_", "copy_"}
+_FACTORIES = {torch.empty: None, torch.zeros: ("fill_", 0.0), torch.ones: ("fill_", 1.0)}
+_FACTORIES |= {torch.randn: ("normal_",), torch.rand: ("uniform_",)}
+
+
+class Unsupported(Exception):
+    """A write the recorder cannot replay row by row (its message says which)."""
+
+
+@dataclass
+class Write:
+    func: object
+    rows: tuple[int, int]
+    # The region within each row: (shape, strides, offset) of a row-range view, or of a view inside one row.
+    inner: tuple[tuple[int, ...], tuple[int, ...], int]
+    row_dim: bool
+    args: tuple
+    kwargs: dict
+    sliced: tuple[int, ...]  # positions in args of real tensors of the region's shape: cut to the rows replayed
+
+    @property
+    def fills(self) -> bool:
+        return getattr(self.func, "__name__", "") in _FILLS
+
+
+@dataclass
+class Recipe:
+    shape: tuple[int, ...]
+    writes: list[Write] = field(default_factory=list)
+
+    def covers(self) -> bool:
+        """A write that sets every value without reading it (what was there before never shows)."""
+        rows = self.shape[0] if self.shape else 1
+        return any(
+            w.fills
+            and w.rows == (0, rows)
+            and _count(w.inner) * (rows if w.row_dim else 1) == rows * _row_size(self.shape)
+            for w in self.writes
+        )
+
+
+def _row_size(shape) -> int:
+    return math.prod(shape[1:]) if shape else 1
+
+
+def _count(inner) -> int:
+    return math.prod(inner[0])
+
+
+def _region(view: torch.Tensor, shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple, bool]:
+    """Which rows of a parameter of `shape` the view covers, and where in each row."""
+    size, offset = _row_size(shape), view.storage_offset()
+    dims, strides = tuple(view.shape), tuple(view.stride())
+    extent = sum((n - 1) * s for n, s in zip(dims, strides) if n > 0)
+    if any(s < 0 for s in strides):
+        raise Unsupported("a view with negative strides")
+    if len(shape) >= 1 and len(dims) == len(shape) and (dims[0] == 1 or strides[0] == size):
+        inner = (dims[1:], strides[1:], offset % size)
+        if inner[2] + sum((n - 1) * s for n, s in zip(dims[1:], strides[1:]) if n > 0) < size:
+            first = offset // size
+            return (first, first + dims[0]), inner, True
+    if offset // size == (offset + extent) // size:
+        first = offset // size
+        return (first, first + 1), (dims, strides, offset % size), False
+    raise Unsupported(f"a view of shape {list(dims)} across rows of a {list(shape)} parameter")
+
+
+class _Bases:
+    """The meta tensors being recorded, by storage (views of one share it)."""
+
+    def __init__(self):
+        self.recipes: dict[int, tuple[torch.Tensor, Recipe]] = {}
+
+    def add(self, tensor: torch.Tensor, recipe: Recipe | None = None) -> Recipe:
+        recipe = recipe or Recipe(tuple(tensor.shape))
+        self.recipes[tensor.untyped_storage()._cdata] = (tensor, recipe)  # the tensor kept: its storage not reused
+        return recipe
+
+    def of(self, tensor) -> Recipe | None:
+        if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            found = self.recipes.get(tensor.untyped_storage()._cdata)
+            return found[1] if found else None
+        return None
+
+
+class _WriteGuard(TorchDispatchMode):
+    """Every aten write to a recorded tensor must come from a write the recorder saw."""
+
+    def __init__(self, bases: _Bases):
+        super().__init__()
+        self.bases, self.allowed = bases, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.allowed:
+            for i, arg in enumerate(func._schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    value = args[i] if i < len(args) else kwargs.get(arg.name)
+                    if self.bases.of(value) is not None:
+                        raise Unsupported(f"{func} writes a parameter")
+        return func(*args, **kwargs)
+
+
+class Recorder(TorchFunctionMode):
+    """Records the writes to the tensors added to it (used through `recording`); with factories=True, a float
+    factory call of more than `large` elements makes a recorded meta tensor (its fill the recipe's first write)."""
+
+    def __init__(self, factories: bool = False, large: int = CHUNK):
+        super().__init__()
+        self.bases, self.factories, self.large = _Bases(), factories, large
+        self.guard = _WriteGuard(self.bases)
+
+    def add(self, tensor: torch.Tensor) -> Recipe:
+        return self.bases.add(tensor)
+
+    def recipe(self, tensor: torch.Tensor) -> Recipe | None:
+        return self.bases.of(tensor)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.factories and func in _FACTORIES:
+            return self._factory(func, args, kwargs)
+        if not any(self.bases.of(t) is not None for t in tree_flatten((args, kwargs))[0]):
+            return func(*args, **kwargs)
+        name, module = getattr(func, "__name__", ""), getattr(func, "__module__", "")
+        # torch.nn.init hands its arguments over by name.
+        first, rest, named = (args[0], args[1:], kwargs) if args else (kwargs.get("tensor"), (), kwargs)
+        if not args:
+            named = {k: v for k, v in kwargs.items() if k != "tensor"}
+        if module == "torch.nn.init" and name in _SHAPED:
+            draw, bounds = _shaped(func, args, kwargs)
+            return self._write(draw, self.bases.of(first), first, bounds, {}, lambda: first)
+        target = self.bases.of(first)
+        if func is torch.Tensor.__setitem__:
+            view = args[0][args[1]]
+            fill = torch.Tensor.copy_ if isinstance(args[2], torch.Tensor) else torch.Tensor.fill_
+            return self._write(fill, self.bases.of(view), view, (args[2],), {}, lambda: func(*args, **kwargs))
+        if target is not None and (name in _METHODS or (module == "torch.nn.init" and name in _INIT)):
+            return self._write(func, target, first, rest, named, lambda: func(*args, **kwargs))
+        mutates = name.endswith("_") and not name.startswith("__") and name != "requires_grad_"
+        if mutates or "out" in kwargs or func == torch.Tensor.data.__set__:
+            raise Unsupported(f"{name or func} on a parameter")
+        return func(*args, **kwargs)  # a read: its result is meta, and a write of it raises above
+
+    def _factory(self, func, args, kwargs):
+        size = kwargs.get("size", args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args)
+        dims = [int(d) for d in size] if all(isinstance(d, int) for d in size) else None
+        dtype = kwargs.get("dtype") or torch.get_default_dtype()
+        if (
+            dims is None
+            or math.prod(dims) <= self.large
+            or not dtype.is_floating_point
+            or kwargs.get("device") not in (None, "cpu", torch.device("cpu"))
+        ):
+            return func(*args, **kwargs)
+        tensor = func(*args, **{**kwargs, "device": "meta"})
+        recipe = self.bases.add(tensor)
+        if _FACTORIES[func] is not None:
+            fill, *values = _FACTORIES[func]
+            recipe.writes.append(_whole(getattr(torch.Tensor, fill), tuple(dims), tuple(values)))
+        return tensor
+
+    def _write(self, func, recipe: Recipe | None, view: torch.Tensor, args: tuple, kwargs: dict, run):
+        if recipe is None:
+            raise Unsupported(f"{func.__name__} of a parameter into another tensor")
+        rows, inner, row_dim = _region(view, recipe.shape)
+        sliced = []
+        for i, arg in enumerate(args):
+            if not isinstance(arg, torch.Tensor):
+                continue
+            if arg.is_meta:
+                raise Unsupported(f"{func.__name__} of a value computed from a parameter")
+            # A tensor of the region's rows is cut to the rows replayed; one broadcast over them is kept whole.
+            if row_dim and arg.dim() == view.dim() and arg.shape[0] == view.shape[0] > 1:
+                sliced.append(i)
+        if any(isinstance(v, torch.Tensor) and v.is_meta for v in kwargs.values()):
+            raise Unsupported(f"{func.__name__} of a value computed from a parameter")
+        recipe.writes.append(Write(func, rows, inner, row_dim, tuple(args), dict(kwargs), tuple(sliced)))
+        self.guard.allowed += 1
+        try:
+            return run()
+        finally:
+            self.guard.allowed -= 1
+
+
+def _shaped(func, args, kwargs) -> tuple:
+    """The draw a kaiming_/xavier_ init makes, its spread from the full shape (what a chunk's shape would not give)."""
+    bound = inspect.signature(func).bind(*args, **kwargs)
+    bound.apply_defaults()
+    given, init = bound.arguments, torch.nn.init
+    if func.__name__.startswith("kaiming"):
+        fan = init._calculate_correct_fan(given["tensor"], given["mode"])
+        std = init.calculate_gain(given["nonlinearity"], given["a"]) / math.sqrt(fan)
+    else:
+        fan_in, fan_out = init._calculate_fan_in_and_fan_out(given["tensor"])
+        std = given["gain"] * math.sqrt(2.0 / (fan_in + fan_out))
+    if func.__name__.endswith("uniform_"):
+        return torch.Tensor.uniform_, (-math.sqrt(3.0) * std, math.sqrt(3.0) * std)
+    return torch.Tensor.normal_, (0.0, std)
+
+
+# torch.nn.init functions that return at once on the meta device and are not seen by a TorchFunctionMode: while
+# recording, each name bound to one of them anywhere (modules import them by name) is a wrapper that records it
+# (trunc_normal_, elementwise) or refuses (orthogonal_, eye_, dirac_: not row by row).
+_SHORTCUTS = ("trunc_normal_", "orthogonal_", "eye_", "dirac_")
+_ACTIVE: list[Recorder] = []
+_bound: tuple[int, list] = (0, [])
+
+
+def _wrapper(original):
+    @functools.wraps(original)
+    def wrapped(tensor, *args, **kwargs):
+        recorder = _ACTIVE[-1] if _ACTIVE else None
+        recipe = recorder.bases.of(tensor) if recorder else None
+        if recipe is None:
+            return original(tensor, *args, **kwargs)
+        if original.__name__ != "trunc_normal_":
+            raise Unsupported(f"{original.__name__} is not elementwise")
+        return recorder._write(original, recipe, tensor, args, kwargs, lambda: tensor)
+
+    return wrapped
+
+
+def _bindings() -> list:
+    """Where the shortcut functions are bound: (namespace, name, original), looked up again as modules load."""
+    global _bound
+    if _bound[0] != len(sys.modules):
+        originals = {id(getattr(torch.nn.init, n)): getattr(torch.nn.init, n) for n in _SHORTCUTS}
+        found = []
+        for module in list(sys.modules.values()):
+            space = getattr(module, "__dict__", None)
+            for key, value in list(space.items()) if isinstance(space, dict) else ():
+                if id(value) in originals and value is originals[id(value)]:
+                    found.append((space, key, value))
+                elif key == "TORCH_INIT_FUNCTIONS" and type(value) is dict:  # transformers' table of them
+                    found += [(value, k, v) for k, v in value.items() if id(v) in originals]
+        _bound = (len(sys.modules), found)
+    return _bound[1]
+
+
+@contextlib.contextmanager
+def recording(factories: bool = False, large: int = CHUNK) -> Iterator[Recorder]:
+    recorder, bindings = Recorder(factories, large), _bindings()
+    for space, key, original in bindings:
+        space[key] = _wrapper(original)
+    _ACTIVE.append(recorder)
+    try:
+        with recorder.guard, recorder:
+            yield recorder
+    finally:
+        _ACTIVE.pop()
+        for space, key, original in bindings:
+            space[key] = original
+
+
+def _whole(func, shape: tuple[int, ...], args: tuple) -> Write:
+    size = _row_size(shape)
+    return Write(func, (0, shape[0] if shape else 1), ((size,), (1,), 0), True, args, {}, ())
+
+
+def _chunks(shape, first: int, last: int) -> Iterator[tuple[int, int, int]]:
+    """(index, first row, end row) of the chunks holding rows first..last-1."""
+    rows, per = (shape[0] if shape else 1), max(1, CHUNK // max(1, _row_size(shape)))
+    for k in range(first // per, -(-last // per)):
+        yield k, k * per, min(rows, (k + 1) * per)
+
+
+def _apply(write: Write, chunk: torch.Tensor, start: int, end: int, size: int, generator) -> None:
+    lo, hi = max(write.rows[0], start), min(write.rows[1], end)
+    if lo >= hi:
+        return
+    dims, strides, offset = write.inner
+    if write.row_dim:
+        view = chunk.as_strided((hi - lo, *dims), (size, *strides), (lo - start) * size + offset)
+        args = tuple(
+            a[lo - write.rows[0] : hi - write.rows[0]] if i in write.sliced else a for i, a in enumerate(write.args)
+        )
+    else:
+        view, args = chunk.as_strided(dims, strides, (lo - start) * size + offset), write.args
+    kwargs = write.kwargs
+    if getattr(write.func, "__name__", "") in _RANDOM:
+        args = tuple(a for a in args if not isinstance(a, torch.Generator))
+        kwargs = {**kwargs, "generator": generator}
+    with torch.no_grad():
+        write.func(view, *args, **kwargs)
+
+
+def replay(recipe: Recipe, first: int, last: int, seed: int, start=None) -> torch.Tensor:
+    """Rows first..last-1 of the recorded parameter (float32, on the CPU); `start(first, last, generator)` gives
+    a chunk's values before the writes (NaN if not given: what nothing writes stays unset)."""
+    shape, size = recipe.shape, _row_size(recipe.shape)
+    out = torch.empty((last - first, *shape[1:]) if shape else (1,))
+    for k, lo, hi in _chunks(shape, first, last):
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + k) % 2**63)
+        chunk = start(lo, hi, generator) if start else torch.full((hi - lo, *shape[1:]), float("nan"))
+        for write in recipe.writes:
+            _apply(write, chunk, lo, hi, size, generator)
+        a, b = max(lo, first), min(hi, last)
+        out[a - first : b - first] = chunk[a - lo : b - lo]
+    return out if shape else out.reshape(())
