@@ -141,26 +141,15 @@ def _groups(model: torch.nn.Module, names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def export_model(
-    model: torch.nn.Module, hf_config, out_dir: str, dtype: torch.dtype, shard_size: int, tokenizer: str | None
-) -> None:
-    """Write the weights as a Hugging Face directory (hf_config None: a model of one's own) from every rank, none
-    holding more than a group at a time (a collective, every rank calls it): group i is written by rank i % world
-    into <out_dir>.parts/, the shards consolidated from those files by every rank, the index, config and
-    tokenizer by rank 0."""
+def write_parts(model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtype, shard_size: int) -> int:
+    """This rank's part of an export (a collective, every rank calls it): group i of the model's weights is
+    gathered by every rank and written by rank i % world into parts/<i>/, one round of world groups at a time.
+    Returns the bytes of the tensors this rank wrote."""
     inner = getattr(model, "module", model)
     state = get_model_state_dict(inner)
-    rank, world, group = dist.get_rank(), dist.get_world_size(), control_group()
-    parts = f"{os.path.normpath(out_dir)}.parts"
+    rank, world = dist.get_rank(), dist.get_world_size()
     write = _hf_writer(hf_config, dtype, shard_size) if hf_config is not None else _state_writer(dtype, shard_size)
-    if rank == 0:
-        shutil.rmtree(parts, ignore_errors=True)
-        os.makedirs(out_dir, exist_ok=True)
-        for name in os.listdir(out_dir):  # an earlier export's weights (its shards may be other ones)
-            if name.endswith(".safetensors") or name == INDEX:
-                os.remove(os.path.join(out_dir, name))
-    dist.barrier(group=group)
-    groups = _groups(inner, list(state))
+    groups, written = _groups(inner, list(state)), 0
     for first in range(0, len(groups), world):
         mine: dict[str, torch.Tensor] = {}
         for i in range(first, min(first + world, len(groups))):
@@ -171,7 +160,28 @@ def export_model(
                     mine[name] = full.detach().cpu()
         if mine:
             write(mine, os.path.join(parts, f"{first + rank:06d}"))
+            written += sum(t.numel() for t in mine.values()) * dtype.itemsize
         del mine
+    return written
+
+
+def export_model(
+    model: torch.nn.Module, hf_config, out_dir: str, dtype: torch.dtype, shard_size: int, tokenizer: str | None
+) -> None:
+    """Write the weights as a Hugging Face directory (hf_config None: a model of one's own) from every rank, none
+    holding more than a group at a time (a collective, every rank calls it): each rank's part into
+    <out_dir>.parts/ (write_parts), the shards consolidated from those files by every rank, the index, config and
+    tokenizer by rank 0."""
+    rank, world, group = dist.get_rank(), dist.get_world_size(), control_group()
+    parts = f"{os.path.normpath(out_dir)}.parts"
+    if rank == 0:
+        shutil.rmtree(parts, ignore_errors=True)
+        os.makedirs(out_dir, exist_ok=True)
+        for name in os.listdir(out_dir):  # an earlier export's weights (its shards may be other ones)
+            if name.endswith(".safetensors") or name == INDEX:
+                os.remove(os.path.join(out_dir, name))
+    dist.barrier(group=group)
+    write_parts(model, hf_config, parts, dtype, shard_size)
     dist.barrier(group=group)
     files = [
         os.path.join(parts, d, f)

@@ -76,8 +76,8 @@ def loss_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     return out
 
 
-def _rss_peak() -> float:
-    """This process's peak resident memory in bytes since it started or since _reset_rss_peak."""
+def rss_peak() -> float:
+    """This process's peak resident memory in bytes since it started or since reset_rss_peak."""
     try:
         with open("/proc/self/status") as status:
             return next(float(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
@@ -85,7 +85,7 @@ def _rss_peak() -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # KiB on Linux; never reset
 
 
-def _reset_rss_peak() -> None:
+def reset_rss_peak() -> None:
     """Linux resets VmHWM to the current RSS on "5" written to clear_refs."""
     with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
         refs.write("5")
@@ -106,7 +106,7 @@ class PeakMemory:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
-            _reset_rss_peak()
+            reset_rss_peak()
 
     def window(self) -> dict[str, float]:
         """The peak since the last reset (a collective)."""
@@ -114,7 +114,7 @@ class PeakMemory:
             peaks = [torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)]
             keys = ("peak_mem_allocated_gib", "peak_mem_reserved_gib")
         else:
-            peaks, keys = [_rss_peak()], ("peak_rss_gib",)
+            peaks, keys = [rss_peak()], ("peak_rss_gib",)
         values = torch.tensor(peaks, dtype=torch.float64, device=self.device)
         if dist.is_initialized():
             dist.all_reduce(values, op=dist.ReduceOp.MAX)

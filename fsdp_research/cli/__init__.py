@@ -12,6 +12,7 @@ COMMANDS = {
     "export": "convert a resume checkpoint into a Hugging Face directory, offline",
     "report": "one row per job of a sweep, and a PNG of its curves",
     "scaling": "samples/s at 1..N devices for a sharding and for DDP, and the abandon verdict",
+    "simulate": "one rank of an N-rank job on the fake process group: each set-up phase's time and memory",
     "submit": "submit a file of override lines as one SLURM job array",
     "tokenize": "build the token stores of a data config ahead of training",
 }

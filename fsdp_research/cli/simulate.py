@@ -1,0 +1,91 @@
+"""fsdp-research simulate <overrides...> world_size=N [rank=R] [--json PATH] [--scratch DIR]: rank R (default 0)
+of an N-rank job, run alone in this process on torch's fake process-group backend: the real sharding plan,
+shard sizes, initialisation, optimizer state, DCP save plan and export part, each phase's time and memory beside
+the planner's prediction (fsdp_research.simulate). Validates a large job's set-up on one machine before it is
+paid for."""
+
+import argparse
+import json
+import logging
+import shutil
+import sys
+import tempfile
+from collections.abc import Sequence
+
+import torch.distributed as dist
+
+from ..distributed import device_for
+from ..errors import ConfigError
+from ..simulate import Phase, as_dict, simulate
+from .common import checked_config, fail, split_launch
+
+GIB = 2**30
+
+
+def _rank(overrides: list[str]) -> tuple[int, list[str]]:
+    rank, rest = 0, []
+    for arg in overrides:
+        key, _, value = arg.partition("=")
+        if key != "rank":
+            rest.append(arg)
+        elif value.isdigit():
+            rank = int(value)
+        else:
+            raise ConfigError("rank", f"{value!r} is not a rank", "use rank=R, 0 <= R < world_size")
+    return rank, rest
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", GIB), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def _sizes(values: dict[str, int]) -> str:
+    return ", ".join(f"{k} {_size(v)}" for k, v in values.items()) or "-"
+
+
+def _table(phases: list[Phase], world: int, rank: int) -> str:
+    rows = [f"rank {rank} of {world} (fake process group): wall time, host memory (GiB), this rank's tensors"]
+    rows.append(f"{'phase':<31} {'s':>8} {'rss':>6} {'peak':>6}  {'tensors':<38} {'planner':<38} note")
+    for p in phases:
+        device = f"; device peak {p.device_peak_gib:.2f} GiB" if p.device_peak_gib is not None else ""
+        rows.append(
+            f"{p.name:<31} {p.seconds:>8.2f} {p.rss_gib:>6.2f} {p.peak_rss_gib:>6.2f}  {_sizes(p.tensors):<38} "
+            f"{_sizes(p.predicted):<38} {p.note}{device}"
+        )
+    return "\n".join(rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fsdp-research simulate", description=__doc__.split(":", 1)[1].strip())
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides as for train.py, world_size=N and rank=R")
+    parser.add_argument("--json", metavar="PATH", help="also write the phases as JSON")
+    parser.add_argument("--scratch", metavar="DIR", help="where the export part goes (default: a temporary dir)")
+    args = parser.parse_intermixed_args(argv)
+    try:
+        launch, overrides = split_launch(args.overrides)
+        rank, overrides = _rank(overrides)
+        cfg, hf_config, world = checked_config(overrides, launch.get("world_size", 0))
+        if rank >= world:
+            raise ConfigError("rank", f"{rank} is not a rank of world_size={world}", f"use rank=R, 0 <= R < {world}")
+    except ConfigError as err:
+        return fail(err)
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    scratch = args.scratch or tempfile.mkdtemp(prefix="fsdp-simulate-")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        phases, checksum = simulate(cfg, hf_config, device_for(cfg.trainer.device, 0), scratch)
+    finally:
+        dist.destroy_process_group()
+        if not args.scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+    print(_table(phases, world, rank))
+    print(f"shard checksum: {checksum:.9g}")
+    if args.json:
+        with open(args.json, "w") as out:
+            json.dump({"world_size": world, "rank": rank, "checksum": checksum, "phases": as_dict(phases)}, out)
+    return 0
