@@ -35,6 +35,11 @@ def _rank(overrides: list[str]) -> tuple[int, list[str]]:
     return rank, rest
 
 
+def _check_rank(rank: int, world: int) -> None:
+    if rank >= world:
+        raise ConfigError("rank", f"{rank} is not a rank of world_size={world}", f"use rank=R, 0 <= R < {world}")
+
+
 def _size(n: float) -> str:
     for unit, scale in (("GiB", GIB), ("MiB", 2**20)):
         if n >= scale:
@@ -67,9 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         launch, overrides = split_launch(args.overrides)
         rank, overrides = _rank(overrides)
+        _check_rank(rank, launch.get("world_size", rank + 1))  # before the config's own checks
         cfg, hf_config, world = checked_config(overrides, launch.get("world_size", 0))
-        if rank >= world:
-            raise ConfigError("rank", f"{rank} is not a rank of world_size={world}", f"use rank=R, 0 <= R < {world}")
+        _check_rank(rank, world)
     except ConfigError as err:
         return fail(err)
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
