@@ -36,6 +36,7 @@ FLOPS_BUDGET = 2e11
 class Phase:
     name: str
     seconds: float = 0.0
+    cpu_seconds: float = 0.0  # this process's, all its threads
     rss_gib: float = 0.0  # resident at the phase's end
     peak_rss_gib: float = 0.0  # the phase's peak
     device_peak_gib: float | None = None  # allocated by torch on the device (CUDA)
@@ -50,14 +51,15 @@ def _rss() -> float:
 
 
 @contextlib.contextmanager
-def _measured(phases: list[Phase], name: str, device: torch.device) -> Iterator[Phase]:
+def measured(phases: list[Phase], name: str, device: torch.device) -> Iterator[Phase]:
     phase = Phase(name)
     reset_rss_peak()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     yield phase
     phase.seconds = round(time.perf_counter() - start, 3)
+    phase.cpu_seconds = round(time.process_time() - cpu, 3)
     phase.rss_gib, phase.peak_rss_gib = round(_rss() / 2**30, 3), round(rss_peak() / 2**30, 3)
     if device.type == "cuda":
         phase.device_peak_gib = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
@@ -129,18 +131,18 @@ def _save_plan_bytes(model: torch.nn.Module, optimizer) -> tuple[int, int]:
     return len(plan.items), total
 
 
-def simulate(cfg: DictConfig, hf_config, device: torch.device, scratch: str) -> tuple[list[Phase], float]:
-    """The phases of this rank's set-up (the process group is the fake one, of the job's world size), and its
-    shard's checksum after initialisation."""
-    world, phases = dist.get_world_size(), []
-    with _measured(phases, "plan", device) as phase:
+def set_up_shard(cfg: DictConfig, hf_config, device: torch.device, phases: list[Phase]):
+    """Plan, shard and initialise this rank's shard as the trainer does (a collective), each phase measured into
+    phases; returns the model, its plan and the planner's memory for it."""
+    world = dist.get_world_size()
+    with measured(phases, "plan", device) as phase:
         model, plan = planned_model(cfg, hf_config)
         mem = memory(summarize(cfg, model, plan, hf_config), run_settings(cfg, world, device.type))
         phase.note = f"{len(plan.units)} units, {sum(p.numel() for p in model.parameters()):,} parameters"
-    with _measured(phases, "shard", device):
+    with measured(phases, "shard", device):
         mesh = build_mesh(cfg.sharding, device.type, world)
         apply_fsdp(model, plan, mesh, build_mp_policy(cfg.precision), cfg.sharding)
-    with _measured(phases, "init", device) as phase:
+    with measured(phases, "init", device) as phase:
         materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, device)
         if cfg.model.load_weights:
             load_pretrained(model, pretrained_dir(cfg.model.name_or_path))
@@ -148,8 +150,16 @@ def simulate(cfg: DictConfig, hf_config, device: torch.device, scratch: str) -> 
             init_weights(model, plan.blocks, cfg.trainer.seed)
         phase.tensors = {"params": local_bytes(model.parameters())}
         phase.predicted = {"params": mem.sharded_params}
+    return model, plan, mem
+
+
+def simulate(cfg: DictConfig, hf_config, device: torch.device, scratch: str) -> tuple[list[Phase], float]:
+    """The phases of this rank's set-up (the process group is the fake one, of the job's world size), and its
+    shard's checksum after initialisation."""
+    phases: list[Phase] = []
+    model, plan, mem = set_up_shard(cfg, hf_config, device, phases)
     checksum = shard_checksum(model)
-    with _measured(phases, "optimizer", device) as phase:
+    with measured(phases, "optimizer", device) as phase:
         optimizer, _ = build_optimizer(model, cfg, plan.blocks)
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
@@ -159,19 +169,19 @@ def simulate(cfg: DictConfig, hf_config, device: torch.device, scratch: str) -> 
         phase.tensors["optimizer"] = local_bytes(v for s in optimizer.state.values() for v in s.values())
         phase.predicted = {"grads": mem.sharded_grads, "optimizer": mem.optimizer}
     fits, flops = _fits(cfg, model, plan.blocks)
-    with _measured(phases, "forward/backward (first block)", device) as phase:
+    with measured(phases, "forward/backward (first block)", device) as phase:
         if fits and plan.blocks:
             _forward_backward(cfg, model, plan.blocks, device)
             phase.note = f"{flops}, embedding and head included"
         else:
             phase.note = f"skipped: {flops} over this machine's budget"
         phase.predicted = {"peak": mem.peak}
-    with _measured(phases, "save plan", device) as phase:
+    with measured(phases, "save plan", device) as phase:
         items, total = _save_plan_bytes(model, optimizer)
         phase.tensors = {"saved": total}
         phase.predicted = {"saved": mem.sharded_params + mem.optimizer}
         phase.note = f"{items} items"
-    with _measured(phases, "export", device) as phase:
+    with measured(phases, "export", device) as phase:
         size = parse_size(cfg.checkpoint.export_shard_size)
         written = write_parts(model, hf_config, os.path.join(scratch, "parts"), export_dtype(cfg), size)
         phase.tensors = {"written": written}

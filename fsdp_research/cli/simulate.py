@@ -53,12 +53,12 @@ def _sizes(values: dict[str, int]) -> str:
 
 def _table(phases: list[Phase], world: int, rank: int) -> str:
     rows = [f"rank {rank} of {world} (fake process group): wall time, host memory (GiB), this rank's tensors"]
-    rows.append(f"{'phase':<31} {'s':>8} {'rss':>6} {'peak':>6}  {'tensors':<38} {'planner':<38} note")
+    rows.append(f"{'phase':<31} {'s':>8} {'cpu s':>8} {'rss':>6} {'peak':>6}  {'tensors':<38} {'planner':<38} note")
     for p in phases:
         device = f"; device peak {p.device_peak_gib:.2f} GiB" if p.device_peak_gib is not None else ""
         rows.append(
-            f"{p.name:<31} {p.seconds:>8.2f} {p.rss_gib:>6.2f} {p.peak_rss_gib:>6.2f}  {_sizes(p.tensors):<38} "
-            f"{_sizes(p.predicted):<38} {p.note}{device}"
+            f"{p.name:<31} {p.seconds:>8.2f} {p.cpu_seconds:>8.2f} {p.rss_gib:>6.2f} {p.peak_rss_gib:>6.2f}  "
+            f"{_sizes(p.tensors):<38} {_sizes(p.predicted):<38} {p.note}{device}"
         )
     return "\n".join(rows)
 
