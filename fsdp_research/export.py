@@ -2,11 +2,11 @@
 size, the tokenizer when one is used) that AutoModelForCausalLM.from_pretrained loads; for a model of one's own
 (model._target_), its state_dict as safetensors (model.safetensors, or shards and an index), the tokenizer beside.
 
-At the end of training no rank gathers the model: each gathers the full tensors of the groups it owns (a block, or
-a module outside the blocks), one round of groups at a time, writes them as the family's save_pretrained does into
-files of its own, and then its share of the final shards, consolidated from those files by byte copies
-(fsdp_research.consolidate). `fsdp-research export <step dir> <out dir>` converts any resume checkpoint offline,
-with no process group and no GPU."""
+At the end of training no rank gathers the model: the full tensors of each group (a block, or a module outside the
+blocks) are gathered to the rank that owns it alone, one round of groups at a time; each rank writes its groups as
+the family's save_pretrained does into files of its own, and then its share of the final shards, consolidated
+from those files by byte copies (fsdp_research.consolidate). `fsdp-research export <step dir> <out dir>`
+converts any resume checkpoint offline, with no process group and no GPU."""
 
 import logging
 import os
@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from .consolidate import INDEX, consolidate, write_index
 from .data.tokenizer import load_tokenizer
@@ -141,10 +141,33 @@ def _groups(model: torch.nn.Module, names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
+def _gather_to(value: torch.Tensor, owner: int) -> torch.Tensor | None:
+    """The full tensor on rank `owner`, None on the others (a collective). FSDP's layout (rows cut as torch.chunk
+    cuts them, over every rank) goes to the owner alone, each rank sending its rows, padded to a chunk; any other
+    layout (HSDP's two dimensions) is gathered by every rank."""
+    if not isinstance(value, DTensor):
+        return value if dist.get_rank() == owner else None
+    mesh, world = value.device_mesh, dist.get_world_size()
+    if mesh.ndim != 1 or mesh.size() != world or value.placements != (Shard(0),) or value.dim() == 0:
+        full = value.full_tensor()
+        return full if dist.get_rank() == owner else None
+    rows = value.shape[0]
+    chunk = -(-rows // world)
+    local = value.to_local()
+    # On the group's device: a shard offloaded to the CPU goes to the GPU for NCCL.
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+    padded = torch.zeros((chunk, *value.shape[1:]), dtype=local.dtype, device=device)
+    padded[: local.shape[0]] = local
+    group = mesh.get_group()
+    gathered = [torch.empty_like(padded) for _ in range(world)] if dist.get_rank() == owner else None
+    dist.gather(padded, gathered, dst=owner, group=group)
+    return torch.cat(gathered)[:rows] if gathered is not None else None
+
+
 def write_parts(model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtype, shard_size: int) -> int:
     """This rank's part of an export (a collective, every rank calls it): group i of the model's weights is
-    gathered by every rank and written by rank i % world into parts/<i>/, one round of world groups at a time.
-    Returns the bytes of the tensors this rank wrote."""
+    gathered to rank i % world, which writes it into parts/<i>/, one round of world groups at a time. Returns the
+    bytes of the tensors this rank wrote."""
     inner = getattr(model, "module", model)
     state = get_model_state_dict(inner)
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -153,10 +176,9 @@ def write_parts(model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtyp
     for first in range(0, len(groups), world):
         mine: dict[str, torch.Tensor] = {}
         for i in range(first, min(first + world, len(groups))):
-            for name in groups[i]:  # every rank takes part in each gather; the group's owner keeps the tensor
-                value = state[name]
-                full = value.full_tensor() if isinstance(value, DTensor) else value
-                if i % world == rank:
+            for name in groups[i]:  # every rank takes part in each gather; the group's owner gets the tensor
+                full = _gather_to(state[name], i % world)
+                if full is not None:
                     mine[name] = full.detach().cpu()
         if mine:
             write(mine, os.path.join(parts, f"{first + rank:06d}"))

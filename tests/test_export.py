@@ -68,14 +68,13 @@ def _export_memory(out_dir: str) -> dict:
 
 
 def test_rank0_exports_a_200m_model_without_holding_it(tmp_path):
-    """Rank 0 grew 885 MiB when it gathered the whole model (799 MiB), 112 to 203 MiB in most runs now, but up to
-    607 MiB in some (cause not found yet: issue 19's goal, under half the model, is not met reliably): asserted
-    is what holds in every run, under the model's bytes."""
+    """Rank 0 grew 885 MiB when it gathered the whole model (799 MiB), up to 607 MiB while every rank took part in
+    every group's gather, 124 to 191 MiB in 11 runs since each group goes to its owner alone: under half."""
     out = str(tmp_path / "export")
     memory = run_distributed(_export_memory, 2, out)
     grew = memory["peak"] - memory["before"]
     assert memory["model_bytes"] > 800e6
-    assert grew < memory["model_bytes"], f"rank 0 grew {grew / 2**20:.0f} MiB during the export"
+    assert grew < memory["model_bytes"] / 2, f"rank 0 grew {grew / 2**20:.0f} MiB during the export"
     # save_pretrained's layout: shards of at most 200 MiB (a tensor larger than that alone), with their index.
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
     files = sorted(set(index["weight_map"].values()))
