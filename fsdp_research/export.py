@@ -158,10 +158,12 @@ def _gather_to(value: torch.Tensor, owner: int) -> torch.Tensor | None:
     device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
     padded = torch.zeros((chunk, *value.shape[1:]), dtype=local.dtype, device=device)
     padded[: local.shape[0]] = local
-    group = mesh.get_group()
-    gathered = [torch.empty_like(padded) for _ in range(world)] if dist.get_rank() == owner else None
-    dist.gather(padded, gathered, dst=owner, group=group)
-    return torch.cat(gathered)[:rows] if gathered is not None else None
+    if dist.get_rank() != owner:
+        dist.gather(padded, None, dst=owner, group=mesh.get_group())
+        return None
+    full = padded.new_empty((chunk * world, *value.shape[1:]))  # each rank's rows land in place: no concatenation
+    dist.gather(padded, list(full.split(chunk)), dst=owner, group=mesh.get_group())
+    return full[:rows]
 
 
 def write_parts(model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtype, shard_size: int) -> int:
