@@ -1,8 +1,8 @@
 """Trainer overhead: the trainer's steady-state step time against a bare loop of per-block fully_shard +
-AdamW and nothing else, same model, batch, sharding and data, on the same ranks, alternated in one run; and the
-trainer with trainer.compile=true (each block's forward compiled; compile time is in the warm-up steps). Then
-what the trainer adds around a step, item by item, each timed alone on the same ranks, as a share of the trainer's
-step at log_interval 1 and 10.
+AdamW (+ torch's clip_grad_norm_ where the config clips) and nothing else, same model, batch, sharding and data,
+on the same ranks, alternated in one run; and the trainer with trainer.compile=true (each block's forward
+compiled; compile time is in the warm-up steps). Then what the trainer adds around a step, item by item, each
+timed alone on the same ranks, as a share of the trainer's step at log_interval 1 and 10.
 
     .venv/bin/python bench/overhead.py [--nproc 2] [--steps 60] [--repeats 3] [overrides ...]
 """
@@ -24,6 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
+from fsdp_research.build import build_sharded_model  # noqa: E402
 from fsdp_research.composition import compose  # noqa: E402
 from fsdp_research.config import typed  # noqa: E402
 from fsdp_research.data.pipeline import build_data  # noqa: E402
@@ -31,6 +32,7 @@ from fsdp_research.distributed import device_for, init_distributed, spawn  # noq
 from fsdp_research.initialization import init_weights, materialize  # noqa: E402
 from fsdp_research.metrics import PeakMemory  # noqa: E402
 from fsdp_research.models import block_class_name, build_hf_config, build_model, find_blocks  # noqa: E402
+from fsdp_research.optim.clipping import clip_grad_norm  # noqa: E402
 from fsdp_research.precision import dtypes  # noqa: E402
 from fsdp_research.preemption import Signals, agree  # noqa: E402
 from fsdp_research.sinks import JsonlSink, step_metrics  # noqa: E402
@@ -40,7 +42,8 @@ WARMUP = 10
 
 
 def bare_loop(cfg, steps: int) -> float:
-    """Seconds per step after warmup: fully_shard each block then the root, AdamW, nothing else."""
+    """Seconds per step after warmup: fully_shard each block then the root, AdamW, torch's clip_grad_norm_ where
+    the config clips (optim.grad_clip > 0, as the trainer does), nothing else."""
     t = cfg.trainer
     rank, world = dist.get_rank(), dist.get_world_size()
     hf_config = build_hf_config(cfg.model)
@@ -61,6 +64,8 @@ def bare_loop(cfg, steps: int) -> float:
         batch = data.rank_batch(s, t.global_batch_size, rank, world).to(device)
         logits = model(input_ids=batch[:, :-1]).logits
         F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad()
 
@@ -149,7 +154,14 @@ def itemize(cfg, out: str, calls: int = 300) -> None:
     os.makedirs(os.path.join(out, f"items_rank{dist.get_rank()}"), exist_ok=True)
     sink = JsonlSink(os.path.join(out, f"items_rank{dist.get_rank()}"), 0)
     row = {"step": 1, "time": 0.0, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0}
+    # A sharded model with gradients, as after backward (the bare loop clips with torch's clip_grad_norm_).
+    model, _ = build_sharded_model(cfg, build_hf_config(cfg.model), device, dist.get_world_size())
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
     items = {
+        (EVERY_STEP, f"the gradient norm and clipping (optim.grad_clip={cfg.optim.grad_clip:g})"): lambda: (
+            clip_grad_norm(model, cfg.optim.grad_clip)
+        ),
         (EVERY_STEP, "the step-boundary agreement (4 integers, control group)"): lambda: agree(signals, 0, 0.0),
         (EVERY_LOG, "the mean loss (an all-reduce)"): lambda: mean_over_ranks(loss),
         (EVERY_LOG, "peak memory (read, reset, a max all-reduce)"): lambda: (peak.window(), peak.reset()),
