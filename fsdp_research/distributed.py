@@ -210,7 +210,8 @@ def control_group() -> dist.ProcessGroup:
     global _control
     world = dist.group.WORLD
     if _control is None or _control[0] is not world:
-        _control = (world, world if dist.get_backend() == "gloo" else gloo_group())
+        # The fake backend (fsdp-research simulate) serves as it is: it has no peers to reach.
+        _control = (world, world if dist.get_backend() in ("gloo", "fake") else gloo_group())
     return _control[1]
 
 

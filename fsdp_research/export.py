@@ -148,14 +148,16 @@ def _gather_to(value: torch.Tensor, owner: int) -> torch.Tensor | None:
     if not isinstance(value, DTensor):
         return value if dist.get_rank() == owner else None
     mesh, world = value.device_mesh, dist.get_world_size()
-    if mesh.ndim != 1 or mesh.size() != world or value.placements != (Shard(0),) or value.dim() == 0:
+    in_order = mesh.mesh.tolist() == list(range(world))  # the mesh's coordinate i is rank i: alike on every rank
+    if not in_order or value.placements != (Shard(0),) or value.dim() == 0 or value.shape[0] == 0:
         full = value.full_tensor()
         return full if dist.get_rank() == owner else None
     rows = value.shape[0]
     chunk = -(-rows // world)
     local = value.to_local()
-    # On the group's device: a shard offloaded to the CPU goes to the GPU for NCCL.
-    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else "cpu"
+    # On the group's device: a shard offloaded to the CPU goes to the accelerator for NCCL.
+    kind = mesh.device_type
+    device = torch.device(kind, torch.get_device_module(kind).current_device()) if kind != "cpu" else "cpu"
     padded = torch.zeros((chunk, *value.shape[1:]), dtype=local.dtype, device=device)
     padded[: local.shape[0]] = local
     if dist.get_rank() != owner:

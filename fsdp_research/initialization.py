@@ -17,10 +17,12 @@ import zlib
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from .distributed import control_group
 from .errors import ConfigError
 from .models import as_built, clean_name
 from .recipes import Recipe, Unsupported, recording, replay
@@ -210,36 +212,48 @@ def _local_box(param: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
 def _recipes(model: nn.Module, path: str, skip: set[int], seed: int) -> list:
     """The group's construction and init recorded on meta stand-ins: per parameter, (parameter, name, the
-    constructor's note, its recipe or the real parameter an init assigned)."""
-    with recording() as recorder:
+    constructor's note, its recipe or the real parameter an init assigned). Raises Unsupported, before anything is
+    written, for whatever cannot be replayed row by row (any error while recording included: the full-size path
+    then runs the same init for real, and says what is wrong)."""
+    made: dict[int, str] = {}
+    try:
+        with recording() as recorder:
 
-        def make(module, name, param, where):
-            stand_in = nn.Parameter(torch.empty(param.shape, device="meta"))
-            recorder.add(stand_in)
-            return stand_in
+            def make(module, name, param, where):
+                stand_in = nn.Parameter(torch.empty(param.shape, device="meta"))
+                recorder.add(stand_in)
+                made[id(stand_in)] = where
+                return stand_in
 
-        kept = _initialised(model, path, skip, seed, make)
-    plans = []
-    for original, final, where, module, name in kept.values():
-        built, recipe = as_built(module, name), recorder.recipe(final)
-        if recipe is None and final.is_meta:
-            raise Unsupported(f"{where} is replaced by a parameter computed from others")
-        if recipe is not None:
-            recipe = Recipe(recipe.shape, [*(built.writes if isinstance(built, Recipe) else ()), *recipe.writes])
-            known = isinstance(built, torch.Tensor) or (
-                isinstance(built, tuple) and all(math.isfinite(v) for v in built)
-            )
-            if not (known or recipe.covers()):
-                raise _uninitialised(where, module)
-        plans.append((original, where, built, recipe if recipe is not None else final))
-    return plans
+            kept = _initialised(model, path, skip, seed, make)
+        return [_plan(recorder, made, *entry) for entry in kept.values()]
+    except Unsupported:
+        raise
+    except Exception as err:
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise Unsupported(f"{type(err).__name__} while recording: {first}") from None
+
+
+def _plan(recorder, made: dict[int, str], original, final, where: str, module: nn.Module, name: str) -> tuple:
+    built, recipe = as_built(module, name), recorder.recipe(final)
+    if final.is_meta and (recipe is None or made.get(id(final)) != where):
+        raise Unsupported(f"{where} is replaced by another parameter or a value computed from one")
+    if recipe is None:  # a real parameter the init assigned
+        return original, where, built, final
+    recipe = recipe.settled()
+    recipe = Recipe(recipe.shape, [*(built.writes if isinstance(built, Recipe) else ()), *recipe.writes])
+    known = isinstance(built, torch.Tensor) or (isinstance(built, tuple) and all(math.isfinite(v) for v in built))
+    if not (known or recipe.covers()):  # the full-size path tells a value never set from one set piecewise
+        raise Unsupported(f"{where} is not set whole by one write")
+    return original, where, built, recipe
 
 
 @torch.no_grad()
-def _init_group_by_shard(model: nn.Module, path: str, skip: set[int], seed: int) -> None:
+def _init_group_by_shard(model: nn.Module, path: str, skip: set[int], seed: int) -> str | None:
     """Replays the group's recipes on this rank's rows only (fsdp_research.recipes); raises Unsupported before
-    anything is written where they cannot be."""
-    group_seed = _group_seed(seed, path)
+    anything is written where they cannot be. Returns the name of a parameter left with unset values (NaN), if
+    any: a recorder bug, which every rank must hear of (see init_weights)."""
+    group_seed, unset = _group_seed(seed, path), None
     for original, where, built, recipe in _recipes(model, path, skip, seed):
         shape, offset = _local_box(original)
         if 0 in shape:
@@ -252,20 +266,37 @@ def _init_group_by_shard(model: nn.Module, path: str, skip: set[int], seed: int)
             values = recipe.detach().reshape(recipe.shape or (1,))[rows[0] : rows[1]].float()
         for dim in range(1, len(shape)):
             values = values.narrow(dim, offset[dim], shape[dim])
+        if unset is None and values.isnan().any():
+            unset = where
         target = original.to_local() if isinstance(original, DTensor) else original
         target.copy_(values.reshape(shape))
+    return unset
+
+
+def _agree_unset(unset: str | None) -> None:
+    """Every rank raises if any rank has a parameter left unset (one small all-reduce)."""
+    flag = torch.tensor([1.0 if unset else 0.0])
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=control_group())
+    if flag.item():
+        raise ConfigError(
+            "model.model_type",
+            f"{unset or 'a parameter on another rank'} has values its recorded init never set",
+            "report the family (a bug of fsdp_research.recipes); load pretrained weights meanwhile",
+        )
 
 
 def init_weights(model: nn.Module, blocks: Sequence[str], seed: int) -> None:
     """Initialise the materialized (possibly sharded) model: each block in turn, then everything outside them;
     each group by shard where its init replays row by row, else at full size (logged once, with the reason)."""
-    whole = []
+    whole, unset = [], None
     outside = {id(model.get_submodule(path)) for path in blocks}
     for path, skip in [*((path, set()) for path in blocks), ("", outside)]:
         try:
-            _init_group_by_shard(model, path, skip, seed)
+            unset = _init_group_by_shard(model, path, skip, seed) or unset
         except Unsupported as why:
             whole.append(f"{path or 'outside the blocks'} ({why})")
             _init_group_whole(model, path, skip, seed)
+    _agree_unset(unset)
     if whole:
         log.info("init: %d of %d groups at full size: %s", len(whole), len(blocks) + 1, whole[0])

@@ -12,7 +12,7 @@ from torch.nn.modules.module import register_module_module_registration_hook
 
 from .config import ModelConfig
 from .errors import ConfigError
-from .recipes import Recipe, Recorder, recording
+from .recipes import Recipe, Recorder, Unsupported, recording
 from .targets import build as build_target
 
 # model's own keys: with model._target_ the others are the factory's keyword arguments.
@@ -109,7 +109,9 @@ def _to_meta(module: nn.Module, keep_all: bool = False, recorder: Recorder | Non
                 m.__dict__.setdefault("_as_built", {})[name] = _noted(param, keep_all)
                 m._parameters[name] = _meta(param)
             elif recorder is not None and recorder.recipe(param) is not None:
-                m.__dict__.setdefault("_as_built", {})[name] = recorder.recipe(param)
+                # What the constructor wrote so far (a family's later init is the group init's to replay).
+                with contextlib.suppress(Unsupported):
+                    m.__dict__.setdefault("_as_built", {})[name] = recorder.recipe(param).settled()
 
 
 @contextlib.contextmanager

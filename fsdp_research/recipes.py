@@ -55,6 +55,7 @@ class Write:
     args: tuple
     kwargs: dict
     sliced: tuple[int, ...]  # positions in args of real tensors of the region's shape: cut to the rows replayed
+    versions: tuple[tuple[torch.Tensor, int], ...] = ()  # the tensor arguments, as they were when written
 
     @property
     def fills(self) -> bool:
@@ -65,6 +66,16 @@ class Write:
 class Recipe:
     shape: tuple[int, ...]
     writes: list[Write] = field(default_factory=list)
+    # Why a write into it cannot be replayed: kept even where the code that made the write caught the error.
+    failed: str | None = None
+
+    def settled(self) -> "Recipe":
+        """A copy of the writes so far, each argument checked unchanged since (a later in-place change of a
+        copied tensor would go unseen); raises Unsupported where a write could not be recorded."""
+        changed = any(t._version != v for w in self.writes for t, v in w.versions)
+        if self.failed or changed:
+            raise Unsupported(self.failed or "a tensor written into a parameter changed afterwards")
+        return Recipe(self.shape, list(self.writes))
 
     def covers(self) -> bool:
         """A write that sets every value without reading it (what was there before never shows)."""
@@ -85,13 +96,25 @@ def _count(inner) -> int:
     return math.prod(inner[0])
 
 
-def _region(view: torch.Tensor, shape: tuple[int, ...]) -> tuple[tuple[int, int], tuple, bool]:
-    """Which rows of a parameter of `shape` the view covers, and where in each row."""
+def _overlaps(dims, strides) -> bool:
+    """Whether two elements of the view share a place (a stride-0 expand, an as_strided overlap)."""
+    reach = 0
+    for s, n in sorted((s, n) for n, s in zip(dims, strides) if n > 1):
+        if s <= reach:
+            return True
+        reach += (n - 1) * s
+    return False
+
+
+def _region(view: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tuple[int, int], tuple, bool]:
+    """Which rows of a parameter of `shape` and `dtype` the view covers, and where in each row."""
     size, offset = _row_size(shape), view.storage_offset()
     dims, strides = tuple(view.shape), tuple(view.stride())
     extent = sum((n - 1) * s for n, s in zip(dims, strides) if n > 0)
-    if any(s < 0 for s in strides):
-        raise Unsupported("a view with negative strides")
+    if view.dtype != dtype:
+        raise Unsupported(f"a {view.dtype} view of a {dtype} parameter")
+    if size == 0 or any(s < 0 for s in strides) or _overlaps(dims, strides):
+        raise Unsupported("a view with negative or overlapping strides, or of an empty row")
     if len(shape) >= 1 and len(dims) == len(shape) and (dims[0] == 1 or strides[0] == size):
         inner = (dims[1:], strides[1:], offset % size)
         if inner[2] + sum((n - 1) * s for n, s in zip(dims[1:], strides[1:]) if n > 0) < size:
@@ -109,16 +132,30 @@ class _Bases:
     def __init__(self):
         self.recipes: dict[int, tuple[torch.Tensor, Recipe]] = {}
 
-    def add(self, tensor: torch.Tensor, recipe: Recipe | None = None) -> Recipe:
-        recipe = recipe or Recipe(tuple(tensor.shape))
+    def add(self, tensor: torch.Tensor) -> Recipe:
+        recipe = Recipe(tuple(tensor.shape))
         self.recipes[tensor.untyped_storage()._cdata] = (tensor, recipe)  # the tensor kept: its storage not reused
         return recipe
 
     def of(self, tensor) -> Recipe | None:
+        """The recipe of the recorded tensor whose storage `tensor` shares (a view of it, or itself)."""
         if isinstance(tensor, torch.Tensor) and tensor.is_meta:
             found = self.recipes.get(tensor.untyped_storage()._cdata)
             return found[1] if found else None
         return None
+
+    def base(self, tensor) -> torch.Tensor | None:
+        if isinstance(tensor, torch.Tensor) and tensor.is_meta:
+            found = self.recipes.get(tensor.untyped_storage()._cdata)
+            return found[0] if found else None
+        return None
+
+    def refuse(self, tensor, reason: str) -> Unsupported:
+        """The error for a write into `tensor` that cannot be recorded, noted on its recipe for good."""
+        recipe = self.of(tensor)
+        if recipe is not None and recipe.failed is None:
+            recipe.failed = reason
+        return Unsupported(reason)
 
 
 class _WriteGuard(TorchDispatchMode):
@@ -135,7 +172,7 @@ class _WriteGuard(TorchDispatchMode):
                 if arg.alias_info is not None and arg.alias_info.is_write:
                     value = args[i] if i < len(args) else kwargs.get(arg.name)
                     if self.bases.of(value) is not None:
-                        raise Unsupported(f"{func} writes a parameter")
+                        raise self.bases.refuse(value, f"{func} writes a parameter")
         return func(*args, **kwargs)
 
 
@@ -152,7 +189,10 @@ class Recorder(TorchFunctionMode):
         return self.bases.add(tensor)
 
     def recipe(self, tensor: torch.Tensor) -> Recipe | None:
-        return self.bases.of(tensor)
+        """The recipe of a recorded tensor itself (None for a view of one: its rows are not the recipe's)."""
+        base = self.bases.base(tensor)
+        same = base is not None and tensor.shape == base.shape and tensor.stride() == base.stride()
+        return self.bases.of(tensor) if same and tensor.storage_offset() == 0 and tensor.dtype == base.dtype else None
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -177,17 +217,20 @@ class Recorder(TorchFunctionMode):
             return self._write(func, target, first, rest, named, lambda: func(*args, **kwargs))
         mutates = name.endswith("_") and not name.startswith("__") and name != "requires_grad_"
         if mutates or "out" in kwargs or func == torch.Tensor.data.__set__:
-            raise Unsupported(f"{name or func} on a parameter")
+            tracked = next(t for t in tree_flatten((args, kwargs))[0] if self.bases.of(t) is not None)
+            raise self.bases.refuse(tracked, f"{name or func} on a parameter")
         return func(*args, **kwargs)  # a read: its result is meta, and a write of it raises above
 
     def _factory(self, func, args, kwargs):
         size = kwargs.get("size", args[0] if len(args) == 1 and isinstance(args[0], (tuple, list)) else args)
         dims = [int(d) for d in size] if all(isinstance(d, int) for d in size) else None
+        # float32 only: replay draws in float32.
         dtype = kwargs.get("dtype") or torch.get_default_dtype()
         if (
             dims is None
             or math.prod(dims) <= self.large
-            or not dtype.is_floating_point
+            or dtype != torch.float32
+            or "out" in kwargs
             or kwargs.get("device") not in (None, "cpu", torch.device("cpu"))
         ):
             return func(*args, **kwargs)
@@ -201,24 +244,29 @@ class Recorder(TorchFunctionMode):
     def _write(self, func, recipe: Recipe | None, view: torch.Tensor, args: tuple, kwargs: dict, run):
         if recipe is None:
             raise Unsupported(f"{func.__name__} of a parameter into another tensor")
-        rows, inner, row_dim = _region(view, recipe.shape)
+        try:
+            rows, inner, row_dim = _region(view, recipe.shape, self.bases.base(view).dtype)
+        except Unsupported as why:
+            raise self.bases.refuse(view, str(why)) from None
         sliced = []
         for i, arg in enumerate(args):
             if not isinstance(arg, torch.Tensor):
                 continue
             if arg.is_meta:
-                raise Unsupported(f"{func.__name__} of a value computed from a parameter")
+                raise self.bases.refuse(view, f"{func.__name__} of a value computed from a parameter")
             # A tensor of the region's rows is cut to the rows replayed; one broadcast over them is kept whole.
             if row_dim and arg.dim() == view.dim() and arg.shape[0] == view.shape[0] > 1:
                 sliced.append(i)
-        if any(isinstance(v, torch.Tensor) and v.is_meta for v in kwargs.values()):
-            raise Unsupported(f"{func.__name__} of a value computed from a parameter")
-        recipe.writes.append(Write(func, rows, inner, row_dim, tuple(args), dict(kwargs), tuple(sliced)))
+        if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+            raise self.bases.refuse(view, f"{func.__name__} with a tensor passed by name")
         self.guard.allowed += 1
         try:
-            return run()
+            result = run()
         finally:
             self.guard.allowed -= 1
+        versions = tuple((a, a._version) for a in args if isinstance(a, torch.Tensor))
+        recipe.writes.append(Write(func, rows, inner, row_dim, tuple(args), dict(kwargs), tuple(sliced), versions))
+        return result
 
 
 def _shaped(func, args, kwargs) -> tuple:
@@ -239,8 +287,8 @@ def _shaped(func, args, kwargs) -> tuple:
 
 # torch.nn.init functions that return at once on the meta device and are not seen by a TorchFunctionMode: while
 # recording, each name bound to one of them anywhere (modules import them by name) is a wrapper that records it
-# (trunc_normal_, elementwise) or refuses (orthogonal_, eye_, dirac_: not row by row).
-_SHORTCUTS = ("trunc_normal_", "orthogonal_", "eye_", "dirac_")
+# (trunc_normal_, elementwise) or refuses (orthogonal_, eye_, dirac_, sparse_: not row by row).
+_SHORTCUTS = ("trunc_normal_", "orthogonal_", "eye_", "dirac_", "sparse_")
 _ACTIVE: list[Recorder] = []
 _bound: tuple[int, list] = (0, [])
 
@@ -253,7 +301,7 @@ def _wrapper(original):
         if recipe is None:
             return original(tensor, *args, **kwargs)
         if original.__name__ != "trunc_normal_":
-            raise Unsupported(f"{original.__name__} is not elementwise")
+            raise recorder.bases.refuse(tensor, f"{original.__name__} is not elementwise")
         return recorder._write(original, recipe, tensor, args, kwargs, lambda: tensor)
 
     return wrapped
