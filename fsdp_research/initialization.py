@@ -226,6 +226,8 @@ def _recipes(model: nn.Module, path: str, skip: set[int], seed: int) -> list:
                 return stand_in
 
             kept = _initialised(model, path, skip, seed, make)
+        if recorder.read_back:
+            raise Unsupported("the init reads a value back")
         return [_plan(recorder, made, *entry) for entry in kept.values()]
     except Unsupported:
         raise

@@ -171,7 +171,7 @@ def build_model(hf_config, seed: int = 0, values: bool = True) -> nn.Module:
                 model = _built(hf_config, seed, recorder)
         except Exception:  # a constructor that needs a large parameter's values: built for real below
             pass
-        if model is None or not _recorded(model):
+        if model is None or recorder.read_back or not _recorded(model):
             model = _built(hf_config, seed, None)
     except (ValueError, TypeError, AttributeError, RuntimeError) as err:
         raise ConfigError(

@@ -159,14 +159,17 @@ class _Bases:
 
 
 class _WriteGuard(TorchDispatchMode):
-    """Every aten write to a recorded tensor must come from a write the recorder saw."""
+    """Every aten write to a recorded tensor must come from a write the recorder saw; and a value read back from
+    the meta device (what code that catches the error would replace by a guess) is noted."""
 
     def __init__(self, bases: _Bases):
         super().__init__()
-        self.bases, self.allowed = bases, 0
+        self.bases, self.allowed, self.read_back = bases, 0, False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            self.read_back = True
         if not self.allowed:
             for i, arg in enumerate(func._schema.arguments):
                 if arg.alias_info is not None and arg.alias_info.is_write:
@@ -177,8 +180,9 @@ class _WriteGuard(TorchDispatchMode):
 
 
 class Recorder(TorchFunctionMode):
-    """Records the writes to the tensors added to it (used through `recording`); with factories=True, a float
-    factory call of more than `large` elements makes a recorded meta tensor (its fill the recipe's first write)."""
+    """Records the writes to the tensors added to it (used through `recording`); with factories=True, a float32
+    factory call of more than `large` elements makes a recorded meta tensor (its fill the recipe's first write).
+    `read_back`: some code read a value of the meta device (and may have caught the error)."""
 
     def __init__(self, factories: bool = False, large: int = CHUNK):
         super().__init__()
@@ -187,6 +191,10 @@ class Recorder(TorchFunctionMode):
 
     def add(self, tensor: torch.Tensor) -> Recipe:
         return self.bases.add(tensor)
+
+    @property
+    def read_back(self) -> bool:
+        return self.guard.read_back
 
     def recipe(self, tensor: torch.Tensor) -> Recipe | None:
         """The recipe of a recorded tensor itself (None for a view of one: its rows are not the recipe's)."""
@@ -211,6 +219,8 @@ class Recorder(TorchFunctionMode):
         target = self.bases.of(first)
         if func is torch.Tensor.__setitem__:
             view = args[0][args[1]]
+            if self.bases.of(view) is None:  # advanced indexing: a copy, not a view
+                raise self.bases.refuse(args[0], "an indexed write that is not a view")
             fill = torch.Tensor.copy_ if isinstance(args[2], torch.Tensor) else torch.Tensor.fill_
             return self._write(fill, self.bases.of(view), view, (args[2],), {}, lambda: func(*args, **kwargs))
         if target is not None and (name in _METHODS or (module == "torch.nn.init" and name in _INIT)):

@@ -10,12 +10,14 @@ from fsdp_research.recipes import CHUNK, Recipe, Unsupported, recording, replay
 
 
 def _recorded(shape, write) -> Recipe:
-    """The recipe of a meta tensor of `shape` after write(tensor), settled."""
+    """The recipe of a meta tensor of `shape` after write(tensor), settled (as initialization checks it)."""
     with recording() as recorder:
         tensor = nn.Parameter(torch.empty(shape, device="meta"))
         recipe = recorder.add(tensor)
         with torch.no_grad():
             write(tensor)
+    if recorder.read_back:
+        raise Unsupported("a value read back")
     return recipe.settled()
 
 
@@ -54,6 +56,22 @@ def _swallowed(p):
         pass
 
 
+def _read_back_swallowed(p):
+    try:
+        scale = p.abs().max().item()
+    except Exception:
+        scale = 1.0
+    p.fill_(scale)
+
+
+def _indexed_swallowed(p):
+    p.zero_()
+    try:
+        p[[1, 3]] = 1.0
+    except Exception:
+        pass
+
+
 def _copied_then_changed(p):
     source = torch.ones(p.shape)
     p.copy_(source)
@@ -64,6 +82,8 @@ def _copied_then_changed(p):
     "write",
     [
         _swallowed,  # a refusal the caller caught still refuses
+        _indexed_swallowed,  # an indexed write (a copy, not a view), its error caught
+        _read_back_swallowed,  # a value read back from the meta device, its error caught
         _copied_then_changed,  # a tensor copied in, changed afterwards
         lambda p: nn.init.sparse_(p, 0.5),  # returns at once on the meta device
         lambda p: p[:, :1].expand(p.shape[0], 400).fill_(1.0),  # one place written many times
@@ -71,7 +91,17 @@ def _copied_then_changed(p):
         lambda p: p.add_(other=torch.ones(p.shape)),  # a tensor passed by name is not cut to the rows
         lambda p: p.copy_(p.t().t() * 2),  # a value computed from the parameter
     ],
-    ids=["swallowed", "changed-source", "sparse", "expanded", "dtype-view", "tensor-by-name", "computed"],
+    ids=[
+        "swallowed",
+        "indexed",
+        "read-back",
+        "changed-source",
+        "sparse",
+        "expanded",
+        "dtype-view",
+        "tensor-by-name",
+        "computed",
+    ],
 )
 def test_what_cannot_be_replayed_refuses(write):
     with pytest.raises(Unsupported):
