@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     overrides = ["model=llama_1b", "logger=none", "trainer.global_batch_size=16", *args.overrides]
-    print(f"{' '.join(overrides)}: per rank, the slowest rank's wall s / CPU s / peak RSS GiB / shard GiB")
+    print(f"{' '.join(overrides)}: per phase, the largest over ranks of wall s / CPU s / peak RSS GiB / shard GiB")
     with tempfile.TemporaryDirectory() as tmp:
         for world in args.worlds:
             out = os.path.join(tmp, f"{world}.json")

@@ -168,15 +168,14 @@ def _gather_to(value: torch.Tensor, owner: int) -> torch.Tensor | None:
     return full[:rows]
 
 
-def write_parts(model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtype, shard_size: int) -> int:
+def write_parts(model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtype, shard_size: int) -> None:
     """This rank's part of an export (a collective, every rank calls it): group i of the model's weights is
-    gathered to rank i % world, which writes it into parts/<i>/, one round of world groups at a time. Returns the
-    bytes of the tensors this rank wrote."""
+    gathered to rank i % world, which writes it into parts/<i>/, one round of world groups at a time."""
     inner = getattr(model, "module", model)
     state = get_model_state_dict(inner)
     rank, world = dist.get_rank(), dist.get_world_size()
     write = _hf_writer(hf_config, dtype, shard_size) if hf_config is not None else _state_writer(dtype, shard_size)
-    groups, written = _groups(inner, list(state)), 0
+    groups = _groups(inner, list(state))
     for first in range(0, len(groups), world):
         mine: dict[str, torch.Tensor] = {}
         for i in range(first, min(first + world, len(groups))):
@@ -186,9 +185,7 @@ def write_parts(model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtyp
                     mine[name] = full.detach().cpu()
         if mine:
             write(mine, os.path.join(parts, f"{first + rank:06d}"))
-            written += sum(t.numel() for t in mine.values()) * dtype.itemsize
         del mine
-    return written
 
 
 def export_model(

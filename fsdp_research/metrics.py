@@ -76,6 +76,15 @@ def loss_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     return out
 
 
+def rss() -> float:
+    """This process's resident memory now, in bytes."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(float(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # the peak: the best left
+
+
 def rss_peak() -> float:
     """This process's peak resident memory in bytes since it started or since reset_rss_peak."""
     try:

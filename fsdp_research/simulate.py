@@ -18,13 +18,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from .build import planned_model
 from .export import export_dtype, parse_size, write_parts
 from .initialization import init_weights, materialize
-from .metrics import reset_rss_peak, rss_peak
-from .models import pretrained_dir
+from .losses import check_chunkable
+from .metrics import reset_rss_peak, rss, rss_peak
 from .optim.build import build_optimizer
 from .planner.memory import memory
 from .planner.summary import run_settings, summarize
 from .precision import build_mp_policy
-from .pretrained import load_pretrained
 from .sharding import apply_fsdp, build_mesh, local_shard
 
 # A forward and backward is run where its FLOPs (6 per parameter per token, embedding and head included) stay
@@ -45,11 +44,6 @@ class Phase:
     note: str = ""
 
 
-def _rss() -> float:
-    with open("/proc/self/status") as status:
-        return next(float(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-
-
 @contextlib.contextmanager
 def measured(phases: list[Phase], name: str, device: torch.device) -> Iterator[Phase]:
     phase = Phase(name)
@@ -60,7 +54,7 @@ def measured(phases: list[Phase], name: str, device: torch.device) -> Iterator[P
     yield phase
     phase.seconds = round(time.perf_counter() - start, 3)
     phase.cpu_seconds = round(time.process_time() - cpu, 3)
-    phase.rss_gib, phase.peak_rss_gib = round(_rss() / 2**30, 3), round(rss_peak() / 2**30, 3)
+    phase.rss_gib, phase.peak_rss_gib = round(rss() / 2**30, 3), round(rss_peak() / 2**30, 3)
     if device.type == "cuda":
         phase.device_peak_gib = round(torch.cuda.max_memory_allocated(device) / 2**30, 3)
     phases.append(phase)
@@ -77,13 +71,20 @@ def shard_checksum(model: torch.nn.Module) -> float:
 
 
 def _fits(cfg: DictConfig, model: torch.nn.Module, blocks: list[str]) -> tuple[bool, str]:
-    """Whether one block's forward and backward, with the embedding and head, fits this machine's budget."""
+    """Whether one block's forward and backward, with the embedding and head, fits the budget; not where the
+    blocks lie in several lists (the others' blocks would run too)."""
+    if not blocks:
+        return False, "skipped: no blocks"
+    if len({path.rpartition(".")[0] for path in blocks}) > 1:
+        return False, "skipped: the blocks are not one list"
     tokens = cfg.trainer.micro_batch_size * cfg.data.seq_len
     inside = {id(p) for path in blocks for p in model.get_submodule(path).parameters()}
     first = sum(p.numel() for p in model.get_submodule(blocks[0]).parameters()) if blocks else 0
     rest = sum(p.numel() for p in model.parameters() if id(p) not in inside)
     flops = 6 * tokens * (first + rest)
-    return flops <= FLOPS_BUDGET, f"{flops / 1e12:.1f} TFLOP"
+    if flops > FLOPS_BUDGET:
+        return False, f"skipped: {flops / 1e12:.1f} TFLOP over the budget ({FLOPS_BUDGET:.0e})"
+    return True, f"{flops / 1e12:.1f} TFLOP, embedding and head included"
 
 
 @contextlib.contextmanager
@@ -132,24 +133,25 @@ def _save_plan_bytes(model: torch.nn.Module, optimizer) -> tuple[int, int]:
 
 
 def set_up_shard(cfg: DictConfig, hf_config, device: torch.device, phases: list[Phase]):
-    """Plan, shard and initialise this rank's shard as the trainer does (a collective), each phase measured into
-    phases; returns the model, its plan and the planner's memory for it."""
+    """Plan, shard and initialise this rank's shard as the trainer does (build.shard_model's steps, from the
+    config: no pretrained weights, no torch DDP; a collective), each phase measured into phases; returns the
+    model, its plan and the planner's memory for it."""
     world = dist.get_world_size()
     with measured(phases, "plan", device) as phase:
         model, plan = planned_model(cfg, hf_config)
-        mem = memory(summarize(cfg, model, plan, hf_config), run_settings(cfg, world, device.type))
         phase.note = f"{len(plan.units)} units, {sum(p.numel() for p in model.parameters()):,} parameters"
+    mem = memory(summarize(cfg, model, plan, hf_config), run_settings(cfg, world, device.type))  # not timed
     with measured(phases, "shard", device):
         mesh = build_mesh(cfg.sharding, device.type, world)
         apply_fsdp(model, plan, mesh, build_mp_policy(cfg.precision), cfg.sharding)
     with measured(phases, "init", device) as phase:
         materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, device)
-        if cfg.model.load_weights:
-            load_pretrained(model, pretrained_dir(cfg.model.name_or_path))
-        else:
-            init_weights(model, plan.blocks, cfg.trainer.seed)
+        init_weights(model, plan.blocks, cfg.trainer.seed)
         phase.tensors = {"params": local_bytes(model.parameters())}
         phase.predicted = {"params": mem.sharded_params}
+    if cfg.loss.chunks > 1:  # the trainer's check at start (shard_model)
+        with torch.no_grad():
+            check_chunkable(model, device)
     return model, plan, mem
 
 
@@ -168,22 +170,21 @@ def simulate(cfg: DictConfig, hf_config, device: torch.device, scratch: str) -> 
         optimizer.zero_grad(set_to_none=True)
         phase.tensors["optimizer"] = local_bytes(v for s in optimizer.state.values() for v in s.values())
         phase.predicted = {"grads": mem.sharded_grads, "optimizer": mem.optimizer}
-    fits, flops = _fits(cfg, model, plan.blocks)
+    fits, phase_note = _fits(cfg, model, plan.blocks)
     with measured(phases, "forward/backward (first block)", device) as phase:
-        if fits and plan.blocks:
+        if fits:
             _forward_backward(cfg, model, plan.blocks, device)
-            phase.note = f"{flops}, embedding and head included"
-        else:
-            phase.note = f"skipped: {flops} over this machine's budget"
-        phase.predicted = {"peak": mem.peak}
+        phase.note = phase_note
+        phase.predicted = {"step peak, all blocks": mem.peak}  # not this phase's: the step the plan is for
     with measured(phases, "save plan", device) as phase:
         items, total = _save_plan_bytes(model, optimizer)
         phase.tensors = {"saved": total}
         phase.predicted = {"saved": mem.sharded_params + mem.optimizer}
         phase.note = f"{items} items"
     with measured(phases, "export", device) as phase:
-        size = parse_size(cfg.checkpoint.export_shard_size)
-        written = write_parts(model, hf_config, os.path.join(scratch, "parts"), export_dtype(cfg), size)
+        size, parts = parse_size(cfg.checkpoint.export_shard_size), os.path.join(scratch, "parts")
+        write_parts(model, hf_config, parts, export_dtype(cfg), size)
+        written = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(parts) for f in files)
         phase.tensors = {"written": written}
         phase.note = "this rank's part" if written else "no group falls to this rank"
     return phases, checksum

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -63,18 +64,25 @@ def _real(out_dir: str) -> dict:
     from fsdp_research.distributed import init_distributed
     from fsdp_research.models import build_hf_config
     from fsdp_research.optim.build import build_optimizer
-    from fsdp_research.simulate import local_bytes, shard_checksum
 
     cfg = compose(OVERRIDES)
     init_distributed(typed(cfg).distributed, torch.device("cpu"))
     with _Largest() as made:
         model, plan = build_sharded_model(cfg, build_hf_config(cfg.model), torch.device("cpu"), dist.get_world_size())
-    figures = {"largest": made.largest, "checksum": shard_checksum(model), "params": local_bytes(model.parameters())}
+    shards = [p.to_local() for p in model.parameters()]
+    figures = {
+        "largest": made.largest,
+        "checksum": sum(float(s.double().sum()) for s in shards),
+        "params": sum(s.numel() * s.element_size() for s in shards),
+    }
     optimizer, _ = build_optimizer(model, cfg, plan.blocks)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     optimizer.step()
-    figures["optimizer"] = local_bytes(v for s in optimizer.state.values() for v in s.values())
+    state = [v for s in optimizer.state.values() for v in s.values()]
+    figures["optimizer"] = sum(
+        (v.to_local() if isinstance(v, DTensor) else v).numel() * v.element_size() for v in state
+    )
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=out_dir)
     every = [None] * dist.get_world_size()
@@ -132,24 +140,34 @@ def test_a_simulated_rank_is_the_real_rank(runs):
         assert phases["optimizer"]["tensors"]["optimizer"] == real["optimizer"]
         # The planner leaves out AdamW's step counters (a scalar per parameter).
         assert 0 <= real["optimizer"] - phases["optimizer"]["predicted"]["optimizer"] <= 8 * len(eight["weights"])
-        # The save plan's bytes are what DCP wrote for this rank, less its framing of each item (torch.save's).
-        written = os.path.getsize(glob.glob(str(out / "dcp8" / f"__{rank}_*.distcp"))[0])
-        items = int(phases["save plan"]["note"].split()[0])
-        assert 0 <= written - phases["save plan"]["tensors"]["saved"] < 2048 * items
-        assert (
-            "forward/backward (first block)" in phases
-            and "skipped" not in phases["forward/backward (first block)"]["note"]
-        )
+        # The save plan's bytes are what DCP wrote for this rank, less its framing of each item (torch.save's),
+        # the items counted in the checkpoint's own metadata.
+        path = glob.glob(str(out / "dcp8" / f"__{rank}_*.distcp"))[0]
+        stored = FileSystemReader(str(out / "dcp8")).read_metadata().storage_data.values()
+        items = sum(1 for s in stored if s.relative_path == os.path.basename(path))
+        assert 0 <= os.path.getsize(path) - phases["save plan"]["tensors"]["saved"] < 2048 * items
+        assert phases["optimizer"]["tensors"]["grads"] == real["params"] == phases["optimizer"]["predicted"]["grads"]
+        assert 0 < phases["export"]["tensors"]["written"] or "no group" in phases["export"]["note"]
+        assert "TFLOP, embedding and head included" in phases["forward/backward (first block)"]["note"]
         assert f"rank {rank} of 8" in stdout and "shard checksum" in stdout
 
 
-def test_a_rank_outside_the_world_is_refused():
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["world_size=4", "rank=4"], "error: rank: 4 is not a rank of world_size=4"),
+        (["rank=1"], "error: world_size: is not given"),
+        (["world_size=2", "model.load_weights=true"], "error: model.load_weights: simulate initialises"),
+    ],
+    ids=["rank", "world_size", "load_weights"],
+)
+def test_bad_input_is_one_line_before_anything_runs(args, error):
     done = subprocess.run(
-        [sys.executable, "-m", "fsdp_research", "simulate", *MODEL, "world_size=4", "rank=4"],
+        [sys.executable, "-m", "fsdp_research", "simulate", *MODEL, "trainer.micro_batch_size=2", *args],
         env=subprocess_env(),
         capture_output=True,
         text=True,
         timeout=120,
     )
-    assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].startswith("error: rank: 4 is not a rank of world_size=4")
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert done.stderr.startswith(error)

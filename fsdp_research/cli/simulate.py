@@ -7,6 +7,7 @@ paid for."""
 import argparse
 import json
 import logging
+import os
 import shutil
 import sys
 import tempfile
@@ -14,6 +15,8 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
+from ..composition import compose
+from ..config import Strategy
 from ..distributed import device_for
 from ..errors import ConfigError
 from ..simulate import Phase, as_dict, simulate
@@ -67,23 +70,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-research simulate", description=__doc__.split(":", 1)[1].strip())
     parser.add_argument("overrides", nargs="*", help="Hydra overrides as for train.py, world_size=N and rank=R")
     parser.add_argument("--json", metavar="PATH", help="also write the phases as JSON")
-    parser.add_argument("--scratch", metavar="DIR", help="where the export part goes (default: a temporary dir)")
+    parser.add_argument(
+        "--scratch", metavar="DIR", help="where the export part goes, DIR/parts/ (default: a temporary dir, removed)"
+    )
     args = parser.parse_intermixed_args(argv)
     try:
-        launch, overrides = split_launch(args.overrides)
-        rank, overrides = _rank(overrides)
-        _check_rank(rank, launch.get("world_size", rank + 1))  # before the config's own checks
-        cfg, hf_config, world = checked_config(overrides, launch.get("world_size", 0))
-        _check_rank(rank, world)
+        cfg, hf_config, world, rank = _checked(args)
     except ConfigError as err:
         return fail(err)
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
-    scratch = args.scratch or tempfile.mkdtemp(prefix="fsdp-simulate-")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    scratch = args.scratch or tempfile.mkdtemp(prefix="fsdp-simulate-")
     try:
+        shutil.rmtree(os.path.join(scratch, "parts"), ignore_errors=True)  # an earlier run's part
         phases, checksum = simulate(cfg, hf_config, device_for(cfg.trainer.device, 0), scratch)
+    except ConfigError as err:
+        return fail(err)
     finally:
         dist.destroy_process_group()
         if not args.scratch:
@@ -94,3 +98,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w") as out:
             json.dump({"world_size": world, "rank": rank, "checksum": checksum, "phases": as_dict(phases)}, out)
     return 0
+
+
+def _checked(args) -> tuple:
+    """(config, HF config, world size, rank), every input checked before anything runs."""
+    launch, overrides = split_launch(args.overrides)
+    if "nodes" in launch:
+        raise ConfigError("nodes", "simulate runs one rank of world_size ranks", "drop nodes=, give world_size=N")
+    if "world_size" not in launch:
+        raise ConfigError("world_size", "is not given", "give the job's ranks, e.g. world_size=1024")
+    rank, overrides = _rank(overrides)
+    _check_rank(rank, launch["world_size"])
+    for flag, path in (
+        ("--json", args.json and os.path.dirname(os.path.abspath(args.json))),
+        ("--scratch", args.scratch),
+    ):
+        if path and not (os.path.isdir(path) and os.access(path, os.W_OK)):
+            raise ConfigError(flag, f"{path} is not a writable directory", "make it, or give another path")
+    composed = compose(overrides)
+    if composed.model.load_weights:
+        raise ConfigError(
+            "model.load_weights",
+            "simulate initialises from the config (the loader's check sums over ranks, which the fake backend skips)",
+            "simulate the same shapes with model.load_weights=false",
+        )
+    if composed.sharding.strategy == Strategy.ddp_classic:
+        raise ConfigError("sharding", "ddp_classic is torch's DDP, which simulate does not set up", "use sharding=ddp")
+    cfg, hf_config, world = checked_config(overrides, launch["world_size"])
+    return cfg, hf_config, world, rank
