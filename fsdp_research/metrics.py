@@ -76,22 +76,23 @@ def loss_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     return out
 
 
-def rss() -> float:
-    """This process's resident memory now, in bytes."""
+def _status_bytes(field: str) -> float:
+    """A VmRSS/VmHWM figure of this process in bytes; the lifetime peak where /proc cannot tell (KiB on Linux)."""
     try:
         with open("/proc/self/status") as status:
-            return next(float(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+            return next(float(line.split()[1]) * 1024 for line in status if line.startswith(f"{field}:"))
     except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # the peak: the best left
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+
+
+def rss() -> float:
+    """This process's resident memory now, in bytes."""
+    return _status_bytes("VmRSS")
 
 
 def rss_peak() -> float:
     """This process's peak resident memory in bytes since it started or since reset_rss_peak."""
-    try:
-        with open("/proc/self/status") as status:
-            return next(float(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0  # KiB on Linux; never reset
+    return _status_bytes("VmHWM")
 
 
 def reset_rss_peak() -> None:

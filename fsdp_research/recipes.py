@@ -79,13 +79,17 @@ class Recipe:
 
     def covers(self) -> bool:
         """A write that sets every value without reading it (what was there before never shows)."""
-        rows = self.shape[0] if self.shape else 1
+        rows = _rows(self.shape)
         return any(
             w.fills
             and w.rows == (0, rows)
             and _count(w.inner) * (rows if w.row_dim else 1) == rows * _row_size(self.shape)
             for w in self.writes
         )
+
+
+def _rows(shape) -> int:  # a scalar is one row of one element
+    return shape[0] if shape else 1
 
 
 def _row_size(shape) -> int:
@@ -351,12 +355,12 @@ def recording(factories: bool = False, large: int = CHUNK) -> Iterator[Recorder]
 
 def _whole(func, shape: tuple[int, ...], args: tuple) -> Write:
     size = _row_size(shape)
-    return Write(func, (0, shape[0] if shape else 1), ((size,), (1,), 0), True, args, {}, ())
+    return Write(func, (0, _rows(shape)), ((size,), (1,), 0), True, args, {}, ())
 
 
 def _chunks(shape, first: int, last: int) -> Iterator[tuple[int, int, int]]:
     """(index, first row, end row) of the chunks holding rows first..last-1."""
-    rows, per = (shape[0] if shape else 1), max(1, CHUNK // max(1, _row_size(shape)))
+    rows, per = _rows(shape), max(1, CHUNK // max(1, _row_size(shape)))
     for k in range(first // per, -(-last // per)):
         yield k, k * per, min(rows, (k + 1) * per)
 

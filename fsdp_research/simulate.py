@@ -4,6 +4,7 @@ save plan and export part, each phase timed and measured beside the planner's pr
 communication time, and memory a collective's output would touch (the fake backend leaves it untouched)."""
 
 import contextlib
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -79,7 +80,7 @@ def _fits(cfg: DictConfig, model: torch.nn.Module, blocks: list[str]) -> tuple[b
         return False, "skipped: the blocks are not one list"
     tokens = cfg.trainer.micro_batch_size * cfg.data.seq_len
     inside = {id(p) for path in blocks for p in model.get_submodule(path).parameters()}
-    first = sum(p.numel() for p in model.get_submodule(blocks[0]).parameters()) if blocks else 0
+    first = sum(p.numel() for p in model.get_submodule(blocks[0]).parameters())
     rest = sum(p.numel() for p in model.parameters() if id(p) not in inside)
     flops = 6 * tokens * (first + rest)
     if flops > FLOPS_BUDGET:
@@ -121,15 +122,8 @@ def _save_plan_bytes(model: torch.nn.Module, optimizer) -> tuple[int, int]:
     planner = DefaultSavePlanner()
     planner.set_up_planner({"model": model_state, "optim": optim_state}, None, dist.get_rank() == 0)
     plan = planner.create_local_plan()
-    total = 0
-    for item in plan.items:
-        if item.tensor_data is not None:
-            sizes = item.tensor_data.chunk.sizes
-            numel = 1
-            for size in sizes:
-                numel *= size
-            total += numel * item.tensor_data.properties.dtype.itemsize
-    return len(plan.items), total
+    tensors = [item.tensor_data for item in plan.items if item.tensor_data is not None]
+    return len(plan.items), sum(math.prod(t.chunk.sizes) * t.properties.dtype.itemsize for t in tensors)
 
 
 def set_up_shard(cfg: DictConfig, hf_config, device: torch.device, phases: list[Phase]):
