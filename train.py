@@ -13,11 +13,11 @@ register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float | None:
     # Here, not at the top: Hydra refuses a bad command line before torch and transformers are imported.
     from fsdp_research.launch import launch
 
-    launch(cfg, HydraConfig.get().runtime.output_dir)
+    return launch(cfg, HydraConfig.get().runtime.output_dir)
 
 
 if __name__ == "__main__":

@@ -233,6 +233,18 @@ class LoggerConfig:
     mode: str = "offline"
 
 
+class Objective(str, Enum):
+    """What a sweep's job returns to the sweeper (Optuna's trial value), read from its metrics.jsonl."""
+
+    eval_loss = "eval_loss"  # the last eval's (needs trainer.eval_interval > 0)
+    loss = "loss"  # the last logged training loss
+    tokens_per_s = "tokens_per_s"  # the run's median throughput (the summary's)
+
+
+# Whether the sweeper minimizes or maximizes each objective.
+DIRECTIONS = {Objective.eval_loss: "minimize", Objective.loss: "minimize", Objective.tokens_per_s: "maximize"}
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 300
@@ -265,6 +277,8 @@ class TrainerConfig:
     agree_every: int = 1
     # >0: profile that many steps after a warm-up step (trace and time breakdown in <run dir>/profile/).
     profile_steps: int = 0
+    # What this run returns to a sweeper (hydra/sweeper=optuna): the direction follows (see DIRECTIONS).
+    objective: Objective = Objective.eval_loss
 
 
 @dataclass

@@ -20,6 +20,7 @@ from .distributed import dead_ranks, device_for, launch_env, members, spawn
 from .errors import CheckpointError, ConfigError
 from .models import build_hf_config
 from .preemption import REQUEUE, requeue
+from .sweep import objective
 from .trainer import train
 from .validation import check_config
 
@@ -54,6 +55,8 @@ def run_worker(cfg: Any, run_dir: str) -> dict[str, Any]:
             outcome = {"status": "preempted", "requeue": result.stop == REQUEUE}
             if result.past_grace:
                 outcome["past_grace"] = result.past_grace
+        if result.signal:
+            outcome["signal"] = result.signal
         return outcome
     except KeyboardInterrupt:
         outcome = {"status": "interrupted"}
@@ -103,12 +106,18 @@ def run_spawned(cfg: DictConfig, world_size: int, run_dir: str) -> None:
     spawn(_spawned_worker, world_size, OmegaConf.to_container(cfg, resolve=True), run_dir)
 
 
+def check_job(cfg: DictConfig) -> None:
+    """The workers' own checks, once, in this process (before workers start, or a search's trials): raises
+    ConfigError."""
+    hf_config = build_hf_config(cfg.model)
+    check_config(cfg, cfg.distributed.nproc_per_node, hf_config, device_for(cfg.trainer.device, 0))
+    planned_model(cfg, hf_config, values=False)
+
+
 def _check_before_spawning(cfg: DictConfig, run_dir: str) -> None:
-    """The workers' own checks, once, before any starts: a bad value fails with one message."""
+    """A bad value fails with one message, before any worker starts."""
     try:
-        hf_config = build_hf_config(cfg.model)
-        check_config(cfg, cfg.distributed.nproc_per_node, hf_config, device_for(cfg.trainer.device, 0))
-        planned_model(cfg, hf_config, values=False)
+        check_job(cfg)
     except ConfigError as err:
         rundir.write_status(run_dir, "failed", one_line(err))
         raise
@@ -134,16 +143,41 @@ def _run(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     return run_worker(OmegaConf.to_container(cfg, resolve=True), run_dir)
 
 
-def launch(cfg: DictConfig, output_dir: str) -> None:
-    """Entry from train.py, with Hydra's output dir. Bad input exits 2 with one line on stderr. In a sweep a
-    failed job is recorded (status.json) and the sweep goes on; the sweep callback fails it at its end."""
+def _result(cfg: DictConfig, run_dir: str) -> float | None:
+    """What the job returns to the sweeper: its trainer.objective, on rank 0 only (one trial per job, not per
+    rank); None for a run that logged none."""
+    env = launch_env()
+    return objective(run_dir, cfg.trainer.objective) if env is None or env.rank == 0 else None
+
+
+def _stop_sweep(outcome: dict[str, Any], run_dir: str) -> None:
+    """A signal stops the sweep, not just its job: the launcher ends here, and the same command with
+    hydra.sweep.dir=<this sweep's dir> continues it (this job from its checkpoint)."""
+    sweep_dir = HydraConfig.get().sweep.dir
+    why = outcome.get("signal") or "signal"
+    print(
+        f"the sweep stops at job {os.path.basename(run_dir)} ({why}); to continue it, re-run the same command with "
+        f"hydra.sweep.dir={sweep_dir}",
+        file=sys.stderr,
+    )
+
+
+def launch(cfg: DictConfig, output_dir: str) -> float | None:
+    """Entry from train.py, with Hydra's output dir; returns the run's objective (trainer.objective) to a sweeper.
+    Bad input exits 2 with one line on stderr. In a sweep a failed job is recorded (status.json) and the sweep goes
+    on (the sweep callback fails it at its end); a job already completed (a sweep run again) is not run again; a
+    signal stops the whole sweep."""
     cfg = typed(cfg)
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     if multirun:
         _name_sweep_job(cfg)
+    run_dir = rundir.resolve(cfg.checkpoint.resume, output_dir)
+    if multirun and rundir.read_status(run_dir).get("status") == "completed":
+        print(f"job {HydraConfig.get().job.num} completed earlier: not run again")
+        return _result(cfg, run_dir)
     try:
         rundir.check_restart(cfg.checkpoint.resume)
-        outcome = _run(cfg, rundir.resolve(cfg.checkpoint.resume, output_dir))
+        outcome = _run(cfg, run_dir)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         sys.exit(INTERRUPTED)
@@ -153,7 +187,7 @@ def launch(cfg: DictConfig, output_dir: str) -> None:
             sys.exit(2)
         return
     except ProcessExitedException as err:  # the worker has said why
-        if not multirun:
+        if not multirun or err.exit_code == INTERRUPTED:  # Ctrl-C stops the sweep too
             sys.exit(err.exit_code or 1)
         return
     except Exception:
@@ -161,8 +195,11 @@ def launch(cfg: DictConfig, output_dir: str) -> None:
             raise
         log.exception("job failed")
         return
-    if outcome.get("status") != "preempted" or multirun:
-        return
+    signalled = outcome.get("status") == "preempted" or (multirun and outcome.get("signal"))
+    if not signalled:
+        return _result(cfg, run_dir)
+    if multirun:
+        _stop_sweep(outcome, run_dir)
     env = launch_env()
     if not outcome.get("requeue"):
         sys.exit(TERMINATED)  # stopped by SIGTERM, resumable: the scheduler that sent it decides what comes next

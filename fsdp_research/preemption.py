@@ -47,8 +47,13 @@ class Signals:
         self.received: str | None = None
         self._at: float | None = None
         self.enabled = bool(names)
-        for name in names:
-            signal.signal(_signum(name), self._on_signal)
+        # What each signal did before, given back by restore(): in a sweep the next job, and the launcher between
+        # jobs, must not inherit a flag nobody reads (the signal would be lost).
+        self._before = {num: signal.signal(num, self._on_signal) for num in map(_signum, names)}
+
+    def restore(self) -> None:
+        for num, handler in self._before.items():
+            signal.signal(num, handler)
 
     def _on_signal(self, signum, frame) -> None:
         code = STOP if signum == signal.SIGTERM else REQUEUE

@@ -44,6 +44,8 @@ class TrainResult:
     stop: int = 0
     # Why the stop saved no checkpoint: it would have ended past trainer.preemption_grace_s.
     past_grace: str | None = None
+    # A signal this rank caught, even after the loop (then the run completes, and a sweep stops after it).
+    signal: str | None = None
     summary: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -11,9 +11,14 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from .errors import SubmitError
+from .config import DIRECTIONS, Objective
+from .errors import ConfigError, SubmitError
 from .rundir import outcome
+from .sinks import read_records
 from .slurm import check_partition, check_sbatch
+
+# Where a sweep's launcher records the command it ran (Hydra's record); a re-run compares its own against it.
+MULTIRUN = "multirun.yaml"
 
 
 def job_dirs(sweep_dir: str) -> list[str]:
@@ -28,6 +33,18 @@ def job_overrides(job_dir: str) -> list[str]:
     """The command-line overrides the job ran with (Hydra's record of them), or none."""
     path = os.path.join(job_dir, ".hydra", "overrides.yaml")
     return list(OmegaConf.load(path)) if os.path.exists(path) else []
+
+
+def objective(run_dir: str, name: str) -> float | None:
+    """The run's value of trainer.objective, from its metrics.jsonl: the last eval loss, the last logged loss, or
+    the summary's median tokens/s; None when the run logged none."""
+    records = read_records(run_dir)
+    if name == Objective.tokens_per_s:
+        values = [r["summary"].get("median_tokens_per_s") for r in records if "summary" in r]
+    else:
+        values = [r[name] for r in records if name in r]
+    values = [v for v in values if v is not None]
+    return float(values[-1]) if values else None
 
 
 def _outcome(job_dir: str) -> tuple[str, str]:
@@ -48,11 +65,63 @@ def _empty_sweeps(task_overrides: list[str]) -> list[str]:
     ]
 
 
+def is_search(config: DictConfig) -> bool:
+    """Whether the sweep is an Optuna search (hydra/sweeper=optuna): its jobs' objective is what it optimizes."""
+    return str(config.hydra.sweeper.get("_target_", "")).endswith("ResumableOptunaSweeper")
+
+
+def _check_resume(config: DictConfig) -> None:
+    """A sweep dir that holds a sweep is continued only by the command that started it (the same task overrides:
+    the same jobs, the same search); the launcher, the sweeper's settings and hydra.* may differ."""
+    path = os.path.join(config.hydra.sweep.dir, MULTIRUN)
+    if not os.path.exists(path):
+        return
+    before = list(OmegaConf.load(path).hydra.overrides.task)
+    now = list(config.hydra.overrides.task)
+    if before != now:
+        gone, new = [o for o in before if o not in now], [o for o in now if o not in before]
+        parts = ([f"it had {' '.join(gone)}"] if gone else []) + ([f"this has {' '.join(new)}"] if new else [])
+        # The order numbers a grid's jobs: another order is another sweep.
+        differ = "; ".join(parts) or f"the same overrides in another order: {' '.join(before)}"
+        raise SubmitError(
+            f"hydra.sweep.dir={config.hydra.sweep.dir} holds a sweep of another command ({differ}): re-run that "
+            "command to continue it, or give a new hydra.sweep.dir"
+        )
+
+
+def _check_search(config: DictConfig) -> None:
+    """An Optuna search needs its extra installed and an objective every trial logs."""
+    try:
+        import optuna  # noqa: F401
+    except ImportError:
+        raise SubmitError(
+            "hydra/sweeper=optuna needs Optuna: pip install -e '.[sweep]' (scripts/setup.sh installs it)"
+        ) from None
+    objective = Objective(config.trainer.objective)
+    if objective is Objective.eval_loss and not config.trainer.eval_interval:
+        raise ConfigError(
+            "trainer.objective",
+            "is eval_loss, but trainer.eval_interval=0 logs no eval loss",
+            "set trainer.eval_interval>0, or trainer.objective=loss|tokens_per_s",
+        )
+    direction = config.hydra.sweeper.direction
+    if str(direction) != DIRECTIONS[objective]:
+        raise ConfigError(
+            "hydra.sweeper.direction",
+            f"is {direction}, but trainer.objective={objective.value} is to {DIRECTIONS[objective]}",
+            "leave hydra.sweeper.direction out: it follows trainer.objective",
+        )
+
+
 def check_sweep(config: DictConfig) -> None:
-    """Raises SubmitError when the sweep would launch no job, or could not be submitted to SLURM."""
+    """Raises SubmitError or ConfigError when the sweep would launch no job, continue another command's sweep,
+    search without Optuna or an objective, or could not be submitted to SLURM."""
     empty = _empty_sweeps(config.hydra.overrides.task)
     if empty:
         raise SubmitError(f"a sweep of zero jobs: {' '.join(empty)} has no values")
+    _check_resume(config)
+    if is_search(config):
+        _check_search(config)
     launcher = config.hydra.launcher
     if launcher._target_.endswith("SlurmLauncher"):
         check_sbatch()
@@ -64,7 +133,7 @@ class SweepStatus(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         try:
             check_sweep(config)
-        except SubmitError as err:
+        except (SubmitError, ConfigError) as err:
             # Hydra would otherwise fail later, inside the launcher, with a traceback.
             print(f"error: {err}; nothing launched", file=sys.stderr)
             sys.exit(2)

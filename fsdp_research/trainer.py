@@ -96,11 +96,13 @@ def train(cfg: Any, run_dir: str) -> TrainResult:
     # First: until the handler is in place a signal would end the process, and set-up can take minutes.
     signals = Signals(list(cfg.trainer.preemption_signal or []))
     with contextlib.ExitStack() as resources:
+        resources.callback(signals.restore)
         run = _start(cfg, run_dir, signals, resources)
         result = TrainResult(run.model)
         started = time.perf_counter()
         _loop(run, result)
         _finish(run, result, time.perf_counter() - started)
+        result.signal = signals.received
         return result
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv and install fsdp_research with its test tools. Idempotent.
+# Create .venv and install fsdp_research with its test tools and the Optuna sweeper. Idempotent.
 # Where no NVIDIA GPU is visible, torch's CPU build goes in first, so pip never pulls the multi-GB CUDA
 # build; on a GPU machine pip takes the default (CUDA) torch. TORCH_SPEC overrides the choice.
 set -euo pipefail
@@ -16,4 +16,4 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
       || .venv/bin/pip install -q torch --extra-index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-.venv/bin/pip install -q -e '.[test]'
+.venv/bin/pip install -q -e '.[test,sweep]'

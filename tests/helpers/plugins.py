@@ -75,6 +75,20 @@ class SignalAt:
             os.kill(os.getpid(), signal.SIGTERM)
 
 
+class SweepFault:
+    """In job `job` of a sweep (its run dir's name), during step `step`: `signal` (a name) to this process's group,
+    the sweep's launcher and its job, as a kill or a Ctrl-C reaches them; once (the marker file remembers it), so
+    that the sweep run again goes through."""
+
+    def __init__(self, step: int, job: int, signal: str, marker: str):
+        self.step, self.job, self.signal, self.marker = step, job, signal, marker
+
+    def on_before_optimizer_step(self, run, step: int, metrics: dict) -> None:
+        if step == self.step and os.path.basename(run.run_dir) == str(self.job) and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.killpg(0, getattr(signal, self.signal))
+
+
 class Raises:
     def on_step_end(self, run, step: int, metrics: dict) -> None:
         if step == 2:

@@ -1,0 +1,189 @@
+"""Sweeps that search and resume (issue 20), as a user runs them: `python train.py -m ...` in a process of its own
+(the local launcher runs the jobs in it), Optuna's study read back through Optuna, a real SIGKILL of the launcher
+and its job and a real SIGTERM, then the same command run again with hydra.sweep.dir=<its dir>."""
+
+import json
+import os
+
+import optuna
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import load_file
+
+from fsdp_research.cli.report import main as report
+from tests.conftest import FAST
+from tests.helpers.cli import read_metrics
+from tests.helpers.faults import Launch
+
+STEPS = 6
+# A resume checkpoint every 2 steps: a job killed during step 5 resumes from step 4.
+SHORT = [*FAST, f"trainer.max_steps={STEPS}", "checkpoint.interval=2", "checkpoint.export=true"]
+# One eval, at the end: the objective.
+EVAL = ["trainer.eval_interval=6", "trainer.eval_batches=1"]
+
+
+def _fault(signal: str, job: int, step: int, marker: str) -> list[str]:
+    return [
+        "+callbacks.fault._target_=tests.helpers.plugins.SweepFault",
+        f"+callbacks.fault.step={step}",
+        f"+callbacks.fault.job={job}",
+        f"+callbacks.fault.signal={signal}",
+        f"+callbacks.fault.marker={marker}",
+    ]
+
+
+def _sweep(tmp_path, name: str, overrides: list[str]):
+    """The sweep command in <tmp>/<name>/ with its sweep dir <tmp>/<name>/sweep; returns (command, sweep dir)."""
+    sweep = str(tmp_path / name / "sweep")
+    return ["-m", *overrides, f"hydra.sweep.dir={sweep}"], sweep
+
+
+def _run(tmp_path, name: str, command: list[str], timeout: float = 300):
+    return Launch(str(tmp_path / name), command).finish(timeout)
+
+
+def _trials(sweep: str) -> list[optuna.trial.FrozenTrial]:
+    study = optuna.load_study(study_name="fsdp_research", storage=f"sqlite:///{sweep}/optuna.db")
+    return sorted(study.trials, key=lambda t: t.number)
+
+
+def _job_overrides(job_dir: str) -> list[str]:
+    return list(OmegaConf.load(os.path.join(job_dir, ".hydra", "overrides.yaml")))
+
+
+def _assert_resumed_exactly(tmp_path, job_dir: str, name: str) -> None:
+    """The job, killed after its step-4 checkpoint and run again, ends as the same job run once without a break
+    ends: the steps after the checkpoint's losses and the exported weights, bitwise."""
+    overrides = [o for o in _job_overrides(job_dir) if not o.startswith("+callbacks.fault")]
+    reference = _run(tmp_path, name, [*overrides, f"hydra.run.dir={tmp_path / name}"])
+    assert reference.returncode == 0, reference.stderr[-2000:]
+    resumed = {row["step"]: row["loss"] for row in read_metrics(job_dir)}
+    once = {row["step"]: row["loss"] for row in reference.metrics()}
+    assert sorted(resumed) == sorted(once) == list(range(1, STEPS + 1))
+    assert [resumed[s] for s in (5, 6)] == [once[s] for s in (5, 6)]
+    mine = load_file(os.path.join(job_dir, "export", "model.safetensors"))
+    theirs = load_file(os.path.join(reference.run_dir, "export", "model.safetensors"))
+    assert mine.keys() == theirs.keys()
+    assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def _evals(job_dir: str) -> list[float]:
+    """The job's eval losses, as its metrics.jsonl holds them."""
+    with open(os.path.join(job_dir, "metrics.jsonl")) as f:
+        return [row["eval_loss"] for row in map(json.loads, f) if "eval_loss" in row]
+
+
+def _bytes(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def test_optuna_search_of_four_trials(tmp_path):
+    """4 trials on the local launcher, one searched value failing its job: Optuna holds each job's final eval loss
+    (read here from the job's metrics.jsonl) or FAIL; optimization_results.yaml names the best; the report adds
+    the trial table, the best trial and the objective plots."""
+    command, sweep = _sweep(
+        tmp_path,
+        "search",
+        [
+            *SHORT,
+            *EVAL,
+            "checkpoint.interval=0",
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.n_trials=4",
+            "optim.lr=tag(log, interval(1e-4, 1e-2))",
+            # 16 is not a multiple of 5: those trials fail their job's config check.
+            "trainer.micro_batch_size=choice(8, 5)",
+        ],
+    )
+    result = _run(tmp_path, "search", command)
+    trials = _trials(sweep)
+    assert len(trials) == 4
+    states = {t.state for t in trials}
+    assert states == {optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.FAIL}, trials
+    for trial in trials:
+        job = os.path.join(sweep, str(trial.number))
+        assert f"optim.lr={trial.params['optim.lr']}" in _job_overrides(job)
+        if trial.params["trainer.micro_batch_size"] == 5:
+            assert trial.state == optuna.trial.TrialState.FAIL
+            continue
+        assert trial.state == optuna.trial.TrialState.COMPLETE and trial.value == _evals(job)[-1]
+    # A failed trial fails the sweep at its end, after every trial ran.
+    assert result.returncode == 1 and "did not complete" in result.stderr
+    best = min((t for t in trials if t.value is not None), key=lambda t: t.value)
+    results = OmegaConf.load(os.path.join(sweep, "optimization_results.yaml"))
+    assert results.best_trial == best.number and results.best_value == best.value
+    assert dict(results.best_params) == best.params
+
+
+@pytest.mark.parametrize("search", [False, True], ids=["grid", "optuna"])
+def test_a_killed_sweep_continues_where_it_stopped(tmp_path, search):
+    """3 jobs; the launcher and its job SIGKILLed during step 5 of job 1; the same command again: job 0 untouched
+    (its metrics.jsonl's bytes), job 1 resumed from its step-4 checkpoint to exactly where it ends unbroken, job 2
+    run. For Optuna the study holds 3 complete trials, each with its job's eval loss."""
+    marker = str(tmp_path / "killed")
+    space = (
+        ["hydra/sweeper=optuna", "hydra.sweeper.n_trials=3", "optim.lr=interval(1e-3, 1e-2)"]
+        if search
+        else ["trainer.seed=0,1,2"]
+    )
+    command, sweep = _sweep(tmp_path, "sweep", [*SHORT, *EVAL, *space, *_fault("SIGKILL", 1, 5, marker)])
+    killed = _run(tmp_path, "sweep", command)
+    assert killed.returncode == -9 and os.path.exists(marker), killed.stderr[-2000:]
+    assert not os.path.exists(os.path.join(sweep, "2"))
+    first = _bytes(os.path.join(sweep, "0", "metrics.jsonl"))
+
+    again = _run(tmp_path, "sweep", command)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "job 0 completed earlier: not run again" in again.stdout or search
+    assert _bytes(os.path.join(sweep, "0", "metrics.jsonl")) == first
+    _assert_resumed_exactly(tmp_path, os.path.join(sweep, "1"), "reference")
+    assert [r["step"] for r in read_metrics(os.path.join(sweep, "2"))] == list(range(1, STEPS + 1))
+    if search:
+        trials = _trials(sweep)
+        assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 3
+        assert all(t.value == _evals(os.path.join(sweep, str(t.number)))[-1] for t in trials)
+
+
+def test_a_signal_stops_the_sweep_and_the_rerun_continues(tmp_path):
+    """SIGTERM to the launcher's group during job 0 of 2: the job saves and the sweep ends there (143, job 1 never
+    started), saying how to continue; the same command then resumes job 0 and runs job 1. A report of the sweep
+    reads one sweep."""
+    marker = str(tmp_path / "signalled")
+    command, sweep = _sweep(tmp_path, "sweep", [*SHORT, "trainer.seed=0,1", *_fault("SIGTERM", 0, 3, marker)])
+    stopped = _run(tmp_path, "sweep", command)
+    assert stopped.returncode == 143, stopped.stderr[-2000:]
+    assert f"re-run the same command with hydra.sweep.dir={sweep}" in stopped.stderr
+    assert not os.path.exists(os.path.join(sweep, "1"))
+    assert [r["step"] for r in read_metrics(os.path.join(sweep, "0"))] == [1, 2, 3]
+
+    again = _run(tmp_path, "sweep", command)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(os.path.join(sweep, "0"))] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in read_metrics(os.path.join(sweep, "1"))] == list(range(1, STEPS + 1))
+    assert report([sweep]) == 0
+
+
+def test_bad_sweeps_fail_in_one_line_before_any_job(tmp_path):
+    """A searched key the config lacks, an objective the jobs do not log, a sweep dir another command made: one
+    line, exit 2, no job run."""
+    _, sweep = _sweep(tmp_path, "made", [])
+    os.makedirs(sweep)
+    OmegaConf.save(
+        OmegaConf.create({"hydra": {"overrides": {"task": ["trainer.seed=0,1", "optim.lr=0.01"]}}}),
+        os.path.join(sweep, "multirun.yaml"),
+    )
+    cases = {
+        "key": (["hydra/sweeper=optuna", *EVAL, "trainer.nope=interval(0.1, 0.2)"], "trainer.nope cannot be searched"),
+        "objective": (["hydra/sweeper=optuna", "optim.lr=interval(1e-3, 1e-2)"], "logs no eval loss"),
+        "resume": (["trainer.seed=0,1"], "it had optim.lr=0.01"),
+    }
+    for name, (overrides, expected) in cases.items():
+        command, sweep_dir = _sweep(tmp_path, name, [*FAST, *overrides])
+        if name == "resume":
+            command[-1] = f"hydra.sweep.dir={sweep}"
+        result = _run(tmp_path, name, command)
+        errors = result.error_lines()
+        assert result.returncode == 2 and len(errors) == 1 and expected in errors[0], (name, result.stderr[-2000:])
+        assert not os.path.exists(os.path.join(sweep_dir if name != "resume" else sweep, "0")), name
