@@ -6,6 +6,8 @@ import os
 import statistics
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from .rundir import outcome
 from .sinks import read_records
 from .sweep import job_overrides
@@ -26,6 +28,67 @@ COLUMNS = (
     ("steps", "steps", "{}"),
     ("status", "status", "{}"),
 )
+
+
+# Where hydra/sweeper=optuna keeps its study (composition.OPTUNA_SWEEPER's storage).
+STUDY = "optuna.db"
+
+
+def load_trials(sweep_dir: str) -> dict[str, Any] | None:
+    """An Optuna search's trials, read from the study in the sweep dir through Optuna: {"objective", "direction",
+    "params" (the searched keys), "trials": [{"number", "state", "value", "params"}], "best": the best trial or
+    None}; None for a sweep that is not a search."""
+    path = os.path.join(sweep_dir, STUDY)
+    if not os.path.exists(path):
+        return None
+    import optuna
+
+    storage = f"sqlite:///{os.path.abspath(path)}"
+    (summary,) = optuna.get_all_study_summaries(storage=storage)
+    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    trials = [
+        {"number": t.number, "state": t.state.name.lower(), "value": t.value, "params": dict(t.params)}
+        for t in sorted(study.trials, key=lambda t: t.number)
+    ]
+    complete = [t for t in trials if t["state"] == "complete"]
+    multirun = os.path.join(sweep_dir, "multirun.yaml")
+    return {
+        "objective": str(OmegaConf.load(multirun).trainer.objective) if os.path.exists(multirun) else "objective",
+        "direction": study.direction.name.lower(),
+        "params": sorted({key for t in trials for key in t["params"]}),
+        "trials": trials,
+        "best": next(t for t in complete if t["number"] == study.best_trial.number) if complete else None,
+    }
+
+
+def format_trials(search: dict[str, Any]) -> str:
+    """The trial table (number, state, objective, each searched key) and the best trial, as plain text."""
+    header = ["trial", "state", search["objective"], *search["params"]]
+    cells = [header] + [
+        [
+            str(t["number"]),
+            t["state"],
+            "-" if t["value"] is None else f"{t['value']:.6g}",
+            *(
+                "-"
+                if t["params"].get(key) is None
+                else f"{t['params'][key]:.6g}"
+                if isinstance(t["params"][key], float)
+                else str(t["params"][key])
+                for key in search["params"]
+            ),
+        ]
+        for t in search["trials"]
+    ]
+    table = _aligned(cells)
+    best = search["best"]
+    if best is None:
+        return table + "\nbest trial: none completed"
+    params = " ".join(f"{k}={v}" for k, v in best["params"].items())
+    return (
+        table
+        + f"\nbest trial: {best['number']} ({search['direction']} {search['objective']}: {best['value']:.6g}) {params}"
+    )
 
 
 def _median_after_warmup(rows: list[dict[str, Any]], key: str) -> float | None:
@@ -87,13 +150,43 @@ def format_table(jobs: list[dict[str, Any]]) -> str:
     """A plain-text table of COLUMNS, one line per job, left-aligned, '-' where a value is missing."""
     cells = [[header for header, _, _ in COLUMNS]]
     cells += [["-" if job.get(key) is None else fmt.format(job[key]) for _, key, fmt in COLUMNS] for job in jobs]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    return _aligned(cells)
+
+
+def _aligned(cells: list[list[str]]) -> str:
+    """Rows of cells as left-aligned columns, two spaces apart."""
+    widths = [max(len(line[i]) for line in cells) for i in range(len(cells[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip() for line in cells)
 
 
-def plot(jobs: list[dict[str, Any]], path: str) -> None:
+def _plot_search(fig, cell, search: dict[str, Any]) -> None:
+    """A search's row: the objective of each complete trial against its number, then against each searched key
+    (a log axis where the key's values span more than a decade), failed trials marked on the trial axis."""
+    keys = search["params"]
+    axes = cell.subgridspec(1, 1 + len(keys)).subplots(sharey=True)
+    axes = list(axes) if keys else [axes]
+    done = [t for t in search["trials"] if t["value"] is not None]
+    values = [t["value"] for t in done]
+    axes[0].plot([t["number"] for t in done], values, "o-", color="tab:blue")
+    failed = [t["number"] for t in search["trials"] if t["state"] == "fail"]
+    for number in failed:
+        axes[0].axvline(number, color="tab:red", alpha=0.3)
+    axes[0].set(xlabel="trial (red: failed)", ylabel=search["objective"], title=f"{search['objective']} per trial")
+    for ax, key in zip(axes[1:], keys):
+        points = [(t["params"][key], t["value"]) for t in done if isinstance(t["params"].get(key), (int, float))]
+        ax.plot([x for x, _ in points], [y for _, y in points], "o", color="tab:blue")
+        xs = [x for x, _ in points]
+        if xs and min(xs) > 0 and max(xs) > 10 * min(xs):
+            ax.set_xscale("log")
+        ax.set(xlabel=key)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+
+
+def plot(jobs: list[dict[str, Any]], path: str, search: dict[str, Any] | None = None) -> None:
     """Loss curves (eval loss as markers), then tokens/s per device and peak memory as horizontal bars (long
-    override labels stay readable), one colour per job throughout."""
+    override labels stay readable), one colour per job throughout; for a search, a row of its objective against
+    the trial and each searched key."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display on cluster nodes and CI
@@ -101,9 +194,12 @@ def plot(jobs: list[dict[str, Any]], path: str) -> None:
 
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(jobs))]
     names = [f"{job['num']}: {job['label']}" for job in jobs]
-    fig, (ax_loss, ax_tps, ax_mem) = plt.subplots(
-        3, 1, figsize=(10, 5 + 1.2 * len(jobs)), gridspec_kw={"height_ratios": [3, 1, 1]}
-    )
+    rows = [3, 1, 1] + ([2] if search else [])
+    fig = plt.figure(figsize=(10, 5 + 1.2 * len(jobs) + (3 if search else 0)))
+    grid = fig.add_gridspec(len(rows), 1, height_ratios=rows)
+    ax_loss, ax_tps, ax_mem = (fig.add_subplot(grid[i]) for i in range(3))
+    if search:
+        _plot_search(fig, grid[3], search)
     for job, name, color in zip(jobs, names, colors):
         rows = job["rows"]
         if rows:

@@ -79,7 +79,7 @@ def _bytes(path: str) -> bytes:
         return f.read()
 
 
-def test_optuna_search_of_four_trials(tmp_path):
+def test_optuna_search_of_four_trials(tmp_path, capsys):
     """4 trials on the local launcher, one searched value failing its job: Optuna holds each job's final eval loss
     (read here from the job's metrics.jsonl) or FAIL; optimization_results.yaml names the best; the report adds
     the trial table, the best trial and the objective plots."""
@@ -115,6 +115,14 @@ def test_optuna_search_of_four_trials(tmp_path):
     results = OmegaConf.load(os.path.join(sweep, "optimization_results.yaml"))
     assert results.best_trial == best.number and results.best_value == best.value
     assert dict(results.best_params) == best.params
+    assert report([sweep]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("trial "))
+    assert lines[header].split() == ["trial", "state", "eval_loss", "optim.lr", "trainer.micro_batch_size"]
+    rows = [line.split() for line in lines[header + 1 : header + 5]]
+    assert [(int(r[0]), r[1]) for r in rows] == [(t.number, t.state.name.lower()) for t in trials]
+    assert lines[header + 5].startswith(f"best trial: {best.number} (minimize eval_loss: {best.value:.6g})")
+    assert os.path.getsize(os.path.join(sweep, "report.png")) > 0
 
 
 @pytest.mark.parametrize("search", [False, True], ids=["grid", "optuna"])

@@ -1,11 +1,13 @@
 """fsdp-research report <sweep dir> [--out <png>]: one row per job of a Hydra multirun sweep or SLURM array (the
 overrides that differ between jobs, final loss and eval loss, throughput per device, peak memory, steps,
-status), and a PNG of the loss curves, throughput and peak memory (default <sweep dir>/report.png)."""
+status), for an Optuna search its trials (state, objective, searched values) and best trial, and a PNG of the loss
+curves, throughput and peak memory, and a search's objective per trial and per searched key (default
+<sweep dir>/report.png)."""
 
 import argparse
 import os
 
-from ..report import differing_overrides, format_table, load_job, plot
+from ..report import differing_overrides, format_table, format_trials, load_job, load_trials, plot
 from ..sweep import job_dirs
 from .common import fail
 
@@ -26,8 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     for job in jobs:
         if job["error"]:
             print(f"job {job['num']} {job['status']}: {job['error']}")
+    search = load_trials(args.sweep_dir)
+    if search:
+        print(format_trials(search))
     out = args.out or os.path.join(args.sweep_dir, "report.png")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    plot(jobs, out)
+    plot(jobs, out, search)
     print(f"wrote {out}")
     return 0
