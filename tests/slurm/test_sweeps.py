@@ -12,6 +12,7 @@ import sys
 
 import yaml
 
+from fsdp_research.sinks import read_records
 from tests.conftest import FAST, ROOT
 from tests.helpers.cli import finish, read_metrics, start
 from tests.slurm.cluster import wait_done
@@ -53,6 +54,44 @@ def test_hydra_launcher_array(jobs, tmp_path):
     assert len(array_jobs) == 1, f"expected one job array, found {array_jobs}"
     for job in range(3):
         _check_job(str(sweep / str(job)), ranks=2)
+
+
+def test_optuna_search_through_the_slurm_launcher(jobs, tmp_path):
+    """hydra/sweeper=optuna with the slurm launcher: 2 trials as one array of 2 jobs, each trial's value in the
+    study (read through Optuna) its job's final eval loss; the same command again finds the study complete and
+    submits nothing."""
+    import optuna
+
+    sweep = tmp_path / "search"
+    jobs.logs += [f"{sweep}/.submitit/*/*_log.*", f"{sweep}/*/train.log"]
+    command = [
+        "-m",
+        "hydra/launcher=slurm",
+        f"hydra.launcher.name={jobs.name}",
+        *FAST,
+        f"trainer.max_steps={STEPS}",
+        f"trainer.eval_interval={STEPS}",
+        "trainer.eval_batches=1",
+        "hydra/sweeper=optuna",
+        "hydra.sweeper.n_trials=2",
+        "hydra.sweeper.n_jobs=2",
+        "optim.lr=tag(log, interval(1e-4, 1e-2))",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    result = finish(start(command, str(tmp_path)), timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    array_jobs = {os.path.basename(d).split("_")[0] for d in glob.glob(f"{sweep}/.submitit/*_*")}
+    assert len(array_jobs) == 1, f"expected one job array, found {array_jobs}"
+    study = optuna.load_study(study_name="fsdp_research", storage=f"sqlite:///{sweep}/optuna.db")
+    assert len(study.trials) == 2
+    for trial in study.trials:
+        job = str(sweep / str(trial.number))
+        _check_job(job, ranks=1)
+        evals = [row["eval_loss"] for row in read_records(job) if "eval_loss" in row]
+        assert trial.state == optuna.trial.TrialState.COMPLETE and trial.value == evals[-1]
+    again = finish(start(command, str(tmp_path)), timeout=400)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert {os.path.basename(d).split("_")[0] for d in glob.glob(f"{sweep}/.submitit/*_*")} == array_jobs
 
 
 def test_array_script(jobs, tmp_path):
