@@ -137,6 +137,13 @@ class SweepStatus(Callback):
             # Hydra would otherwise fail later, inside the launcher, with a traceback.
             print(f"error: {err}; nothing launched", file=sys.stderr)
             sys.exit(2)
+        sweep_dir = config.hydra.sweep.dir
+        if os.path.exists(os.path.join(sweep_dir, MULTIRUN)):
+            print(f"continuing the sweep in {sweep_dir}", flush=True)
+        else:
+            print(
+                f"sweep dir: {sweep_dir}; after a crash, the same command with hydra.sweep.dir={sweep_dir} continues it"
+            )
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         sweep_dir = config.hydra.sweep.dir

@@ -144,6 +144,8 @@ def test_a_killed_sweep_continues_where_it_stopped(tmp_path, search):
 
     again = _run(tmp_path, "sweep", command)
     assert again.returncode == 0, again.stderr[-3000:]
+    assert f"sweep dir: {sweep}; after a crash, the same command with hydra.sweep.dir={sweep}" in killed.stdout
+    assert f"continuing the sweep in {sweep}" in again.stdout
     assert "job 0 completed earlier: not run again" in again.stdout or search
     assert _bytes(os.path.join(sweep, "0", "metrics.jsonl")) == first
     _assert_resumed_exactly(tmp_path, os.path.join(sweep, "1"), "reference")
