@@ -38,7 +38,7 @@ OPTUNA_SWEEPER = {
     "study_name": "fsdp_research",
     "n_trials": 20,
     "n_jobs": 1,
-    "max_failure_rate": 1.0,
+    "max_failure_rate": 1.0,  # the share of a batch's trials that may fail before the search stops
     "search_space": None,
     "params": None,
     "custom_search_space": None,

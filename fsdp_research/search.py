@@ -81,8 +81,11 @@ class ResumableOptuna(OptunaSweeperImpl):
         to_go = self.n_trials - len(before)
         while to_go > 0:
             batch = [study.ask() for _ in range(min(self.n_jobs, to_go))]
-            self._run(study, [t.number for t in batch], self._configure_trials(batch, space, fixed))
+            failed = self._run(study, [t.number for t in batch], self._configure_trials(batch, space, fixed))
             to_go -= len(batch)
+            if failed / len(batch) > self.max_failure_rate:
+                log.error(f"{failed} of {len(batch)} trials failed, over max_failure_rate={self.max_failure_rate}")
+                break
         self._write_results(study, sweep_dir)
 
     def _check_keys(self, space: dict[str, BaseDistribution], fixed: dict[str, Any]) -> None:
@@ -122,9 +125,10 @@ class ResumableOptuna(OptunaSweeperImpl):
     def _exists(self) -> bool:
         return self.study_name in {s.study_name for s in optuna.get_all_study_summaries(storage=self.storage)}
 
-    def _run(self, study: optuna.Study, numbers: list[int], overrides: Sequence[Sequence[str]]) -> None:
+    def _run(self, study: optuna.Study, numbers: list[int], overrides: Sequence[Sequence[str]]) -> int:
         """Launches trial numbers[i] with overrides[i] as job numbers[i], and tells Optuna each one's outcome: its
-        objective, or failed (a job that failed, or logged no objective)."""
+        objective, or failed (a job that failed, or logged no objective). Returns how many failed."""
+        failed = 0
         for part in _consecutive(numbers):
             returns = self.launcher.launch(list(overrides[part]), initial_job_idx=numbers[part][0])
             for number, ret in zip(numbers[part], returns):
@@ -136,8 +140,10 @@ class ResumableOptuna(OptunaSweeperImpl):
                 if value is None:
                     log.warning(f"trial {number} failed (job {number}'s status.json says why)")
                     study.tell(number, state=TrialState.FAIL)
+                    failed += 1
                 else:
                     study.tell(number, float(value))
+        return failed
 
     def _write_results(self, study: optuna.Study, sweep_dir: str) -> None:
         complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]

@@ -142,7 +142,8 @@ class SweepStatus(Callback):
             print(f"continuing the sweep in {sweep_dir}", flush=True)
         else:
             print(
-                f"sweep dir: {sweep_dir}; after a crash, the same command with hydra.sweep.dir={sweep_dir} continues it",
+                f"sweep dir: {sweep_dir}; after a crash, the same command with hydra.sweep.dir={sweep_dir} "
+                "continues it",
                 flush=True,
             )
 
