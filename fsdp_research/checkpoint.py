@@ -166,8 +166,11 @@ class Checkpointer:
             # A kept stager crashes on its second save before torch 2.13 (pytorch#183413): one per save there.
             self._pinned = _stager(pinned=True) if self._pinning and _STAGER_KEEPS else None
 
-    def due(self, step: int, max_steps: int) -> bool:
-        return step == max_steps or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
+    def due(self, step: int, max_steps: int, stop: bool = False) -> bool:
+        """Whether to save after `step`: every interval, at the end, at a stop; never with checkpoint.save=false."""
+        if not self.cfg.save:
+            return False
+        return stop or step == max_steps or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
 
     def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any], callbacks=None) -> None:
         """callbacks: the callbacks' state (fsdp_research.callbacks.hooks.Callbacks.state_dict()), saved with DCP."""

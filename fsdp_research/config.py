@@ -141,6 +141,12 @@ class DataConfig:
     max_documents: int = 10000
     # synthetic: how many random windows.
     num_sequences: int = 4096
+    # >0: each source reads only its first N windows (the start of its token store; held-out ones included): a
+    # small slice, cycled epoch after epoch. The store is still built whole, once. 0: all of them.
+    max_windows: int = 0
+    # >0: step s trains on global batch s mod N, so the first N batches repeat (a function of the step alone: the
+    # same on every rank and on resume). A model that cannot drive the loss on one batch towards 0 has a bug.
+    overfit_batches: int = 0
     # Fraction of each source's windows held out for eval.
     eval_fraction: float = 0.05
     # Hugging Face datasets' cache (hub).
@@ -279,6 +285,9 @@ class TrainerConfig:
     profile_steps: int = 0
     # What this run returns to a sweeper (hydra/sweeper=optuna): the direction follows (see DIRECTIONS).
     objective: Objective = Objective.eval_loss
+    # torch.autograd's anomaly mode, and every module's forward output, the loss and the gradients checked for
+    # inf/nan each step (a sync each): the first non-finite one fails the run, named. Off: no hook is installed.
+    detect_anomaly: bool = False
 
 
 @dataclass
@@ -294,6 +303,9 @@ class DistributedConfig:
 class CheckpointConfig:
     # Save every `interval` steps (0: only at the end).
     interval: int = 100
+    # false: no resume checkpoint at all, periodic, final or at a stop (a smoke test, a profile); resuming from an
+    # existing one still works.
+    save: bool = True
     # Complete checkpoints kept; older ones are pruned once a newer one is complete (0 keeps all).
     keep_last: int = 3
     # auto: newest complete checkpoint in the run dir; never: start fresh; or a run dir / step dir.

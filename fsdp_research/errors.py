@@ -27,3 +27,7 @@ class DataError(RuntimeError):
 
 class CallbackError(RuntimeError):
     """A callback raised: which one, in which hook, and its error, in one line."""
+
+
+class AnomalyError(RuntimeError):
+    """A non-finite value under trainer.detect_anomaly: the step and where it first appeared, in one line."""

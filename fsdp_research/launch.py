@@ -17,7 +17,7 @@ from . import rundir
 from .build import planned_model
 from .config import typed
 from .distributed import dead_ranks, device_for, launch_env, members, spawn
-from .errors import CheckpointError, ConfigError
+from .errors import AnomalyError, CheckpointError, ConfigError
 from .models import build_hf_config
 from .preemption import REQUEUE, requeue
 from .sweep import objective
@@ -81,6 +81,10 @@ def _spawned_worker(cfg: Any, run_dir: str) -> None:
         if launch_env().rank == 0:
             print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except AnomalyError as err:
+        if launch_env().rank == 0:
+            print(f"error: {one_line(err)}", file=sys.stderr)
+        sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED)
     # Everything is written and closed: leave without the interpreter's teardown, where gloo's threads can
@@ -189,6 +193,11 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
     except ProcessExitedException as err:  # the worker has said why
         if not multirun or err.exit_code == INTERRUPTED:  # Ctrl-C stops the sweep too
             sys.exit(err.exit_code or 1)
+        return
+    except AnomalyError as err:  # a failed run, not bad input: one line, exit 1
+        print(f"error: {one_line(err)}", file=sys.stderr)
+        if not multirun:
+            sys.exit(1)
         return
     except Exception:
         if not multirun:

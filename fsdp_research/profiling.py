@@ -161,3 +161,5 @@ class StepProfiler:
         if result:
             log.info(f"profile: {format_breakdown(result)}; trace {self.path}")
             self.sinks.note(self._done, "profile", result)
+        else:  # the trace is there all the same: say where
+            log.info(f"profile: no complete profiled step to break down; trace {self.path}")

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
 
-from . import rundir
+from . import overfit, rundir
+from .anomaly import AnomalyChecks, apply_anomaly_checks
 from .balancing import BiasBalancer
 from .build import planned_model, shard_model
 from .callbacks.hooks import Callbacks, RunHandle
@@ -23,13 +24,7 @@ from .checkpoint import Checkpointer, config_files
 from .config import Strategy, typed
 from .data.pipeline import Data, Prefetcher
 from .dimensions import dims
-from .distributed import (
-    broadcast_object,
-    device_for,
-    init_distributed,
-    launch_env,
-    on_rank0,
-)
+from .distributed import broadcast_object, device_for, init_distributed, launch_env, on_rank0
 from .export import export_dtype, export_model, parse_size
 from .layout import Layout, layout
 from .losses import LossFn, Router, build_loss, held_out_loss, router_of, train_loss
@@ -76,6 +71,7 @@ class Run:
     throughput: Throughput
     peak: PeakMemory
     signals: Signals
+    anomaly: AnomalyChecks
     # Whether the ranks agree at step boundaries: there is a signal to catch or an async save to publish.
     agrees: bool
     save_times: list[float] = field(default_factory=list)
@@ -124,13 +120,6 @@ def _prepare(cfg: DictConfig, run_dir: str) -> tuple[torch.device, str, Any, nn.
     return device, run_dir, hf_config, model, plan, resume_dir
 
 
-def _checkpointer(cfg: DictConfig, run_dir: str, hf_config, resources: contextlib.ExitStack) -> Checkpointer:
-    """The checkpointer, closed when the run ends."""
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
-    close_on_exit(resources, checkpointer.close)
-    return checkpointer
-
-
 def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextlib.ExitStack) -> Run:
     device, run_dir, hf_config, model, plan, resume_dir = _prepare(cfg, run_dir)
     rank, world, t = dist.get_rank(), dist.get_world_size(), cfg.trainer
@@ -145,7 +134,9 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     balancer = BiasBalancer(model, cfg.model.moe.bias_update_rate)
     close_on_exit(resources, lambda failed: balancer.close())
     state = TrainState(scheduler, LossScaler(cfg.precision))
-    checkpointer = _checkpointer(cfg, run_dir, hf_config, resources)
+    checks = resources.enter_context(apply_anomaly_checks(model, state, t.detect_anomaly))
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
+    close_on_exit(resources, checkpointer.close)
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
         trainer_state, callback_state = checkpointer.load(
             resume_dir, model, optimizer, callbacks.state_dict(), configured_keys(cfg.optim)
@@ -182,6 +173,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         throughput=throughput,
         peak=PeakMemory(device),
         signals=signals,
+        anomaly=checks,
         agrees=signals.enabled or checkpointer.is_async,
     )
     handle.step = state.step
@@ -213,6 +205,7 @@ def train_step(run: Run, step: int) -> StepResult:
         with grad_sync(run.model, i == micro_steps - 1, t.defer_grad_sync):
             with region("forward"):
                 loss, stats = train_loss(run.model, micro, run.amp, run.loss_fn, run.router)
+                run.anomaly.check_loss(loss)
                 loss = loss / micro_steps
             with region("backward"):
                 scaler.scale_loss(loss).backward()
@@ -221,6 +214,7 @@ def train_step(run: Run, step: int) -> StepResult:
             totals[k] = totals.get(k, 0) + (v / micro_steps if k in MEAN_LOSSES else v)
     with region("optimizer"):
         finite = scaler.unscale_and_check(run.model.parameters())
+        run.anomaly.check_grads(skipped=not finite)
         norm, mean_loss, skipped = _clip(run, step, loss_sum)
         if finite and not skipped:
             run.optimizer.step()
@@ -289,7 +283,7 @@ def _loop(run: Run, result: TrainResult) -> None:
                 f"a save takes {boundary.save_s:.1f} s and the signal came {boundary.waited_s:.1f} s ago: it would "
                 f"end past trainer.preemption_grace_s={t.preemption_grace_s:g}"
             )
-        if run.checkpointer.due(done, t.max_steps) or result.stop or stopped_by_callback:
+        if run.checkpointer.due(done, t.max_steps, stop=bool(result.stop) or stopped_by_callback):
             if result.past_grace and not t.save_past_grace:
                 log.warning(f"no resume checkpoint at step {done}: {result.past_grace} (trainer.save_past_grace)")
             else:
@@ -301,7 +295,8 @@ def _loop(run: Run, result: TrainResult) -> None:
             log.info(f"preemption signal ({by}): stopped after step {done} {saved}")
             return
         if stopped_by_callback:
-            log.info(f"a callback asked to stop: stopped after step {done} with a checkpoint")
+            saved = "with a checkpoint" if run.checkpointer.saved(done) else "without a checkpoint"
+            log.info(f"a callback asked to stop: stopped after step {done} {saved}")
             return
 
 
@@ -391,6 +386,7 @@ def _finish(run: Run, result: TrainResult, wall_time_s: float) -> None:
         # The largest window's, already agreed: no collective here, where rank 0 may still be writing the export.
         **run.peak.run,
     }
+    result.summary.update(overfit.verdict(cfg.data.overfit_batches, result.losses))
     if run.save_times:
         result.summary["checkpoint_save_s"] = sum(run.save_times) / len(run.save_times)
     log.info(

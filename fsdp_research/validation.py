@@ -46,6 +46,11 @@ def check_trainer(t: TrainerConfig, world_size: int) -> None:
         )
     if t.profile_steps < 0:
         raise ConfigError("trainer.profile_steps", f"{t.profile_steps} is negative", "use 0 (off) or a few steps")
+    if t.detect_anomaly and t.compile:
+        # Its hooks on every module would be traced into the compiled blocks' single graphs.
+        raise ConfigError(
+            "trainer.detect_anomaly", "cannot check the modules inside compiled blocks", "set trainer.compile=false"
+        )
     unit = t.micro_batch_size * world_size
     if t.global_batch_size % unit:
         raise ConfigError(
@@ -95,6 +100,12 @@ def check_data(cfg: DataConfig, t: TrainerConfig, hf_config) -> None:
     check_sources(cfg)
     if not 0 <= cfg.eval_fraction < 1:
         raise ConfigError("data.eval_fraction", f"{cfg.eval_fraction} is not in [0, 1)", "use e.g. 0.05")
+    if cfg.max_windows < 0:
+        raise ConfigError("data.max_windows", f"{cfg.max_windows} is negative", "use 0 (all) or a number of windows")
+    if cfg.overfit_batches < 0:
+        raise ConfigError(
+            "data.overfit_batches", f"{cfg.overfit_batches} is negative", "use 0 (off) or the batches to repeat: 1"
+        )
     if t.eval_interval and cfg.eval_fraction <= 0:
         raise ConfigError(
             "trainer.eval_interval",

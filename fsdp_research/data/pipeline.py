@@ -98,11 +98,12 @@ def open_stores(cfg: DataConfig, build: Build = Build()) -> list[TokenStore]:
 def _check_size(windows, cfg: DataConfig, key: str) -> None:
     held_out = max(1, int(windows.count * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
     if windows.count - held_out < 1:
+        capped = cfg.max_windows and windows.count == cfg.max_windows
         raise ConfigError(
-            key,
+            "data.max_windows" if capped else key,
             f"{windows.count} window(s) of data.seq_len + 1 = {windows.length} tokens, {held_out} held out for "
             "eval: none left to train on",
-            "add text, or lower data.seq_len or data.eval_fraction",
+            "raise data.max_windows" if capped else "add text, or lower data.seq_len or data.eval_fraction",
         )
 
 
@@ -110,6 +111,8 @@ def _check_size(windows, cfg: DataConfig, key: str) -> None:
 class Data:
     stream: Stream
     seq_len: int
+    # data.overfit_batches: >0, the global batches of steps 0 .. N-1 over and over.
+    overfit_batches: int = 0
 
     def batch(self, index: np.ndarray, held_out: bool = False) -> torch.Tensor:
         samples = self.stream.held_out(index) if held_out else self.stream.train(index)
@@ -117,6 +120,8 @@ class Data:
 
     def rank_batch(self, step: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
         """This rank's slice of the global batch of `step` (0-based): samples step * batch_size + [0, batch_size)."""
+        if self.overfit_batches:
+            step %= self.overfit_batches
         per_rank = batch_size // world_size
         return self.batch(step * batch_size + rank * per_rank + np.arange(per_rank))
 
@@ -143,16 +148,17 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int, build: Build = Build
     """The data of a run: every rank calls it (where a store is missing, all of them build it)."""
     length = cfg.seq_len + 1
     if cfg.kind is DataKind.synthetic:
-        windows, weights, keys = [SyntheticWindows(cfg.num_sequences, length, vocab_size, seed)], [1.0], ["data"]
+        count = min(cfg.num_sequences, cfg.max_windows or cfg.num_sequences)
+        windows, weights, keys = [SyntheticWindows(count, length, vocab_size, seed)], [1.0], ["data"]
     else:
         stores = open_stores(cfg, build)
-        windows = [StoreWindows(store, length) for store in stores]
+        windows = [StoreWindows(store, length, cfg.max_windows) for store in stores]
         weights = [s.weight for s in sources(cfg)] if cfg.kind is DataKind.local_text else [1.0]
         keys = [s.key for s in sources(cfg)] if cfg.kind is DataKind.local_text else ["data.hub_name"]
     for w, key, weight in zip(windows, keys, weights):
         if weight > 0:
             _check_size(w, cfg, key)
-    return Data(Stream(windows, weights, seed, cfg.eval_fraction), cfg.seq_len)
+    return Data(Stream(windows, weights, seed, cfg.eval_fraction), cfg.seq_len, cfg.overfit_batches)
 
 
 def check_tokenizer(cfg: DataConfig, model_vocab: int) -> None:

@@ -61,11 +61,13 @@ def permute(index: np.ndarray, n: int, seed: int) -> np.ndarray:
 
 
 class StoreWindows:
-    """A token store read as windows of `length` tokens."""
+    """A token store read as windows of `length` tokens; with a limit, only its first `limit` windows."""
 
-    def __init__(self, store: TokenStore, length: int):
+    def __init__(self, store: TokenStore, length: int, limit: int = 0):
         self.store, self.length = store, length
         self.count = store.n_tokens // length
+        if limit:
+            self.count = min(self.count, limit)
 
     def read(self, index: np.ndarray) -> np.ndarray:
         return np.stack([self.store.tokens(i * self.length, (i + 1) * self.length) for i in index.tolist()])

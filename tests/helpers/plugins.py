@@ -1,12 +1,14 @@
 """Plug-ins the tests load by `_target_`, as a user's package would be: callbacks that record what every rank saw
 or ask for a skip or a stop on one rank only, one that signals its own process, one that raises, and a schedule
-function that spikes the lr."""
+function that spikes the lr, and a model whose forward overflows at a known module."""
 
 import json
 import os
 import signal
+from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
 
 from fsdp_research.sharding import local_shard
 
@@ -103,3 +105,43 @@ def spike_lr(step: int, max_steps: int, at: int = 8, factor: float = 300.0) -> f
 def warm(step: int, max_steps: int, warmup_steps: int) -> float:
     """A schedule function that takes the schedule group's warmup_steps."""
     return min(1.0, (step + 1) / warmup_steps)
+
+
+class Gain(nn.Module):
+    def __init__(self, gain: float):
+        super().__init__()
+        self.gain = gain
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, gain: float):
+        super().__init__()
+        self.proj, self.gain = nn.Linear(width, width), Gain(gain)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.gain(self.proj(x))
+
+
+@dataclass
+class Output:
+    logits: torch.Tensor
+
+
+class BlowsUp(nn.Module):
+    """A small model whose block `at` scales its projection by `gain`: the default, 1e39, overflows fp32, so the
+    first module whose output is inf is layers.<at>.gain."""
+
+    def __init__(self, vocab_size: int = 512, width: int = 32, layers: int = 2, at: int = 1, gain: float = 1e39):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.layers = nn.ModuleList(Block(width, gain if i == at else 1.0) for i in range(layers))
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, input_ids: torch.Tensor) -> Output:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return Output(self.head(x))
