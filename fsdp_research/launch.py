@@ -154,11 +154,16 @@ def _result(cfg: DictConfig, run_dir: str) -> float | None:
     return objective(run_dir, cfg.trainer.objective) if env is None or env.rank == 0 else None
 
 
-def _stop_sweep(outcome: dict[str, Any], run_dir: str) -> None:
+def _in_launcher() -> bool:
+    """Whether this sweep's jobs run in the sweep's own process (the basic and local launchers): a signal to the
+    job is the sweep's. Under SLURM each job ends alone, and the array goes on."""
+    return str(HydraConfig.get().launcher._target_).endswith("BasicLauncher")
+
+
+def _stop_sweep(why: str, run_dir: str) -> None:
     """A signal stops the sweep, not just its job: the launcher ends here, and the same command with
     hydra.sweep.dir=<this sweep's dir> continues it (this job from its checkpoint)."""
     sweep_dir = HydraConfig.get().sweep.dir
-    why = outcome.get("signal") or "signal"
     print(
         f"the sweep stops at job {os.path.basename(run_dir)} ({why}); to continue it, re-run the same command with "
         f"hydra.sweep.dir={sweep_dir}",
@@ -191,7 +196,11 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
             sys.exit(2)
         return
     except ProcessExitedException as err:  # the worker has said why
-        if not multirun or err.exit_code == INTERRUPTED:  # Ctrl-C stops the sweep too
+        # A SIGTERM or Ctrl-C that ended the workers (before they caught it, or Ctrl-C) stops a local sweep too.
+        signalled = err.exit_code == INTERRUPTED or err.signal_name in ("SIGTERM", "SIGINT")
+        if multirun and signalled and _in_launcher():
+            _stop_sweep(err.signal_name or "SIGINT", run_dir)
+        if not multirun or (signalled and _in_launcher()):
             sys.exit(err.exit_code or 1)
         return
     except AnomalyError as err:  # a failed run, not bad input: one line, exit 1
@@ -204,11 +213,15 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
             raise
         log.exception("job failed")
         return
-    signalled = outcome.get("status") == "preempted" or (multirun and outcome.get("signal"))
-    if not signalled:
+    preempted = outcome.get("status") == "preempted"
+    if multirun and not _in_launcher():
+        # Under SLURM: a job a signal stopped returns no objective; its status.json says preempted, and the
+        # sweep run again resumes it.
+        return None if preempted else _result(cfg, run_dir)
+    if not (preempted or (multirun and outcome.get("signal"))):
         return _result(cfg, run_dir)
     if multirun:
-        _stop_sweep(outcome, run_dir)
+        _stop_sweep(outcome.get("signal") or "signal", run_dir)
     env = launch_env()
     if not outcome.get("requeue"):
         sys.exit(TERMINATED)  # stopped by SIGTERM, resumable: the scheduler that sent it decides what comes next

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from .rundir import outcome
 from .sinks import read_records
-from .sweep import job_overrides
+from .sweep import MULTIRUN, job_overrides
 
 # CUDA runs log allocated and reserved peaks, CPU runs the RSS. Reserved comes first: it is what the caching
 # allocator actually holds on the device, so it is the number that decides whether a config fits.
@@ -44,16 +44,18 @@ def load_trials(sweep_dir: str) -> dict[str, Any] | None:
     import optuna
 
     storage = f"sqlite:///{os.path.abspath(path)}"
-    (summary,) = optuna.get_all_study_summaries(storage=storage)
-    study = optuna.load_study(study_name=summary.study_name, storage=storage)
+    multirun = OmegaConf.load(os.path.join(sweep_dir, MULTIRUN))
+    names = [summary.study_name for summary in optuna.get_all_study_summaries(storage=storage)]
+    # The sweep's own study (by its multirun.yaml), or the file's only one.
+    name = multirun.hydra.sweeper.get("study_name") if len(names) > 1 else names[0]
+    study = optuna.load_study(study_name=name, storage=storage)
     trials = [
         {"number": t.number, "state": t.state.name.lower(), "value": t.value, "params": dict(t.params)}
         for t in sorted(study.trials, key=lambda t: t.number)
     ]
     complete = [t for t in trials if t["state"] == "complete"]
-    multirun = os.path.join(sweep_dir, "multirun.yaml")
     return {
-        "objective": str(OmegaConf.load(multirun).trainer.objective) if os.path.exists(multirun) else "objective",
+        "objective": str(multirun.trainer.objective),
         "direction": study.direction.name.lower(),
         "params": sorted({key for t in trials for key in t["params"]}),
         "trials": trials,

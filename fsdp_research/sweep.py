@@ -70,28 +70,44 @@ def is_search(config: DictConfig) -> bool:
     return str(config.hydra.sweeper.get("_target_", "")).endswith("ResumableOptunaSweeper")
 
 
+# The sweeper's settings that decide which trials a search's job dirs hold: a re-run must keep them.
+SEARCH_KEYS = ("_target_", "study_name", "storage", "params", "search_space", "custom_search_space")
+
+
+def _search_settings(config: DictConfig) -> dict[str, Any]:
+    sweeper = config.hydra.get("sweeper")
+    sweeper = OmegaConf.to_container(sweeper, resolve=False) if sweeper is not None else {}
+    return {key: sweeper.get(key) for key in SEARCH_KEYS}
+
+
 def _check_resume(config: DictConfig) -> None:
-    """A sweep dir that holds a sweep is continued only by the command that started it (the same task overrides:
-    the same jobs, the same search); the launcher, the sweeper's settings and hydra.* may differ."""
+    """A sweep dir that holds a sweep is continued only by the command that started it: the same task overrides
+    (the same jobs), the same sweeper and search (study, storage, space); the launcher, n_trials, n_jobs, the
+    sampler and other hydra.* keys may differ."""
     path = os.path.join(config.hydra.sweep.dir, MULTIRUN)
     if not os.path.exists(path):
         return
-    before = list(OmegaConf.load(path).hydra.overrides.task)
-    now = list(config.hydra.overrides.task)
-    if before != now:
-        gone, new = [o for o in before if o not in now], [o for o in now if o not in before]
-        parts = ([f"it had {' '.join(gone)}"] if gone else []) + ([f"this has {' '.join(new)}"] if new else [])
-        # The order numbers a grid's jobs: another order is another sweep.
-        differ = "; ".join(parts) or f"the same overrides in another order: {' '.join(before)}"
+    made = OmegaConf.load(path)
+    before, now = list(made.hydra.overrides.task), list(config.hydra.overrides.task)
+    gone, new = [o for o in before if o not in now], [o for o in now if o not in before]
+    parts = ([f"it had {' '.join(gone)}"] if gone else []) + ([f"this has {' '.join(new)}"] if new else [])
+    if not parts and before != now:  # the order numbers a grid's jobs: another order is another sweep
+        parts = [f"the same overrides in another order: {' '.join(before)}"]
+    settings, mine = _search_settings(made), _search_settings(config)
+    parts += [
+        f"hydra.sweeper.{key} was {settings[key]}, is {mine[key]}" for key in SEARCH_KEYS if settings[key] != mine[key]
+    ]
+    if parts:
         raise SubmitError(
-            f"hydra.sweep.dir={config.hydra.sweep.dir} holds a sweep of another command ({differ}): re-run that "
-            "command to continue it, or give a new hydra.sweep.dir"
+            f"hydra.sweep.dir={config.hydra.sweep.dir} holds a sweep of another command ({'; '.join(parts)}): re-run "
+            "that command to continue it, or give a new hydra.sweep.dir"
         )
 
 
 def _check_search(config: DictConfig) -> None:
     """An Optuna search needs its extra installed and an objective every trial logs."""
     try:
+        import hydra_plugins.hydra_optuna_sweeper  # noqa: F401
         import optuna  # noqa: F401
     except ImportError:
         raise SubmitError(

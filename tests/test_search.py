@@ -175,25 +175,67 @@ def test_a_signal_stops_the_sweep_and_the_rerun_continues(tmp_path):
     assert report([sweep]) == 0
 
 
+def test_a_diverged_trial_is_told_failed_and_the_search_continues(tmp_path):
+    """A learning rate that makes the loss nan: the trial's job completes with a nan eval loss, which Optuna is
+    told as a failed trial (not a value, which it refuses); the same command again continues the study."""
+    command, sweep = _sweep(
+        tmp_path,
+        "nan",
+        [
+            *FAST,
+            "trainer.max_steps=2",
+            "trainer.eval_interval=2",
+            "trainer.eval_batches=1",
+            "hydra/sweeper=optuna",
+            "hydra.sweeper.n_trials=1",
+            "optim.lr=interval(1e6, 1e7)",
+        ],
+    )
+    first = _run(tmp_path, "nan", command)
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert [t.state for t in _trials(sweep)] == [optuna.trial.TrialState.FAIL]
+    assert "trial 0 failed (no finite eval_loss)" in first.stdout
+    again = _run(tmp_path, "nan", command)
+    assert again.returncode == 0 and f"continuing the sweep in {sweep}" in again.stdout, again.stderr[-2000:]
+    assert [t.state for t in _trials(sweep)] == [optuna.trial.TrialState.FAIL]
+
+
 def test_bad_sweeps_fail_in_one_line_before_any_job(tmp_path):
     """A searched key the config lacks, an objective the jobs do not log, a sweep dir another command made: one
     line, exit 2, no job run."""
     _, sweep = _sweep(tmp_path, "made", [])
     os.makedirs(sweep)
+    basic = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
     OmegaConf.save(
-        OmegaConf.create({"hydra": {"overrides": {"task": ["trainer.seed=0,1", "optim.lr=0.01"]}}}),
+        OmegaConf.create(
+            {"hydra": {"overrides": {"task": ["trainer.seed=0,1", "optim.lr=0.01"]}, "sweeper": {"_target_": basic}}}
+        ),
         os.path.join(sweep, "multirun.yaml"),
     )
     cases = {
         "key": (["hydra/sweeper=optuna", *EVAL, "trainer.nope=interval(0.1, 0.2)"], "trainer.nope cannot be searched"),
         "objective": (["hydra/sweeper=optuna", "optim.lr=interval(1e-3, 1e-2)"], "logs no eval loss"),
         "resume": (["trainer.seed=0,1"], "it had optim.lr=0.01"),
+        "resume_as_search": (
+            ["trainer.seed=0,1", "optim.lr=0.01", "hydra/sweeper=optuna", *EVAL],
+            f"hydra.sweeper._target_ was {basic}, is hydra_plugins.fsdp_research_sweeper",
+        ),
+        "grid_sampler": (
+            [
+                "hydra/sweeper=optuna",
+                *EVAL,
+                "optim.lr=choice(0.01, 0.02)",
+                "+hydra.sweeper.sampler._partial_=true",
+                "hydra.sweeper.sampler._target_=optuna.samplers.GridSampler",
+            ],
+            "GridSampler is not supported",
+        ),
     }
     for name, (overrides, expected) in cases.items():
         command, sweep_dir = _sweep(tmp_path, name, [*FAST, *overrides])
-        if name == "resume":
+        if name.startswith("resume"):
             command[-1] = f"hydra.sweep.dir={sweep}"
         result = _run(tmp_path, name, command)
         errors = result.error_lines()
         assert result.returncode == 2 and len(errors) == 1 and expected in errors[0], (name, result.stderr[-2000:])
-        assert not os.path.exists(os.path.join(sweep_dir if name != "resume" else sweep, "0")), name
+        assert not os.path.exists(os.path.join(sweep if name.startswith("resume") else sweep_dir, "0")), name
