@@ -44,8 +44,8 @@ def _consecutive(numbers: Sequence[int]) -> list[slice]:
     return [slice(a, b) for a, b in zip(starts, starts[1:] + [len(numbers)])]
 
 
-def _refuse(message: str) -> None:
-    print(f"error: {message}; nothing launched", file=sys.stderr)
+def _refuse(message: str, outcome: str = "nothing launched") -> None:
+    print(f"error: {message}; {outcome}", file=sys.stderr)
     sys.exit(2)
 
 
@@ -153,7 +153,8 @@ class ResumableOptuna(OptunaSweeperImpl):
                 differ = " ".join(sorted(set(recorded) ^ set(mine)))
                 _refuse(
                     f"{self._job_dir(number)} holds a run of other values than trial {number} of the study in "
-                    f"{self.storage} ({differ}); fix: give a new hydra.sweep.dir, or the sweep's own optuna.db"
+                    f"{self.storage} ({differ}); fix: give a new hydra.sweep.dir, or the sweep's own optuna.db",
+                    f"trial {number} not launched",
                 )
 
     def _run(self, study: optuna.Study, numbers: list[int], overrides: Sequence[Sequence[str]]) -> int:

@@ -38,8 +38,8 @@ def job_overrides(job_dir: str) -> list[str]:
 def objective(run_dir: str, name: str) -> float | None:
     """The run's value of trainer.objective, from its metrics.jsonl: the last eval loss, the last logged loss, or
     the summary's median tokens/s; None when the run logged none."""
-    records = read_records(run_dir)
-    if name == Objective.tokens_per_s:
+    records, name = read_records(run_dir), Objective(name).value
+    if name == Objective.tokens_per_s.value:
         values = [r["summary"].get("median_tokens_per_s") for r in records if "summary" in r]
     else:
         values = [r[name] for r in records if name in r]
