@@ -52,11 +52,15 @@ def _job_overrides(job_dir: str) -> list[str]:
     return list(OmegaConf.load(os.path.join(job_dir, ".hydra", "overrides.yaml")))
 
 
-def _assert_resumed_exactly(tmp_path, job_dir: str, name: str) -> None:
-    """The job, killed after its step-4 checkpoint and run again, ends as the same job run once without a break
-    ends: the steps after the checkpoint's losses and the exported weights, bitwise."""
+def _reference(tmp_path, job_dir: str) -> Launch:
+    """The same job (its recorded overrides, without the fault), run once without a break, in <tmp>/reference."""
     overrides = [o for o in _job_overrides(job_dir) if not o.startswith("+callbacks.fault")]
-    reference = _run(tmp_path, name, [*overrides, f"hydra.run.dir={tmp_path / name}"])
+    return Launch(str(tmp_path / "reference"), [*overrides, f"hydra.run.dir={tmp_path / 'reference'}"])
+
+
+def _assert_resumed_exactly(job_dir: str, reference) -> None:
+    """The job, killed after its step-4 checkpoint and run again, ends as the reference (the same job run once
+    without a break) ends: the steps after the checkpoint's losses and the exported weights, bitwise."""
     assert reference.returncode == 0, reference.stderr[-2000:]
     resumed = {row["step"]: row["loss"] for row in read_metrics(job_dir)}
     once = {row["step"]: row["loss"] for row in reference.metrics()}
@@ -142,13 +146,15 @@ def test_a_killed_sweep_continues_where_it_stopped(tmp_path, search):
     assert not os.path.exists(os.path.join(sweep, "2"))
     first = _bytes(os.path.join(sweep, "0", "metrics.jsonl"))
 
+    # Not beside the re-run: two trainings on two cores take twice as long as one after the other.
+    reference = _reference(tmp_path, os.path.join(sweep, "1")).finish()
     again = _run(tmp_path, "sweep", command)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"sweep dir: {sweep}; after a crash, the same command with hydra.sweep.dir={sweep}" in killed.stdout
     assert f"continuing the sweep in {sweep}" in again.stdout
     assert "job 0 completed earlier: not run again" in again.stdout or search
     assert _bytes(os.path.join(sweep, "0", "metrics.jsonl")) == first
-    _assert_resumed_exactly(tmp_path, os.path.join(sweep, "1"), "reference")
+    _assert_resumed_exactly(os.path.join(sweep, "1"), reference)
     assert [r["step"] for r in read_metrics(os.path.join(sweep, "2"))] == list(range(1, STEPS + 1))
     if search:
         trials = _trials(sweep)
@@ -231,11 +237,15 @@ def test_bad_sweeps_fail_in_one_line_before_any_job(tmp_path):
             "GridSampler is not supported",
         ),
     }
-    for name, (overrides, expected) in cases.items():
+    launched = {}
+    for name, (overrides, _) in cases.items():  # all at once: each is refused before any job
         command, sweep_dir = _sweep(tmp_path, name, [*FAST, *overrides])
         if name.startswith("resume"):
             command[-1] = f"hydra.sweep.dir={sweep}"
-        result = _run(tmp_path, name, command)
+            sweep_dir = sweep
+        launched[name] = (Launch(str(tmp_path / name), command), sweep_dir)
+    for name, (launch, sweep_dir) in launched.items():
+        result, expected = launch.finish(), cases[name][1]
         errors = result.error_lines()
         assert result.returncode == 2 and len(errors) == 1 and expected in errors[0], (name, result.stderr[-2000:])
-        assert not os.path.exists(os.path.join(sweep if name.startswith("resume") else sweep_dir, "0")), name
+        assert not os.path.exists(os.path.join(sweep_dir, "0")), name
