@@ -63,6 +63,10 @@ def load_trials(sweep_dir: str) -> dict[str, Any] | None:
     }
 
 
+def _cell(value: Any) -> str:
+    return "-" if value is None else f"{value:.6g}" if isinstance(value, float) else str(value)
+
+
 def format_trials(search: dict[str, Any]) -> str:
     """The trial table (number, state, objective, each searched key) and the best trial, as plain text."""
     header = ["trial", "state", search["objective"], *search["params"]]
@@ -70,15 +74,8 @@ def format_trials(search: dict[str, Any]) -> str:
         [
             str(t["number"]),
             t["state"],
-            "-" if t["value"] is None else f"{t['value']:.6g}",
-            *(
-                "-"
-                if t["params"].get(key) is None
-                else f"{t['params'][key]:.6g}"
-                if isinstance(t["params"][key], float)
-                else str(t["params"][key])
-                for key in search["params"]
-            ),
+            _cell(t["value"]),
+            *(_cell(t["params"].get(key)) for key in search["params"]),
         ]
         for t in search["trials"]
     ]

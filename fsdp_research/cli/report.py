@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     for job in jobs:
         if job["error"]:
             print(f"job {job['num']} {job['status']}: {job['error']}")
-    search = load_trials(args.sweep_dir)
+    try:
+        search = load_trials(args.sweep_dir)
+    except ImportError:  # a search's dir read where the [sweep] extra is not installed
+        search = None
+        print("its Optuna study (optuna.db) is not listed: pip install -e '.[sweep]'")
     if search:
         print(format_trials(search))
     out = args.out or os.path.join(args.sweep_dir, "report.png")
