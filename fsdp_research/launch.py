@@ -198,9 +198,10 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
     except ProcessExitedException as err:  # the worker has said why
         # A SIGTERM or Ctrl-C that ended the workers (before they caught it, or Ctrl-C) stops a local sweep too.
         signalled = err.exit_code == INTERRUPTED or err.signal_name in ("SIGTERM", "SIGINT")
-        if multirun and signalled and _in_launcher():
+        stop_sweep = multirun and signalled and _in_launcher()
+        if stop_sweep:
             _stop_sweep(err.signal_name or "SIGINT", run_dir)
-        if not multirun or (signalled and _in_launcher()):
+        if not multirun or stop_sweep:
             sys.exit(err.exit_code or 1)
         return
     except AnomalyError as err:  # a failed run, not bad input: one line, exit 1

@@ -71,11 +71,12 @@ class ResumableOptuna(OptunaSweeperImpl):
         study = optuna.create_study(
             study_name=self.study_name,
             storage=self.storage,
-            sampler=self._sampler(),
+            sampler=self.sampler,
             directions=self._get_directions(),
             load_if_exists=True,
         )
         before = study.get_trials(deepcopy=False)
+        study.sampler = self._sampler(len(before))
         interrupted = [t for t in before if t.state == TrialState.RUNNING]
         if before:
             log.info(
@@ -122,17 +123,13 @@ class ResumableOptuna(OptunaSweeperImpl):
         except ConfigError as err:
             _refuse(f"{err} (a key hydra.sweeper.params searches)")
 
-    def _sampler(self) -> optuna.samplers.BaseSampler:
-        """The sampler; a seeded one continuing a study is reseeded by the trials it holds (deterministic, and not
-        the first trials' points again)."""
+    def _sampler(self, held: int) -> optuna.samplers.BaseSampler:
+        """The sampler of a study holding `held` trials; a seeded one continuing a study is reseeded by them
+        (deterministic, and not the first trials' points again)."""
         sampler_cfg = self.config.hydra.sweeper.sampler
-        held = len(optuna.load_study(study_name=self.study_name, storage=self.storage).trials) if self._exists() else 0
         if held and sampler_cfg.get("seed") is not None:
             return instantiate(sampler_cfg, seed=sampler_cfg.seed + held)
         return self.sampler
-
-    def _exists(self) -> bool:
-        return self.study_name in {s.study_name for s in optuna.get_all_study_summaries(storage=self.storage)}
 
     def _job_dir(self, number: int) -> str:
         return os.path.join(self.sweep_dir, str(number))
