@@ -234,6 +234,44 @@ def test_spike_monitor_keeps_non_finite_values_out_of_its_window():
     assert run.skips == 2 and float("inf") not in monitor.history["loss"]  # the inf and the nan only
 
 
+class _Steps:
+    """What the spike monitor sees of a run: the skips it asks for, the records it logs."""
+
+    def __init__(self):
+        self.skips, self.records = [], []
+
+    def skip_step(self):
+        self.skips.append(self.step)
+
+    def log(self, values, step):
+        self.records.append({"step": step, **values})
+
+
+def _feed(monitor, losses) -> _Steps:
+    run = _Steps()
+    for run.step, loss in enumerate(losses, 1):
+        monitor.on_before_optimizer_step(run, run.step, {"loss": loss, "grad_norm": 1.0})
+    return run
+
+
+@pytest.mark.parametrize("cap", [5, 1])
+def test_a_lasting_level_shift_is_not_skipped_for_ever(cap, caplog):
+    """50 losses at 2.00, then 200 at 2.10: the window follows the new level (every value enters it), so only the
+    first few steps of the shift are spikes, and no more than max_consecutive_skips in a row are skipped."""
+    from fsdp_research.callbacks.spike import SpikeMonitor
+
+    monitor = SpikeMonitor(window=100, threshold=6.0, skip=True, min_steps=10, max_consecutive_skips=cap)
+    run = _feed(monitor, [2.0] * 50 + [2.1] * 200)
+    spikes = [r["step"] for r in run.records]
+    # z of the new level's k-th value against 50 old and k - 1 new ones: sqrt(50 / (k - 1)); over 6 for k <= 2.
+    assert spikes == [51, 52]
+    assert run.skips == spikes[:cap] and len(monitor.history["loss"]) == 100
+    assert [r["spike_skipped"] for r in run.records] == [s in run.skips for s in spikes]
+    warned = [r.message for r in caplog.records if "not skipped" in r.message]
+    assert warned == ([] if cap >= 2 else ["spike at step 52 not skipped: 1 steps in a row were "
+                                           "(callbacks.spike.max_consecutive_skips=1); a lasting shift, not a spike?"])  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------- losses
 
 
