@@ -31,6 +31,7 @@ from .losses import LossFn, Router, build_loss, held_out_loss, router_of, train_
 from .metrics import MEAN_LOSSES, PeakMemory, Throughput, loss_metrics
 from .models import build_hf_config
 from .optim import build_optimizer, clip_, clip_grad_norm, configured_keys, grad_norm
+from .optim.resume import continue_schedule
 from .precision import LossScaler, autocast
 from .preemption import NONE, STOP, Boundary, Signals, agree
 from .profiling import StepProfiler, region
@@ -138,10 +139,12 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
     close_on_exit(resources, checkpointer.close)
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
+        base_lrs = list(scheduler.base_lrs)  # the config's: the checkpoint's replace them
         trainer_state, callback_state = checkpointer.load(
             resume_dir, model, optimizer, callbacks.state_dict(), configured_keys(cfg.optim)
         )
         state.load_state_dict(trainer_state)
+        state.scheduler = continue_schedule(state.scheduler, cfg, base_lrs, resume_dir)
         callbacks.load_state_dict(callback_state)
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
     throughput = throughput_of(cfg, d, model, plan, device, state.step)

@@ -215,6 +215,42 @@ def test_schedule_target_function_and_lr_scheduler_class():
     assert type(scheduler) is torch.optim.lr_scheduler.StepLR and scheduler.step_size == 2
 
 
+def test_a_resume_takes_the_configs_rates_and_schedule(tmp_path):
+    """Muon with AdamW for the rest, a StepLR: three steps at the saved config, then a resume with optim.lr,
+    optim.others.lr, an lr_scale and the StepLR's gamma changed. The groups' rates are the new config's at step 3,
+    by StepLR's formula (lr x gamma ^ (3 // 2)), and the changes are named."""
+    from omegaconf import OmegaConf
+
+    from fsdp_research.optim.resume import continue_schedule
+
+    step_lr = ["schedule._target_=torch.optim.lr_scheduler.StepLR", "+schedule.step_size=2"]
+    scaled = "optim.param_groups=[{{match: '*embed_tokens*', lr_scale: {}}}]"
+    saved = compose(["optim=muon", *step_lr, "+schedule.gamma=0.5", scaled.format(1)])
+    now = compose(
+        ["optim=muon", *step_lr, "+schedule.gamma=0.1", "optim.lr=0.05", "optim.others.lr=1e-2", scaled.format(0.5)]
+    )
+    model = _llama()
+    blocks = [f"model.layers.{i}" for i in range(len(model.model.layers))]
+    optimizer, scheduler = build_optimizer(model, saved, blocks)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    OmegaConf.save(saved, tmp_path / "train_config.yaml")
+    optimizer_state, scheduler_state = optimizer.state_dict(), scheduler.state_dict()
+    optimizer, scheduler = build_optimizer(model, now, blocks)
+    base_lrs = list(scheduler.base_lrs)
+    optimizer.load_state_dict(optimizer_state)
+    scheduler.load_state_dict(scheduler_state)
+    scheduler = continue_schedule(scheduler, now, base_lrs, str(tmp_path))
+    embed = id(model.model.embed_tokens.weight)
+    expected = [
+        0.1 * (0.05 if i == 0 else 1e-2 * (0.5 if any(id(p) == embed for p in g["params"]) else 1))
+        for i, g in enumerate(optimizer.param_groups)
+    ]
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(expected)
+    assert scheduler.get_last_lr() == pytest.approx(expected) and scheduler.last_epoch == 3
+
+
 def test_spike_monitor_keeps_non_finite_values_out_of_its_window():
     from fsdp_research.callbacks.spike import SpikeMonitor
 
@@ -346,6 +382,7 @@ RUNS = {
         "schedule.decay_ratio=0.25",
         "checkpoint.interval=10",
     ],  # fmt: skip
+    # Step 6's update skipped (asked by rank 1): the average stays as it was; the head's weights logged each step.
     "ema": [
         "trainer.max_steps=8",
         "callbacks=ema",
@@ -353,10 +390,27 @@ RUNS = {
         "callbacks.ema.export=true",
         "checkpoint.export=true",
         "checkpoint.export_dtype=float32",
+        "+callbacks.ask._target_=tests.helpers.plugins.AskOnOneRank",
+        "+callbacks.ask.skip_at=6",
+        "+callbacks.weights._target_=tests.helpers.plugins.WeightLog",
+        "+callbacks.weights.name=lm_head.weight",
+    ],  # fmt: skip
+    # Resumed at step 4 with another lr: step 5 is taken with it.
+    "lr": [
+        "trainer.max_steps=5",
+        "schedule=constant",
+        "schedule.warmup_steps=0",
+        "optim.lr=1e-3",
+        "checkpoint.export=true",
+        "checkpoint.export_dtype=float32",
     ],  # fmt: skip
 }
 # Resumed from the checkpoint before the last: (run, step it resumes from, overrides changed).
-RESUMED = {"wsd": ("wsd", 10, ["trainer.max_steps=30"]), "ema": ("ema", 4, [])}
+RESUMED = {
+    "wsd": ("wsd", 10, ["trainer.max_steps=30"]),
+    "ema": ("ema", 4, []),
+    "lr": ("lr", 4, ["optim.lr=5e-2"]),
+}
 
 
 @pytest.fixture(scope="module")
@@ -492,9 +546,44 @@ def test_ema_resumes_bitwise(runs):
     assert_bitwise_equal(ema, load_file(os.path.join(resumed.run_dir, "export_ema", "model.safetensors")))
     live = load_file(os.path.join(whole.run_dir, "export", "model.safetensors"))
     assert not torch.equal(ema["lm_head.weight"], live["lm_head.weight"])
-    # The average as written out: the checkpoint's EMA of the head against the steps' exports is not at hand;
-    # its distance to the live weights is what 8 steps at decay 0.9 leave.
-    assert 0 < (ema["lm_head.weight"] - live["lm_head.weight"]).abs().max() < 0.1
+
+
+def test_ema_is_the_average_of_the_steps_taken(runs):
+    """The exported average of the head against one computed here from the head's weights after every step (the
+    step skipped left out), in float64."""
+    from safetensors.torch import load_file
+
+    run = _ok(runs["ema"])
+    logged = torch.load(os.path.join(run.run_dir, "weights.pt"))
+    assert logged["skipped"] == [6] and torch.equal(logged["values"][6], logged["values"][5])
+    expected = logged["values"][0].double()
+    for step in range(1, 9):
+        if step not in logged["skipped"]:
+            expected = 0.9 * expected + 0.1 * logged["values"][step].double()
+    ema = load_file(os.path.join(run.run_dir, "export_ema", "model.safetensors"))["lm_head.weight"]
+    torch.testing.assert_close(ema.double(), expected, rtol=0, atol=1e-6)
+    # Had the skipped step entered the average, it would be off by more than that.
+    assert (ema.double() - 0.9 * expected - 0.1 * logged["values"][6].double()).abs().max() > 1e-5
+
+
+def test_a_changed_lr_wins_on_resume(runs):
+    """Resumed at step 4 with optim.lr=5e-2 after a run at 1e-3 (constant schedule): step 5 logs and takes the new
+    rate. AdamW's update (decay included) is the rate times what the state and gradients give, the same for both:
+    the step from the checkpoint's weights is 50 times the one the run at 1e-3 took."""
+    from safetensors.torch import load_file
+
+    run, resumed = _ok(runs["lr"]), _ok(runs["lr_resumed"])
+    assert _lrs(run) == pytest.approx({s: 1e-3 for s in range(1, 6)})
+    assert _lrs(resumed) == pytest.approx({**{s: 1e-3 for s in range(1, 5)}, 5: 5e-2})
+    with open(os.path.join(resumed.run_dir, "train.log")) as f:
+        assert "resumed with the config's values: optim.lr: 0.001 -> 0.05" in f.read()
+    at_4 = checkpoint_tensors(os.path.join(run.run_dir, "checkpoints", "step_4"))
+    slow = load_file(os.path.join(run.run_dir, "export", "model.safetensors"))
+    fast = load_file(os.path.join(resumed.run_dir, "export", "model.safetensors"))
+    for name, weight in fast.items():
+        start = at_4[f"model.{name}"]
+        # Steps of ~0.05; 50 x the rounding of weights near 1 (the norms') is ~3e-6.
+        torch.testing.assert_close(weight - start, 50 * (slow[name] - start), rtol=0, atol=1e-5, msg=name)
 
 
 def _ema_logits(cfg, batch):

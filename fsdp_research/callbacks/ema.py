@@ -1,4 +1,5 @@
-"""An exponential moving average of the weights (ema = decay x ema + (1 - decay) x weights after every step),
+"""An exponential moving average of the weights (ema = decay x ema + (1 - decay) x weights after every step taken:
+a skipped step leaves it as it was),
 held as the model holds its weights (each rank its shards), saved in the resume checkpoints, its held-out loss
 logged at every eval (ema_eval_loss) and, with export, written beside the run's export (<run dir>/export_ema)."""
 
@@ -31,6 +32,8 @@ class EMA:
 
     @torch.no_grad()
     def on_step_end(self, run, step: int, metrics: dict) -> None:
+        if metrics["skipped"]:  # the weights did not move: the average of the steps taken stays as it was
+            return
         shadows = [local_shard(w) for w in self.weights.values()]
         torch._foreach_lerp_(shadows, [local_shard(p.detach()) for p in self._params], 1 - self.decay)
 
@@ -75,3 +78,8 @@ class EMA:
             for name, value in state["weights"].items():
                 if value is not self.weights[name]:
                     self.weights[name].copy_(value)
+
+    @classmethod
+    def planned_bytes(cls, rank, **kwargs) -> int:
+        """For the planner (fsdp_research.callbacks.footprint): the averaged copy of the rank's parameters."""
+        return rank.param_bytes

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
+from fsdp_research.models import clean_name
 from fsdp_research.sharding import local_shard
 
 
@@ -48,6 +50,31 @@ class Recorder:
         self.seen["hooks"].append("on_train_end")
         with open(os.path.join(run.run_dir, f"seen_rank{run.rank}.json"), "w") as f:
             json.dump(self.seen, f)
+
+
+class WeightLog:
+    """Writes <run dir>/weights.pt (rank 0): one parameter's full value at setup and after every step, by step (0:
+    setup), with the steps skipped: what an EMA of it is computed from."""
+
+    def __init__(self, name: str):
+        self.name, self.values, self.skipped = name, {}, []
+
+    def _record(self, run, step: int) -> None:
+        param = {clean_name(n): p for n, p in run.model.named_parameters()}[self.name]
+        full = param.full_tensor() if isinstance(param, DTensor) else param  # a collective: every rank calls it
+        self.values[step] = full.detach().clone()
+
+    def setup(self, run) -> None:
+        self._record(run, 0)
+
+    def on_step_end(self, run, step: int, metrics: dict) -> None:
+        self._record(run, step)
+        if metrics["skipped"]:
+            self.skipped.append(step)
+
+    def on_train_end(self, run, result) -> None:
+        if run.rank == 0:
+            torch.save({"values": self.values, "skipped": self.skipped}, os.path.join(run.run_dir, "weights.pt"))
 
 
 class AskOnOneRank:
