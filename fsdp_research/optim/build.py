@@ -1,7 +1,8 @@
 """The optimizer a config names (optim._target_, called with the parameter groups and the group's other keys;
-with optim.others, a second optimizer for everything but the repeating blocks' 2-D weight matrices), and its
-schedule."""
+with optim.others, a second optimizer for everything but the repeating blocks' weight matrices, as
+muon_params.muon_split classifies them), and its schedule."""
 
+import logging
 from collections.abc import Sequence
 
 import torch
@@ -13,11 +14,15 @@ from ..models import clean_name
 from ..targets import check_call, kwargs_of, named_in, resolve
 from .combined import Combined
 from .groups import check_no_decay, check_patterns, param_groups
+from .muon import Muon
+from .muon_params import describe, muon_split
 from .schedules import build_scheduler, check_schedule
 
 # optim's own keys: the rest are the target's keyword arguments.
 OWN_KEYS = ("name", "no_decay", "param_groups", "others", "grad_clip", "warmup_steps", "min_lr_ratio")
 
+
+log = logging.getLogger("fsdp_research")
 
 # Set for every optimizer by the framework (per group): passed on to a target whose signature takes them only.
 _PER_GROUP = ("lr", "weight_decay")
@@ -34,7 +39,9 @@ def _target_and_kwargs(node: DictConfig, key: str, exclude: Sequence[str] = ()) 
 def check_optim(cfg: DictConfig, schedule: DictConfig) -> None:
     """Everything about the optimizer and its schedule that needs no model: targets import, kwargs bind."""
     check_no_decay(cfg.no_decay)
-    _target_and_kwargs(cfg, "optim", OWN_KEYS)
+    target, _ = _target_and_kwargs(cfg, "optim", OWN_KEYS)
+    if cfg.others is None and isinstance(target, type) and issubclass(target, Muon):
+        raise ConfigError("optim.others", "is not set: Muon takes matrices only", "set it, e.g. torch.optim.AdamW")
     if cfg.others is not None:
         for key in ("_target_", "lr"):
             if key not in cfg.others:
@@ -56,11 +63,14 @@ def configured_keys(cfg: DictConfig) -> set[str]:
 
 
 def block_matrices(model: nn.Module, block_paths: Sequence[str]) -> set[int]:
-    """The 2-D weight matrices inside the repeating blocks (ids): what Muon orthogonalizes."""
-    return {id(p) for path in block_paths for p in model.get_submodule(path).parameters() if p.ndim == 2}
+    """The ids of the parameters optim._target_ takes beside optim.others (muon_split's matrices)."""
+    names = muon_split(model, block_paths).matrices
+    return {id(p) for n, p in model.named_parameters() if clean_name(n) in names}
 
 
-def _build_one(model, node: DictConfig, key: str, named, entries, no_decay, exclude=()) -> torch.optim.Optimizer:
+def _build_one(
+    model, node: DictConfig, key: str, named, entries, no_decay, exclude=(), layouts=None
+) -> torch.optim.Optimizer:
     target, kwargs = _target_and_kwargs(node, key, exclude)
     # lr and weight_decay set per group (lr_scale, no_decay); passed on only to a target that takes them.
     lr, weight_decay = kwargs.get("lr"), kwargs.get("weight_decay", 0.0)
@@ -69,7 +79,8 @@ def _build_one(model, node: DictConfig, key: str, named, entries, no_decay, excl
     if "weight_decay" not in named_in(target, {"weight_decay": 0}, or_any=True):
         for group in groups:
             group.pop("weight_decay")
-    return target(groups, **kwargs)
+    # Muon's logical matrices, to a target that takes them.
+    return target(groups, **kwargs, **named_in(target, {"layouts": layouts}))
 
 
 def build_optimizer(model: nn.Module, train_cfg: DictConfig, block_paths: Sequence[str] = ()):
@@ -83,11 +94,13 @@ def build_optimizer(model: nn.Module, train_cfg: DictConfig, block_paths: Sequen
     if cfg.others is None:
         optimizer = _build_one(model, cfg, "optim", named, entries, cfg.no_decay, OWN_KEYS)
     else:
-        matrices = block_matrices(model, block_paths)
-        main = [(n, p) for n, p in named if id(p) in matrices]
-        rest = [(n, p) for n, p in named if id(p) not in matrices]
-        parts = [_build_one(model, cfg, "optim", main, entries, cfg.no_decay, OWN_KEYS)] if main else []
+        split = muon_split(model, block_paths)
+        main = [(n, p) for n, p in named if n in split.matrices]
+        rest = [(n, p) for n, p in named if n not in split.matrices]
+        layouts = {p: split.matrices[n].layout for n, p in main}
+        parts = [_build_one(model, cfg, "optim", main, entries, cfg.no_decay, OWN_KEYS, layouts)] if main else []
         if rest:
             parts.append(_build_one(model, cfg.others, "optim.others", rest, entries, cfg.no_decay))
         optimizer = Combined(parts)
+        log.info(describe(split, cfg._target_, cfg.others._target_))
     return optimizer, build_scheduler(optimizer, train_cfg.schedule, train_cfg.trainer.max_steps)
