@@ -195,6 +195,38 @@ def test_schedule_shapes(name, shape):
         assert multiplier(s, step, 100) == pytest.approx(_expected(name, step, 100, shape=shape or "linear"))
 
 
+@pytest.mark.parametrize(
+    "name, shape", [("cosine", None), ("linear", None)] + [("wsd", s) for s in ("linear", "cosine", "sqrt")]
+)
+def test_schedules_against_transformers_step_by_step(name, shape):
+    """The convention, against transformers' schedules: after warmup, the multiplier of update s (0-based) is
+    theirs at s, so the last of max_steps updates is one step above min_lr_ratio (which step max_steps, never
+    taken, would have); in warmup ours is theirs at s + 1 (the first update is not at lr 0), from 0 (their WSD's
+    from min_lr_ratio)."""
+    from transformers import optimization as hf
+
+    total, warmup, floor = 50, 5, 0.0 if name == "linear" else 0.1
+    extra = [f"schedule.decay_shape={shape}", "schedule.decay_ratio=0.4"] if shape else []
+    cfg = compose([f"schedule={name}", "schedule.warmup_steps=5", f"schedule.min_lr_ratio={floor}", *extra]).schedule
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    if name == "cosine":
+        theirs = hf.get_cosine_with_min_lr_schedule_with_warmup(opt, warmup, total, min_lr_rate=floor)
+    elif name == "linear":
+        theirs = hf.get_linear_schedule_with_warmup(opt, warmup, total)
+    else:
+        decay = round(0.4 * total)
+        kind = {"sqrt": "1-sqrt"}.get(shape, shape)
+        theirs = hf.get_wsd_schedule(opt, warmup, decay, num_stable_steps=total - decay - warmup, decay_type=kind,
+                                     min_lr_ratio=floor)  # fmt: skip
+    curve = [fn(s) for s in range(total + 1) for fn in theirs.lr_lambdas]
+    ours = [multiplier(cfg, s, total) for s in range(total)]
+    # Their WSD warms up from min_lr_ratio, ours (every schedule) from 0.
+    start = floor if name == "wsd" else 0.0
+    assert ours[:warmup] == pytest.approx([(c - start) / (1 - start) for c in curve[1 : warmup + 1]])
+    assert ours[warmup:] == pytest.approx(curve[warmup:total])
+    assert ours[-1] > floor and curve[total] == pytest.approx(floor)
+
+
 def test_schedule_target_function_and_lr_scheduler_class():
     model = _llama()
     fn = compose(["schedule._target_=tests.helpers.plugins.spike_lr", "+schedule.at=2", "+schedule.factor=5"])
