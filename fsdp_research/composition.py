@@ -62,6 +62,10 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
+    from .data.tokenizer import resolve_tokenizer
+
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        return typed(hydra_compose(config_name="train", overrides=list(overrides)))
+        cfg = typed(hydra_compose(config_name="train", overrides=list(overrides)))
+    resolve_tokenizer(cfg)
+    return cfg

@@ -130,8 +130,9 @@ class DataConfig:
     # A mixture (instead of paths): [{paths, text_field, weight}, ...], sampled by weight.
     sources: list[SourceConfig] = field(default_factory=list)
     seq_len: int = 128
-    # "byte" (no download) or a Hugging Face tokenizer: a local directory, or a name in the local cache.
-    tokenizer: str = "byte"
+    # "auto" (the pretrained model's own tokenizer where its directory holds one, else byte), "byte" (no download),
+    # or a Hugging Face tokenizer: a local directory, or a name in the local cache.
+    tokenizer: str = "auto"
     # hub: datasets.load_dataset(hub_name, hub_config, split=split, streaming=streaming).
     hub_name: str | None = None
     hub_config: str | None = None
@@ -333,6 +334,9 @@ class DoctorConfig:
     fit: bool = True
     fit_gpu: str | None = None
     fit_margin: float = 0.05
+    # The share of the device's memory the fit check keeps free (as plan --fit's --headroom), beside the CUDA
+    # context: fragmentation, NCCL's buffers, what the planner does not count.
+    fit_headroom: float = 0.1
 
 
 @dataclass

@@ -16,6 +16,7 @@ from torch.multiprocessing import ProcessExitedException
 from . import rundir
 from .build import planned_model
 from .config import typed
+from .data.tokenizer import resolve_tokenizer
 from .distributed import dead_ranks, device_for, launch_env, members, spawn
 from .errors import AnomalyError, CheckpointError, ConfigError
 from .models import build_hf_config
@@ -177,6 +178,7 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
     on (the sweep callback fails it at its end); a job already completed (a sweep run again) is not run again; a
     signal stops the whole sweep."""
     cfg = typed(cfg)
+    resolve_tokenizer(cfg)
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     if multirun:
         _name_sweep_job(cfg)

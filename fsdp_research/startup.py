@@ -15,7 +15,9 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from . import rundir
+from .config import DataKind
 from .data.pipeline import Build, Data, Prefetcher, build_data
+from .data.tokenizer import describe as describe_tokenizer
 from .dimensions import ModelDims
 from .distributed import cores_per_rank, members, on_rank0, planned_nodes
 from .doctor import diagnose, report
@@ -47,6 +49,8 @@ def open_data(cfg: DictConfig, vocab_size: int) -> Data:
         report=progress if rank == 0 else None,
         timeout_s=cfg.distributed.timeout_s,
     )
+    if cfg.data.kind is not DataKind.synthetic:
+        log.info(describe_tokenizer(cfg.data.tokenizer, cfg.model))
     data = build_data(cfg.data, vocab_size, cfg.trainer.seed, build)
     log.info(f"data: {data.describe()}; ready in {time.perf_counter() - started:.2f} s")
     return data

@@ -22,6 +22,7 @@ from .config import (
 )
 from .data.parts import first_file, probe
 from .data.pipeline import check_tokenizer, sources
+from .data.tokenizer import check_model_tokenizer
 from .dimensions import max_positions
 from .distributed import backend_for
 from .errors import ConfigError
@@ -31,6 +32,7 @@ from .layout import layout
 from .losses import check_loss
 from .models import pretrained_dir
 from .optim import check_optim
+from .planner.budget import parse_headroom
 from .precision import dtypes, parse_dtype
 from .pretrained import check_weights
 from .targets import resolve
@@ -226,6 +228,7 @@ def check_checkpoint(cfg: CheckpointConfig) -> None:
 def check_doctor(cfg: DoctorConfig) -> None:
     if cfg.fit_gpu is not None and cfg.fit_gpu.lower() not in GPUS:
         raise ConfigError("doctor.fit_gpu", f"no GPU {cfg.fit_gpu!r} in the table", f"use one of {', '.join(GPUS)}")
+    parse_headroom(cfg.fit_headroom, "doctor.fit_headroom")
 
 
 def check_model(cfg: ModelConfig, hf_config) -> None:
@@ -244,6 +247,8 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     check_trainer(cfg.trainer, world_size)
     check_model(cfg.model, hf_config)
     check_data(cfg.data, cfg.trainer, hf_config)
+    if cfg.data.kind is not DataKind.synthetic:
+        check_model_tokenizer(cfg.data.tokenizer, cfg.model)
     check_sharding(cfg.sharding, world_size)
     check_offload_backend(cfg.sharding, cfg.distributed.backend)
     backend_for(cfg.distributed.backend, device)

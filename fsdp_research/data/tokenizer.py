@@ -112,3 +112,54 @@ def _load_hf(name: str):
 @cache
 def load_tokenizer(name: str) -> Tokenizer:
     return Tokenizer(name)
+
+
+AUTO = "auto"
+# What a directory written by a tokenizer's save_pretrained holds (one of them at least).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def model_tokenizer(name_or_path: str | None) -> str | None:
+    """The tokenizer a pretrained model comes with: its directory (or hub id, from the local cache) where it holds
+    a tokenizer's files; else None."""
+    if not name_or_path:
+        return None
+    if os.path.isdir(name_or_path):
+        found = any(os.path.exists(os.path.join(name_or_path, f)) for f in _TOKENIZER_FILES)
+        return name_or_path if found else None
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = (try_to_load_from_cache(name_or_path, f) for f in _TOKENIZER_FILES)
+    return name_or_path if any(isinstance(c, str) for c in cached) else None
+
+
+def resolve_tokenizer(cfg) -> None:
+    """data.tokenizer=auto (a run's config, in place): the pretrained model's own tokenizer, else byte."""
+    if cfg.data.tokenizer == AUTO:
+        cfg.data.tokenizer = model_tokenizer(cfg.model.get("name_or_path")) or "byte"
+
+
+def check_model_tokenizer(tokenizer: str, model) -> None:
+    """Pretrained weights learnt one vocabulary: a data tokenizer of another one would train them on the wrong
+    ids."""
+    own = model_tokenizer(model.get("name_or_path")) if model.get("load_weights") else None
+    if own is None or os.path.abspath(own) == os.path.abspath(tokenizer):
+        return
+    theirs, ours = load_tokenizer(own), load_tokenizer(tokenizer)
+    if ours._hf is None or ours._hf.get_vocab() != theirs._hf.get_vocab():
+        raise ConfigError(
+            "data.tokenizer",
+            f"{tokenizer!r} ({ours.vocab_size} tokens) is not the vocabulary of model.name_or_path's own tokenizer "
+            f"({own}, {theirs.vocab_size} tokens), whose ids the weights learnt",
+            "use data.tokenizer=auto (the model's own), or model.load_weights=false",
+        )
+
+
+def describe(name: str, model) -> str:
+    """The start-up line's words for the tokenizer of a run."""
+    tok = load_tokenizer(name)
+    own = model_tokenizer(model.get("name_or_path"))
+    whose = " (the model's own)" if own and os.path.abspath(own) == os.path.abspath(name) else ""
+    if model.get("load_weights") and own is None:
+        whose = " (model.name_or_path holds no tokenizer: give data.tokenizer the one its weights learnt)"
+    return f"tokenizer: {name}{whose}, {tok.vocab_size} tokens"
