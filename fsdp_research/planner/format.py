@@ -42,6 +42,7 @@ def format_plan(m: ModelSummary, run: Run) -> str:
         f"{m.name}: {size}, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {layout}",
         f"compute {e}, reduce {run.reduce_dtype}; micro-batch {run.micro_batch} x {run.seq_len} tokens, "
         f"{run.micro_steps} micro-batch(es) per step; {_checkpointing(m.checkpointed)}",
+        *([m.optimizer_split] if m.optimizer_split else []),
         "",
         "memory per rank (GiB)",
     ]

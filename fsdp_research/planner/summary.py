@@ -16,6 +16,7 @@ from ..layout import layout
 from ..metrics import active_parameters, flops_per_token, matmul_parameters
 from ..models import build_hf_config, input_embedding, output_layer
 from ..optim.build import block_matrices
+from ..optim.muon_params import describe, muon_split
 from ..optim.state import state_copies
 from ..precision import dtypes, kept_in_fp32
 from ..sharding import ShardingPlan, build_plan, owner
@@ -90,6 +91,8 @@ class ModelSummary:
     optimizer_copies: float = 2.0
     optimizer: str = "AdamW"
     optimizer_known: bool = True
+    # With optim.others: what each optimizer takes, in one line (muon_params.describe).
+    optimizer_split: str = ""
     # Parameters in the blocks' 2-D matrices that a whole-matrix optimizer (Muon: optim.others set) exchanges.
     whole_matrices: int = 0
     # Checkpointed blocks: 0, full (only the input kept); n, selective (the 1st, (1+n)-th, ... matmul outputs kept).
@@ -206,6 +209,7 @@ def _optimizer(cfg: DictConfig, model: nn.Module, plan: ShardingPlan) -> dict:
         optimizer_copies=(main[0] * inside + rest[0] * (total - inside)) / total,
         optimizer=names,
         optimizer_known=main[1] and rest[1],
+        optimizer_split=describe(muon_split(model, plan.blocks), o._target_, o.others._target_),
         whole_matrices=inside,
     )
 
