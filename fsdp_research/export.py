@@ -10,7 +10,6 @@ converts any resume checkpoint offline, with no process group and no GPU."""
 
 import logging
 import os
-import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -23,23 +22,19 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
+from . import sizes
 from .consolidate import INDEX, consolidate, write_index
 from .data.tokenizer import load_tokenizer
 from .distributed import control_group
-from .errors import ConfigError
 from .models import build_model, clean_name
 from .precision import fp32_names, parse_dtype
 
 log = logging.getLogger("fsdp_research")
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
 
 def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", str(text).upper())
-    if not match:
-        raise ConfigError("checkpoint.export_shard_size", f"cannot read {text!r}", "use bytes, or e.g. 500MB, 5GB")
-    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
+    """checkpoint.export_shard_size in bytes."""
+    return sizes.parse_size(text, "checkpoint.export_shard_size", "use bytes, or e.g. 500MB, 5GB")
 
 
 def export_dtype(cfg: DictConfig) -> torch.dtype:
