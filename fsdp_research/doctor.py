@@ -40,7 +40,7 @@ class _Case:
     layout: Layout
     measured: dict[str, float]
     # plan --fit's pick for the device's memory: {overrides, tokens_per_s, this_tokens_per_s, this_peak_gib,
-    # cap_gib, device} (fsdp_research.planner.search.doctor_fit).
+    # cap_gib, usable_gib (the cap less its headroom), device} (fsdp_research.planner.search.doctor_fit).
     fit: dict | None = None
 
     def block_units(self):
@@ -136,8 +136,11 @@ def _not_fit(c: _Case) -> str | None:
     pick = (
         f"plan --fit {f['cap_gib']:g} GiB on {f['device']} picks {f['overrides']} ({f['tokens_per_s']:,.0f} tokens/s)"
     )
-    if f["this_peak_gib"] > f["cap_gib"]:
-        return f"this config's predicted peak, {f['this_peak_gib']:.1f} GiB, does not fit; {pick}"
+    if f["this_peak_gib"] > f["usable_gib"]:
+        return (
+            f"this config's predicted peak, {f['this_peak_gib']:.1f} GiB, does not fit the "
+            f"{f['usable_gib']:.1f} GiB usable (doctor.fit_headroom); {pick}"
+        )
     if f["tokens_per_s"] > f["this_tokens_per_s"] * (1 + c.cfg.doctor.fit_margin):
         return f"{pick}, against {f['this_tokens_per_s']:,.0f} predicted for this config"
 

@@ -73,6 +73,17 @@ GPUS = {
 COMPUTE_EFFICIENCY = 0.5
 LINK_EFFICIENCY = 0.8
 LINKS = ("nvlink", "ib")
+# Device memory no tensor of the run can use: the CUDA context (kernels, cuBLAS/cuDNN workspaces) takes 0.5-1 GiB
+# of every GPU before the first allocation (nvidia-smi's usage of a process that has only initialised CUDA).
+CUDA_CONTEXT_GIB = 0.75
+# An NCCL communicator's own device buffers (NCCL_BUFFSIZE's 4 MiB per channel, peer and protocol: a few hundred
+# MiB on an NVLink node; NVLS takes more) and its creation time (ncclCommSplit, a collective over its ranks). Each
+# process group a rank joins on CUDA is one: FSDP2 makes a DeviceMesh, two groups, per unit resharded to k ranks.
+NCCL_COMMUNICATOR_GIB = 0.25
+NCCL_COMMUNICATOR_INIT_S = 0.5
+# A node's host memory bandwidth (two sockets of DDR5), which its ranks' cpu_offload copies and CPU optimizer
+# steps share.
+HOST_MEMORY_GBS = 300.0
 
 
 def gpu_named(device_name: str) -> Device | None:

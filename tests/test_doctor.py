@@ -11,7 +11,9 @@ import torch
 from fsdp_research.composition import compose
 from fsdp_research.distributed import planned_nodes
 from fsdp_research.doctor import CHECKS, diagnose
+from fsdp_research.errors import ConfigError
 from fsdp_research.planner.search import doctor_fit
+from fsdp_research.validation import check_doctor
 from tests.conftest import ROOT
 from tests.helpers.fsdp_units import plan_for
 
@@ -56,6 +58,8 @@ CASES = [
     ),
     # llama_7b on 8 H100s: micro-batches of 8 x 4096 tokens do not fit 80 GiB; what plan --fit picks does.
     ("fit", (FIT_7B + ["trainer.micro_batch_size=8"], 8, 1, None), (FIT_7B + FIT_7B_PICK, 8, 1, None)),
+    # The pick for 80 GiB peaks at 61.8 GiB: over 80 x (1 - 0.3) less the CUDA context, under the default 10%.
+    ("fit", (FIT_7B + FIT_7B_PICK + ["doctor.fit_headroom=0.3"], 8, 1, None), (FIT_7B + FIT_7B_PICK, 8, 1, None)),
 ]
 
 
@@ -82,6 +86,12 @@ def test_every_check_is_tested():
 def test_healthy_configs_have_no_findings(overrides, world_size, nodes):
     measured = {"exposed_comm_share": 0.05, "checkpoint_save_s": 1.0, "step_time_s": 1.0}
     assert _checks(overrides, world_size, nodes, measured) == []
+
+
+def test_bad_fit_headroom_is_refused():
+    cfg = compose(["doctor.fit_headroom=1.5"])
+    with pytest.raises(ConfigError, match=r"^doctor.fit_headroom: 1.5 is not a share of the cap in \[0, 1\); fix: "):
+        check_doctor(cfg.doctor)
 
 
 def test_findings_in_table_order_one_line_each():

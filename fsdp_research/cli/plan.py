@@ -1,9 +1,10 @@
 """fsdp-research plan <overrides...> [world_size=N] [--compare] [--device cpu|cuda] [--gpu NAME] [--link L]
-[--fit GIB [--top K] [--measure]]: per-rank memory, per-step communication and (on a GPU of the table) predicted
-step time of a config, without allocating the model; --compare puts every sharding side by side; --fit searches
-the knobs (sharding, reshard to k ranks, checkpointing, micro-batch, prefetch, cpu_offload, loss chunks) for the
-configs whose peak fits GIB per rank, fastest first, and ends with `best: <overrides>` for train.py; --measure
-runs the top few on world_size local processes and ranks them by measured speed."""
+[--fit SIZE [--headroom SHARE] [--top K] [--measure]]: per-rank memory, per-step communication and (on a GPU of the
+table) predicted step time of a config, without allocating the model; --compare puts every sharding side by side;
+--fit searches the knobs (sharding, reshard to k ranks, checkpointing, micro-batch, prefetch, cpu_offload, loss
+chunks) for the configs whose peak fits SIZE per rank (80 or 80GiB, 80G, 81920MiB) less --headroom (default 10%)
+and on a GPU the CUDA context, fastest first, and ends with `best: <overrides>` for train.py; --measure runs the
+top few on world_size local processes and ranks them by measured speed."""
 
 import argparse
 import datetime
@@ -20,13 +21,15 @@ from ..distributed import device_for
 from ..errors import ConfigError
 from ..hardware import GPUS, LINKS, gpu
 from ..launch import run_spawned
-from ..planner.calibrate import calibrate_cpu
+from ..planner.budget import DEFAULT_HEADROOM, GIB, Budget, budget, parse_headroom
+from ..planner.calibrate import calibrate_cpu, cpu_optimizer_rate
 from ..planner.format import format_compare, format_fit, format_plan, format_time
 from ..planner.search import Candidate, candidates, fit, unsearched
 from ..planner.summary import ModelSummary, run_settings, summaries_by_sharding
 from ..planner.timing import Hardware, gpu_hardware, step_time
 from ..precision import dtypes
 from ..sinks import read_records
+from ..sizes import parse_size
 from .common import checked_config, fail, split_launch
 
 MEASURED = 3
@@ -63,9 +66,8 @@ def _hardware(args, cfg: DictConfig, m: ModelSummary, world_size: int, device_ty
             device = gpu(args.gpu or "h100")
         except KeyError as err:
             raise ConfigError("--gpu", err.args[0], f"use --gpu {' | '.join(GPUS)}") from None
-        return gpu_hardware(
-            device, compute.itemsize, args.link or ("nvlink" if world_size <= device.per_node else "ib")
-        )
+        link = args.link or ("nvlink" if world_size <= device.per_node else "ib")
+        return gpu_hardware(device, compute.itemsize, link, cpu_optimizer_rate())
     cores = os.cpu_count() or 1
     if world_size > cores:
         raise ConfigError(
@@ -104,16 +106,32 @@ def _measure(overrides: Sequence[str], found: Sequence[Candidate], base: DictCon
     return sorted(measured, key=lambda pair: -pair[0])
 
 
-def _fit(args, overrides: list[str], cfg: DictConfig, m: ModelSummary, world_size: int, hw: Hardware) -> None:
+def _budget(args, gpu_plan: bool) -> Budget | None:
+    """--fit's cap (a bare number: GiB) less --headroom; None without --fit."""
+    if args.fit is None:
+        if args.headroom is not None:
+            raise ConfigError("--headroom", "it is what --fit keeps free", "add --fit <GiB per rank>")
+        return None
+    fix = "use --fit <memory per rank>, e.g. 80, 80GiB, 80G or 81920MiB"
+    cap = parse_size(args.fit, "--fit", fix, unit=GIB) / GIB
+    if cap <= 0:
+        raise ConfigError("--fit", f"{args.fit} is not a memory cap", fix)
+    headroom = DEFAULT_HEADROOM if args.headroom is None else parse_headroom(args.headroom, "--headroom")
+    return budget(cap, headroom, gpu_plan)
+
+
+def _fit(
+    args, room: Budget, overrides: list[str], cfg: DictConfig, m: ModelSummary, world_size: int, hw: Hardware
+) -> None:
     """The search, the top configs, the measured re-ranking, the `best:` line. The base's own settings of the
     searched knobs give way: each row's overrides, after the base's others, make that config."""
     device_type = "cuda" if hw.overlap else "cpu"
     found = candidates(cfg, world_size, device_type, hw)
     base_overrides = unsearched(overrides)
     base = compose(base_overrides)
-    fitting = fit(found, args.fit, base)
+    fitting = fit(found, room, base)
     head = f"{m.name} on {world_size} rank(s) of {hw.name}"
-    print("\n".join(format_fit(fitting, found, args.fit, args.top, base, head)))
+    print("\n".join(format_fit(fitting, found, room, args.top, base, head)))
     best = fitting[0]
     if args.measure:
         top = fitting[: min(args.top, MEASURED)]
@@ -143,13 +161,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--link", choices=LINKS, help="what GPUs talk over (default: nvlink up to a node's GPUs, else ib)"
     )
-    parser.add_argument("--fit", type=float, metavar="GIB", help="search the configs whose peak fits GIB per rank")
+    parser.add_argument(
+        "--fit", metavar="SIZE", help="search the configs whose peak fits SIZE per rank (80 = 80GiB; 80G, 81920MiB)"
+    )
+    parser.add_argument(
+        "--headroom",
+        metavar="SHARE",
+        help=f"with --fit: the share of SIZE kept free (default {DEFAULT_HEADROOM:g}; 0.15 or 15%%), beside the CUDA "
+        "context on a GPU",
+    )
     parser.add_argument("--top", type=int, default=5, help="with --fit: how many configs to show (default 5)")
     parser.add_argument("--measure", action="store_true", help="with --fit: run the top few and rank them measured")
     args = parser.parse_intermixed_args(argv)
     try:
-        if args.fit is not None and args.fit <= 0:
-            raise ConfigError("--fit", f"{args.fit:g} GiB is not a memory cap", "use --fit <GiB per rank>, e.g. 80")
         if args.top < 1:
             raise ConfigError("--top", f"{args.top} is below 1", "use --top K, K >= 1")
         if args.measure and args.fit is None:
@@ -161,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.device == "cpu" and (args.gpu or args.link):
             raise ConfigError("--gpu", "--gpu and --link plan for GPUs, not --device cpu", "drop --device cpu")
         device_type = args.device or ("cuda" if args.gpu or args.link else device_for(cfg.trainer.device, 0).type)
+        room = _budget(args, device_type == "cuda")
         others = _compare_configs(overrides, world_size) if args.compare else []
         # One model build for the plan and every row of the comparison (a large model's build is most of the time).
         summaries = summaries_by_sharding([cfg, *others])
@@ -175,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_compare(rows))
         if args.fit is not None:
             print()
-            _fit(args, overrides, cfg, summaries[0], world_size, hw)
+            _fit(args, room, overrides, cfg, summaries[0], world_size, hw)
     except ConfigError as err:
         return fail(err)
     except ProcessExitedException as err:  # a measured run has said why on stderr

@@ -1,7 +1,9 @@
 """The CPU's rates, measured, for the step-time model on this machine: matmul FLOP/s in the compute dtype at a
-block's shapes, memory bandwidth, and gloo's all-gather bandwidth and latency, each with every rank measuring at
-once (the ranks share the cores and the memory bus, as in training)."""
+block's shapes, memory bandwidth, torch's AdamW step on the CPU, and gloo's all-gather bandwidth and latency, each
+with every rank measuring at once (the ranks share the cores and the memory bus, as in training); and, for a GPU
+plan's cpu_offload, the CPU AdamW step's rate on one core (torchrun gives each rank OMP_NUM_THREADS=1)."""
 
+import functools
 import os
 import tempfile
 import time
@@ -24,10 +26,38 @@ def _seconds(fn, repeats: int) -> float:
 
 
 def _timed(fn) -> float:
-    dist.barrier()
+    if dist.is_initialized():  # every rank starts together
+        dist.barrier()
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+# A parameter's bytes an AdamW step moves: parameter, gradient and two moments read, parameter and moments written.
+ADAMW_BYTES = 7 * 4
+
+
+def _adamw_step(numel: int):
+    """An AdamW step over numel fp32 parameters, as torch runs it on a CPU (the per-tensor loop)."""
+    param = torch.zeros(numel, requires_grad=True)
+    param.grad = torch.randn(numel)
+    optimizer = torch.optim.AdamW([param], foreach=False)
+    optimizer.step()  # its state made
+    return optimizer.step
+
+
+@functools.cache
+def cpu_optimizer_rate(numel: int = 2**22) -> float:
+    """Bytes/s of torch's AdamW step on one of this machine's cores (in this process, once: about 0.5 s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        step = _adamw_step(numel)
+        step()  # warm: the state's pages touched
+        seconds = min(_timed(step) for _ in range(5))
+    finally:
+        torch.set_num_threads(threads)
+    return ADAMW_BYTES * numel / seconds
 
 
 def measure_rates(rows: int, inner: int, cols: int, dtype: torch.dtype) -> dict[str, float]:
@@ -41,6 +71,7 @@ def measure_rates(rows: int, inner: int, cols: int, dtype: torch.dtype) -> dict[
     gathered = torch.empty(world * shard.numel())
     tiny, tiny_out = torch.empty(1), torch.empty(world)
     latency = _seconds(lambda: dist.all_gather_into_tensor(tiny_out, tiny), 20)
+    adamw = _seconds(_adamw_step(2**22), 3)
     gather = _seconds(lambda: dist.all_gather_into_tensor(gathered, shard), 5)
     received = shard.numel() * shard.element_size() * (world - 1)
     return {
@@ -48,6 +79,7 @@ def measure_rates(rows: int, inner: int, cols: int, dtype: torch.dtype) -> dict[
         "memory_bps": 2 * big.numel() * big.element_size() / memory,
         "link_bps": received / max(gather - latency, 1e-9),
         "latency_s": latency,
+        "optimizer_bps": ADAMW_BYTES * 2**22 / adamw,
     }
 
 
@@ -62,6 +94,7 @@ def cpu_hardware(rates: dict[str, float]) -> Hardware:
         latency_s=rates["latency_s"],
         per_node=2**31,
         overlap=False,
+        optimizer_bps=rates["optimizer_bps"],
     )
 
 

@@ -7,7 +7,9 @@ from omegaconf import DictConfig
 
 from ..config import Strategy
 from .activations import recompute_share
+from .budget import Budget
 from .memory import memory
+from .resident import extra_groups
 from .search import Candidate
 from .summary import ModelSummary, Run
 from .timing import Hardware, StepTime
@@ -80,7 +82,14 @@ def format_plan(m: ModelSummary, run: Run) -> str:
                 f"+{recompute_share(ckpt):.0%} compute" if any(ckpt) else "",
             )
         )
-    rows += [("backward and optimizer temporaries", mem.temporaries, ""), ("peak", mem.peak, f"at: {mem.peak_at}")]
+    rows.append(("backward and optimizer temporaries", mem.temporaries, ""))
+    if mem.callbacks:
+        names = ", ".join(name for name, _ in run.callbacks)
+        rows.append((f"callbacks' state ({names})", mem.callbacks, "as each declares it (planned_bytes)"))
+    if mem.communicators:
+        groups = extra_groups(m, run)
+        rows.append(("NCCL communicators (reshard to k)", mem.communicators, f"{groups} more process groups"))
+    rows.append(("peak", mem.peak, f"at: {mem.peak_at}"))
     if mem.host:
         rows.append(("host memory (cpu_offload)", mem.host, "sharded state, off the device"))
     lines += [f"  {label:<44}{_gib(value):>9}   {note}".rstrip() for label, value, note in rows]
@@ -191,19 +200,25 @@ def format_time(time: StepTime, run: Run, hw: Hardware) -> str:
             f"  {'recompute (checkpointing, loss chunks)':<44}{time.recompute:>9.3f} s",
             f"  {'communication, not hidden':<44}{time.exposed:>9.3f} s   of {time.communication:.3f} s",
             f"  {'optimizer step':<44}{time.optimizer:>9.3f} s",
+            *(
+                [f"  {'whole matrices (all-to-alls, Newton-Schulz)':<44}{time.whole_matrices:>9.3f} s"]
+                if time.whole_matrices
+                else []
+            ),
             *([f"  {'cpu_offload copies':<44}{time.offload:>9.3f} s"] if time.offload else []),
             f"  {'step':<44}{time.total:>9.3f} s   {tokens_per_s:,.0f} tokens/s over {run.world_size} rank(s)",
+            *([f"  {'start-up: NCCL communicators (once)':<44}{time.startup:>9.3f} s"] if time.startup else []),
         ]
     )
 
 
 def format_fit(
-    fitting: Sequence[Candidate], found: Sequence[Candidate], cap_gib: float, top: int, base: DictConfig, head: str
+    fitting: Sequence[Candidate], found: Sequence[Candidate], room: Budget, top: int, base: DictConfig, head: str
 ) -> list[str]:
     """The top configs that fit, fastest first, as rows: rank, tokens/s, step time, peak, the overrides."""
-    fit = sum(c.memory.peak <= cap_gib * GIB for c in found)
+    fit = sum(c.memory.peak <= room.usable for c in found)
     lines = [
-        f"plan --fit {cap_gib:g} GiB per rank: {head}; {len(found)} configs planned, {fit} fit, "
+        f"plan --fit {room} per rank: {head}; {len(found)} configs planned, {fit} fit, "
         f"{len(fitting)} of them none beats in both speed and peak",
         f"{'rank':>4}  {'tokens/s':>10}  {'step (s)':>8}  {'peak (GiB)':>10}  config",
     ]

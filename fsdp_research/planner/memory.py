@@ -49,7 +49,9 @@ from .activations import (
     norm_bytes,
     saved_activations,
 )
-from .summary import ModelSummary, Run, UnitSize
+from .optimizer import step_temporaries
+from .resident import callback_bytes, communicator_bytes
+from .summary import ModelSummary, Run
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,9 @@ class Memory:
     peak_at: str
     # Sharded state kept in host memory by sharding.cpu_offload (not in `peak`).
     host: int
+    # The callbacks' declared state; the NCCL communicators of reshard_after_forward=k's process groups.
+    callbacks: int = 0
+    communicators: int = 0
 
 
 # Memory.
@@ -119,12 +124,6 @@ def _phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> _Phases:
         loss_grads=(logits_forward(m, e) + 2 * FP32 * m.vocab) * tok // c if chunked else 2 * FP32 * m.vocab * tok,
         block=[inside(k) for k in range(m.n_blocks)],
     )
-
-
-def _step_temporaries(units: Sequence[UnitSize], run: Run) -> int:
-    if run.foreach:
-        return FP32 * sum(u.shard_numel(run.shard_group) for u in units)
-    return 2 * FP32 * max(-(-rows // run.shard_group) * row for u in units for rows, row in u.shapes)
 
 
 def _largest_units(m: ModelSummary) -> list[int | None]:
@@ -261,9 +260,11 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
     # The sharded gradients of units[j:], once backward has reduced them.
     reduced = list(itertools.accumulate((FP32 * u.shard_numel(n) for u in reversed(units)), initial=0))[::-1]
 
+    kept = _kept(m, run)
+
     def state(start: int) -> dict[str, int]:
         grads = shards if sharded_before else reduced[start]
-        return dict(params=shards, optimizer=int(m.optimizer_copies * shards), grads=grads)
+        return dict(kept, params=shards, optimizer=int(m.optimizer_copies * shards), grads=grads)
 
     # Gathered from forward to backward, by the units before each index: kept whole, or resharded to k ranks.
     held = [0]
@@ -289,10 +290,10 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
             ),
         )
     )
-    moments.append(("optimizer step", dict(state(0), grads=shards, temporaries=_step_temporaries(every, run))))
-    if run.cpu_offload:
+    moments.append(("optimizer step", dict(state(0), grads=shards, temporaries=step_temporaries(m, every, run))))
+    if run.cpu_offload:  # the callbacks' copies of the parameters are made where the parameters live
         for _, parts in moments:
-            parts["host"] = parts.pop("params") + parts.pop("optimizer") + parts.pop("grads")
+            parts["host"] = sum(parts.pop(k) for k in ("params", "optimizer", "grads", "callbacks"))
     return moments
 
 
@@ -305,8 +306,10 @@ def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> lis
     casts = m.n_params * run.compute_bytes if run.compute_bytes != FP32 else 0
     before = params if run.micro_steps > 1 else 0
 
+    kept = _kept(m, run)
+
     def state(grads: int) -> dict[str, int]:
-        return dict(params=params, optimizer=int(m.optimizer_copies * params), grads=params + max(before, grads))
+        return dict(kept, params=params, optimizer=int(m.optimizer_copies * params), grads=params + max(before, grads))
 
     top = FP32 * (m.root.numel - sum(m.root_in_block))
     moments = [
@@ -330,8 +333,13 @@ def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> lis
                     ),
                 )
             )
-    moments.append(("optimizer step", dict(state(params), temporaries=_step_temporaries([m.root], run))))
+    moments.append(("optimizer step", dict(state(params), temporaries=step_temporaries(m, [m.root], run))))
     return moments
+
+
+def _kept(m: ModelSummary, run: Run) -> dict[str, int]:
+    """Held at every moment: the callbacks' state, the communicators' buffers."""
+    return dict(callbacks=callback_bytes(m, run), communicators=communicator_bytes(m, run))
 
 
 def step_moments(
@@ -347,7 +355,18 @@ def memory(m: ModelSummary, run: Run, checkpointed: Sequence[bool] | None = None
     """Per-rank memory of the config (activation checkpointing as planned, or as given): each category's
     peak over the step's moments, and the largest total."""
     moments = step_moments(m, run, checkpointed)
-    keys = ("params", "optimizer", "grads", "gathered", "unsharded_grads", "activations", "temporaries", "host")
+    keys = (
+        "params",
+        "optimizer",
+        "grads",
+        "gathered",
+        "unsharded_grads",
+        "activations",
+        "temporaries",
+        "host",
+        "callbacks",
+        "communicators",
+    )
     top = {k: max(parts.get(k, 0) for _, parts in moments) for k in keys}
     peak, peak_at = max((sum(v for k, v in parts.items() if k != "host"), name) for name, parts in moments)
     return Memory(
@@ -361,4 +380,6 @@ def memory(m: ModelSummary, run: Run, checkpointed: Sequence[bool] | None = None
         peak=peak,
         peak_at=peak_at,
         host=top["host"],
+        callbacks=top["callbacks"],
+        communicators=top["communicators"],
     )

@@ -1,6 +1,7 @@
 """plan --fit: every combination of the knobs that decide memory and speed (sharding and hsdp replicas, reshard
 to k ranks, activation checkpointing, micro-batch, prefetch depth, cpu_offload, loss chunks) planned from one
-model build, those whose predicted peak fits the cap ranked by predicted tokens/s."""
+model build, those whose predicted peak fits the cap (less its headroom: planner.budget) ranked by predicted
+tokens/s."""
 
 import itertools
 import logging
@@ -16,6 +17,8 @@ from ..errors import ConfigError
 from ..hardware import gpu, gpu_named
 from ..models import build_hf_config
 from ..precision import dtypes
+from .budget import Budget, budget
+from .calibrate import cpu_optimizer_rate
 from .memory import Memory, memory
 from .summary import ModelSummary, Run, run_settings, summaries_by_sharding, summary_for
 from .timing import Hardware, StepTime, gpu_hardware, step_time, tokens_per_second
@@ -198,20 +201,20 @@ def candidates(cfg: DictConfig, world_size: int, device_type: str, hw: Hardware)
     return sorted(found, key=lambda c: (-c.tokens_per_s, c.memory.peak, c.extras))
 
 
-def fit(found: list[Candidate], cap_gib: float, base: DictConfig) -> list[Candidate]:
-    """Those whose peak fits the cap, fastest first, less those another listed one beats in speed and peak both;
+def fit(found: list[Candidate], room: Budget, base: DictConfig) -> list[Candidate]:
+    """Those whose peak fits the budget, fastest first, less those another listed one beats in speed and peak both;
     ConfigError naming the smallest peak when none fits."""
     fitting: list[Candidate] = []
     for c in found:
         # A config no faster than one listed (found is fastest first, the plainest first among equals) and no
         # smaller: left out. What remains is each speed's smallest peak.
-        if c.memory.peak <= cap_gib * GIB and all(k.memory.peak > c.memory.peak for k in fitting):
+        if c.memory.peak <= room.usable and all(k.memory.peak > c.memory.peak for k in fitting):
             fitting.append(c)
     if not fitting:
         smallest = min(found, key=lambda c: c.memory.peak)
         raise ConfigError(
             "--fit",
-            f"no config fits {cap_gib:g} GiB per rank; the smallest peak is {smallest.memory.peak / GIB:.2f} GiB "
+            f"no config fits {room} per rank; the smallest peak is {smallest.memory.peak / GIB:.2f} GiB "
             f"({' '.join(smallest.overrides(base))})",
             "a larger cap, more ranks (world_size=N), a smaller trainer.global_batch_size or data.seq_len",
         )
@@ -227,25 +230,26 @@ class Advice:
     # The config as it is: its predicted tokens/s and peak.
     tokens_per_s: float
     peak: int
-    cap_gib: float
+    room: Budget
     device: str
 
 
-def advise(cfg: DictConfig, world_size: int, hw: Hardware, cap_gib: float) -> Advice | None:
-    """--fit's pick for cap_gib, and the running config's predicted tokens/s; None when nothing fits."""
+def advise(cfg: DictConfig, world_size: int, hw: Hardware, room: Budget) -> Advice | None:
+    """--fit's pick for the budget, and the running config's predicted tokens/s; None when nothing fits."""
     found = candidates(cfg, world_size, "cuda" if hw.overlap else "cpu", hw)
     try:
-        best = fit(found, cap_gib, cfg)[0]
+        best = fit(found, room, cfg)[0]
     except ConfigError:
         return None
     summary, run = summary_for(cfg), run_settings(cfg, world_size, "cuda" if hw.overlap else "cpu")
     this = tokens_per_second(run, step_time(summary, run, hw))
-    return Advice(best, tuple(best.changes(cfg)), this, memory(summary, run).peak, cap_gib, hw.name)
+    return Advice(best, tuple(best.changes(cfg)), this, memory(summary, run).peak, room, hw.name)
 
 
 def doctor_fit(cfg: DictConfig, world_size: int, device: torch.device) -> dict | None:
     """What the doctor's fit check reads: --fit's pick for doctor.fit_gpu's memory, or the CUDA device's this
-    run trains on; None on CPU without doctor.fit_gpu, for a GPU not in the table, or when nothing fits."""
+    run trains on, less doctor.fit_headroom; None on CPU without doctor.fit_gpu, for a GPU not in the table, or
+    when nothing fits."""
     if not cfg.doctor.fit:
         return None
     if cfg.doctor.fit_gpu:
@@ -259,9 +263,9 @@ def doctor_fit(cfg: DictConfig, world_size: int, device: torch.device) -> dict |
     if chosen is None:
         return None
     link = "nvlink" if world_size <= chosen.per_node else "ib"
-    hw = gpu_hardware(chosen, dtypes(cfg.precision)[0].itemsize, link)
+    hw = gpu_hardware(chosen, dtypes(cfg.precision)[0].itemsize, link, cpu_optimizer_rate())
     try:
-        advice = advise(cfg, world_size, hw, cap)
+        advice = advise(cfg, world_size, hw, budget(cap, cfg.doctor.fit_headroom, gpu=True))
     except Exception as err:  # advice, never a reason to stop: a config the planner cannot search
         log.warning(f"doctor: the fit check could not plan this config ({type(err).__name__}: {err})")
         return None
@@ -273,5 +277,6 @@ def doctor_fit(cfg: DictConfig, world_size: int, device: torch.device) -> dict |
         "this_tokens_per_s": advice.tokens_per_s,
         "this_peak_gib": round(advice.peak / GIB, 2),
         "cap_gib": round(cap, 1),
+        "usable_gib": round(advice.room.usable / GIB, 2),
         "device": advice.device,
     }

@@ -3,6 +3,8 @@ model, built as the trainer builds it), the block's dimensions, and the run's se
 batch). Everything in fsdp_research.planner.memory is a pure function of these two."""
 
 import functools
+import inspect
+import math
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -10,6 +12,7 @@ from omegaconf import DictConfig
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from ..build import planned_model
+from ..callbacks.footprint import Declared, declared_state
 from ..config import CheckpointMode, Strategy
 from ..dimensions import dims
 from ..layout import layout
@@ -18,9 +21,9 @@ from ..models import build_hf_config, input_embedding, output_layer
 from ..optim.build import block_matrices
 from ..optim.muon_params import describe, muon_split
 from ..optim.state import state_copies
-from ..precision import dtypes, kept_in_fp32
+from ..precision import dtypes, kept_in_fp32, parse_dtype
 from ..sharding import ShardingPlan, build_plan, owner
-from ..targets import kwargs_of
+from ..targets import kwargs_of, resolve
 
 
 @functools.cache
@@ -93,8 +96,11 @@ class ModelSummary:
     optimizer_known: bool = True
     # With optim.others: what each optimizer takes, in one line (muon_params.describe).
     optimizer_split: str = ""
-    # Parameters in the blocks' 2-D matrices that a whole-matrix optimizer (Muon: optim.others set) exchanges.
-    whole_matrices: int = 0
+    # The matrices a whole-matrix optimizer (Muon: optim.others set) exchanges and orthogonalizes, [rows, cols] in
+    # model order; its Newton-Schulz iterations and their dtype's bytes (0 iterations: one the planner does not know).
+    whole_shapes: tuple[tuple[int, int], ...] = ()
+    ns_steps: int = 0
+    ns_bytes: int = 2
     # Checkpointed blocks: 0, full (only the input kept); n, selective (the 1st, (1+n)-th, ... matmul outputs kept).
     selective_every: int = 0
     # Selective: attention's output kept (an SDPA kernel among save_ops); matmul outputs kept (aten.mm among them).
@@ -103,6 +109,10 @@ class ModelSummary:
     # Training FLOPs per token (forward + backward, the MFU count), and the output layer's forward FLOPs per token.
     flops_per_token: float = 0.0
     head_flops_per_token: float = 0.0
+
+    @functools.cached_property
+    def whole_matrices(self) -> int:
+        return sum(rows * cols for rows, cols in self.whole_shapes)
 
 
 @dataclass(frozen=True)
@@ -127,6 +137,10 @@ class Run:
     prefetch_backward: int = 0
     # loss.chunks: the logits exist a 1/chunks slice at a time.
     loss_chunks: int = 1
+    # The callbacks' declared state (fsdp_research.callbacks.footprint), by name.
+    callbacks: Declared = ()
+    # On CUDA each process group is an NCCL communicator with buffers of its own on the device.
+    nccl: bool = False
 
     @property
     def tokens(self) -> int:
@@ -193,16 +207,38 @@ def _checkpointing(cfg: DictConfig) -> dict:
     )
 
 
+def _whole_matrices(model: nn.Module, plan: ShardingPlan) -> list[nn.Parameter]:
+    """What the whole-matrix optimizer (optim._target_ beside optim.others) takes: the optimizer builder's own
+    selection, called here alone."""
+    matrices = block_matrices(model, plan.blocks)
+    return [p for p in model.parameters() if id(p) in matrices]
+
+
+def _matrix_shapes(params: list[nn.Parameter]) -> tuple[tuple[int, int], ...]:
+    """[rows, cols] of each matrix orthogonalized (a stack of them, as experts' 3-D weights: each on its own)."""
+    return tuple((p.shape[-2], p.shape[-1]) for p in params for _ in range(math.prod(p.shape[:-2])))
+
+
+def _newton_schulz(o: DictConfig) -> dict:
+    """ns_steps and ns_dtype's bytes: the config's, else its optimizer's defaults."""
+    params = inspect.signature(resolve(o._target_, "optim._target_")).parameters
+    values = {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+    values.update(kwargs_of(o))
+    return dict(
+        ns_steps=int(values.get("ns_steps", 0)),
+        ns_bytes=parse_dtype(values.get("ns_dtype", "bfloat16"), "optim.ns_dtype").itemsize,
+    )
+
+
 def _optimizer(cfg: DictConfig, model: nn.Module, plan: ShardingPlan) -> dict:
-    """The optimizer's state per parameter: optim._target_'s, with optim.others for all but the blocks' 2-D
-    matrices."""
+    """The optimizer's state per parameter: optim._target_'s, with optim.others for all but the whole matrices."""
     o = cfg.optim
     main = state_copies(o._target_, kwargs_of(o))
     total = sum(p.numel() for p in model.parameters())
     if o.others is None:
         return dict(optimizer_copies=main[0], optimizer=o._target_.rsplit(".", 1)[-1], optimizer_known=main[1])
-    matrices = block_matrices(model, plan.blocks)
-    inside = sum(p.numel() for p in model.parameters() if id(p) in matrices)
+    whole = _whole_matrices(model, plan)
+    inside = sum(p.numel() for p in whole)
     rest = state_copies(o.others._target_, kwargs_of(o.others))
     names = f"{o._target_.rsplit('.', 1)[-1]} + {o.others._target_.rsplit('.', 1)[-1]}"
     return dict(
@@ -210,7 +246,8 @@ def _optimizer(cfg: DictConfig, model: nn.Module, plan: ShardingPlan) -> dict:
         optimizer=names,
         optimizer_known=main[1] and rest[1],
         optimizer_split=describe(muon_split(model, plan.blocks), o._target_, o.others._target_),
-        whole_matrices=inside,
+        whole_shapes=_matrix_shapes(whole),
+        **_newton_schulz(o),
     )
 
 
@@ -234,6 +271,8 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str) -> Run:
         prefetch_forward=cfg.sharding.prefetch_forward,
         prefetch_backward=cfg.sharding.prefetch_backward,
         loss_chunks=cfg.loss.chunks,
+        callbacks=declared_state(cfg.callbacks),
+        nccl=device_type == "cuda",
     )
 
 

@@ -1,7 +1,10 @@
 """The planner's model of step time per rank: compute (FLOPs over the device's matmul rate), the recompute of
 activation checkpointing and of the loss in chunks, the communication no compute hides (bytes over the link each
 collective crosses, plus a fixed latency per collective), the optimizer step (memory-bound: bytes over memory
-bandwidth) and cpu_offload's copies to and from the host. A pure function of a ModelSummary, a Run and a Hardware.
+bandwidth; with cpu_offload, the CPU's optimizer at its measured rate) and cpu_offload's copies to and from the
+host (both through the host's memory, which a node's ranks share). Muon's all-to-alls run inside its step, after
+backward: exposed, with its Newton-Schulz FLOPs at the device's matmul rate (fsdp_research.planner.optimizer).
+A pure function of a ModelSummary, a Run and a Hardware.
 
 Overlap: on CUDA FSDP2 gathers the next block while this one computes (its implicit prefetch, or
 sharding.prefetch_*), and reduce-scatters behind the next block's backward: only the first unit's all-gather and
@@ -16,21 +19,23 @@ reshard_after_forward=k's groups of k stay within a node when they fit in one.""
 from dataclasses import dataclass
 
 from ..config import Strategy
-from ..hardware import COMPUTE_EFFICIENCY, LINK_EFFICIENCY, Device
+from ..hardware import COMPUTE_EFFICIENCY, HOST_MEMORY_GBS, LINK_EFFICIENCY, NCCL_COMMUNICATOR_INIT_S, Device
 from .activations import FP32, LLAMA_LIKE, recompute_share, selective_recompute
+from .optimizer import muon_flops, muon_rounds
+from .resident import extra_groups
 from .summary import ModelSummary, Run
 from .traffic import traffic
 
 # NCCL's fixed cost per collective on NVLink/InfiniBand (tens of microseconds; NCCL's own tests).
 GPU_LATENCY_S = 30e-6
-# A host's memory bandwidth as a CPU optimizer (cpu_offload) streams through it.
-HOST_MEMORY_GBS = 100.0
 
 
 @dataclass(frozen=True)
 class Hardware:
     """Rates the time model runs on: matmul FLOP/s reached, memory bandwidth, bytes/s within a node and across
-    nodes and to the host, a collective's fixed latency, devices per node, whether collectives overlap compute."""
+    nodes and to the host (per rank, the host's share), a collective's fixed latency, devices per node, whether
+    collectives overlap compute, and the bytes/s a rank's CPU optimizer step moves (cpu_offload; on a CPU, its
+    optimizer)."""
 
     name: str
     flops: float
@@ -41,24 +46,29 @@ class Hardware:
     latency_s: float
     per_node: int
     overlap: bool
+    optimizer_bps: float
     # The device's memory (GiB), where known.
     memory_gib: float | None = None
 
 
-def gpu_hardware(device: Device, compute_bytes: int, link: str) -> Hardware:
-    """A GPU of the table at the datasheet peaks x the efficiencies a training step reaches."""
+def gpu_hardware(device: Device, compute_bytes: int, link: str, cpu_optimizer_bps: float) -> Hardware:
+    """A GPU of the table at the datasheet peaks x the efficiencies a training step reaches; cpu_optimizer_bps: a
+    CPU optimizer step's rate on one core (planner.calibrate.cpu_optimizer_rate), the host's memory shared by the
+    node's ranks capping it and the copies over PCIe."""
     tflops = device.fp32_tflops if compute_bytes == FP32 else device.bf16_tflops
     nvlink = device.nvlink_gbs * 1e9 * LINK_EFFICIENCY
+    host_share = HOST_MEMORY_GBS * 1e9 / device.per_node
     return Hardware(
         name=f"{device.name} ({link})",
         flops=tflops * 1e12 * COMPUTE_EFFICIENCY,
         memory_bps=device.memory_gbs * 1e9,
         intra_bps=nvlink,
         inter_bps=nvlink if link == "nvlink" else device.ib_gbs * 1e9 * LINK_EFFICIENCY,
-        host_bps=device.pcie_gbs * 1e9,
+        host_bps=min(device.pcie_gbs * 1e9, host_share),
         latency_s=GPU_LATENCY_S,
         per_node=device.per_node,
         overlap=True,
+        optimizer_bps=min(cpu_optimizer_bps, host_share),
         memory_gib=device.memory_gib,
     )
 
@@ -74,10 +84,14 @@ class StepTime:
     exposed: float
     optimizer: float
     offload: float
+    # Muon's all-to-alls and Newton-Schulz, inside the optimizer step.
+    whole_matrices: float = 0.0
+    # Once per run, not per step: creating reshard_after_forward=k's NCCL communicators.
+    startup: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.exposed + self.optimizer + self.offload
+        return self.compute + self.recompute + self.exposed + self.optimizer + self.whole_matrices + self.offload
 
 
 def _bps(hw: Hardware, group: int) -> float:
@@ -98,7 +112,7 @@ def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
     shard_bps = _bps(hw, n)
     gathers = comm.all_gather - comm.regather_within
     communication = (
-        (gathers + comm.reduce_scatter + comm.all_to_all) / shard_bps
+        (gathers + comm.reduce_scatter) / shard_bps
         + comm.regather_within / hw.intra_bps
         + comm.all_reduce / _bps(hw, run.world_size if replicas > 1 else 1)
     )
@@ -113,7 +127,9 @@ def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
     state = FP32 * m.n_params / (n if m.strategy is not Strategy.ddp_classic else 1)
     # AdamW-like: parameters, gradients and state read, parameters and state written.
     touched = state * (3 + 2 * m.optimizer_copies)
-    optimizer = touched / (HOST_MEMORY_GBS * 1e9 if run.cpu_offload and hw.overlap else hw.memory_bps)
+    # On a GPU the optimizer steps on the device unless offloaded; a CPU's is the CPU's optimizer.
+    optimizer = touched / (hw.optimizer_bps if run.cpu_offload or not hw.overlap else hw.memory_bps)
+    whole = comm.all_to_all / shard_bps + 2 * muon_rounds(m, run) * hw.latency_s + muon_flops(m, run) / hw.flops
     # cpu_offload: fp32 shards to the device for every all-gather, gradient shards back once per reduction.
     offload = 0.0
     if run.cpu_offload:
@@ -121,7 +137,8 @@ def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
             1 + sum(u.reshard_after_forward is not False for u in m.units) / max(1, len(m.units))
         )
         offload = state * (gathers_per_step + run.micro_steps) / hw.host_bps
-    return StepTime(compute, recompute, communication, exposed, optimizer, offload)
+    startup = extra_groups(m, run) * NCCL_COMMUNICATOR_INIT_S if hw.overlap else 0.0
+    return StepTime(compute, recompute, communication, exposed, optimizer, offload, whole, startup)
 
 
 def tokens_per_second(run: Run, time: StepTime) -> float:

@@ -5,7 +5,7 @@ unit in forward and every unit that resharded again in backward, per micro-batch
 Reduce-scatter: every unit's gradients in the reduce dtype, once per step with defer_grad_sync (else per
 micro-batch). hsdp and ddp add an all-reduce of the gradient shards across replicas, once per step (accumulated
 into the shards before it); ddp_classic all-reduces fp32 gradients. Muon (optim=muon) adds two all-to-alls of the
-blocks' matrices in fp32 per step, within the shard group.
+blocks' matrices in its ns_dtype per step, within the shard group.
 """
 
 from dataclasses import dataclass
@@ -24,7 +24,7 @@ class Traffic:
     all_gather_backward: int
     reduce_scatter: int
     all_reduce: int
-    # Whole-matrix optimizers (Muon): each rank's shards of every block matrix to its owner and back (fp32).
+    # Whole-matrix optimizers (Muon): each rank's shards of every block matrix to its owner and back (ns_dtype).
     all_to_all: int = 0
     # The part of all_gather_backward within the smaller groups of reshard_after_forward=k (a node's links).
     regather_within: int = 0
@@ -48,5 +48,5 @@ def traffic(m: ModelSummary, run: Run) -> Traffic:
     # Across replicas the gradient shards accumulate and are all-reduced once per step.
     across = 2 * (replicas - 1) / replicas * r * sum(u.shard_numel(n) for u in units)
     # Muon: a rank receives the other ranks' slices of the 1/n of the matrices it owns, then its slices of the rest.
-    whole = 2 * received * FP32 * m.whole_matrices / n
+    whole = 2 * received * m.ns_bytes * m.whole_matrices / n
     return Traffic(int(forward + backward), int(backward), int(reduce), int(across), int(whole), int(regather))

@@ -19,6 +19,8 @@ GROUPS = {
     "activations": (_FSDPRefType.ACT,),
     "temporaries": (_FSDPRefType.TEMP,),
     "activations_and_temporaries": (_FSDPRefType.ACT, _FSDPRefType.TEMP),
+    # The optimizer's state with what its step allocates (the tracker files both as optimizer state).
+    "optimizer_step": (_FSDPRefType.OPT,),
     "peak": ("Total",),
 }
 
