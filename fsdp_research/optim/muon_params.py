@@ -83,11 +83,16 @@ FUSED = {
 }
 
 
+def _module_name(name: str) -> str:
+    """The last component of a parameter's module path (lm_head.weight: lm_head)."""
+    return name.rpartition(".")[0].rpartition(".")[2] or name
+
+
 def layout_of(name: str, p: torch.Tensor, module: nn.Module, config) -> Layout:
     """The layout of a matrix Muon takes; a fused projection's split checked against its rows."""
     transposed = isinstance(module, Conv1D) or (p.ndim > 2 and getattr(module, "is_transposed", False))
     leaf = name.rsplit(".", 1)[-1]
-    fused = FUSED.get(name.rsplit(".", 2)[-2] if leaf == "weight" else leaf)
+    fused = FUSED.get(_module_name(name) if leaf == "weight" else leaf)
     if fused is None or config is None:
         return Layout(transposed)
     rows = p.shape[-1] if transposed else p.shape[-2]
@@ -103,6 +108,8 @@ def layout_of(name: str, p: torch.Tensor, module: nn.Module, config) -> Layout:
 
 @dataclass(frozen=True)
 class Matrix:
+    """One tensor Muon takes: its layout, its (global) shape and bytes."""
+
     layout: Layout
     shape: tuple[int, ...]
     nbytes: int
@@ -140,7 +147,7 @@ def _other_kind(name: str, p: torch.Tensor, module: nn.Module, in_block: bool, r
     if p.ndim < 2:
         return "norms"
     if not in_block:
-        return name.rsplit(".", 2)[-2]  # the module's name: lm_head
+        return _module_name(name)  # lm_head
     # One row per expert: the logits the top-k picks from, not a projection.
     return "routers" if tuple(p.shape) == router else None
 
