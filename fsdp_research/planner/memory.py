@@ -29,8 +29,8 @@ gradient accumulation and defer_grad_sync, every unit's accumulated gradients (r
 
 The peak is the largest total over the moments where memory can peak: the end of forward, the start of backward,
 the MLP and attention parts and the reduction of each block's backward, the root's reduction, and the optimizer
-step (AdamW's foreach implementation on CUDA holds one sharded-parameters-sized temporary; the per-tensor loop on
-CPU, two of the largest shard).
+step (its temporaries: fsdp_research.planner.optimizer). Held at every moment: the callbacks' declared state and
+reshard_after_forward=k's NCCL communicators (fsdp_research.planner.resident).
 
 Communication: fsdp_research.planner.traffic.
 """
