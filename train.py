@@ -6,7 +6,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from fsdp_research.composition import register_configs
+from fsdp_research.composition import continue_run, register_configs
 from fsdp_research.distributed import launch_env
 
 register_configs()
@@ -15,8 +15,14 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     # Here, not at the top: Hydra refuses a bad command line before torch and transformers are imported.
+    from fsdp_research.errors import ConfigError
     from fsdp_research.launch import launch
 
+    try:
+        cfg = continue_run(cfg)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     return launch(cfg, HydraConfig.get().runtime.output_dir)
 
 

@@ -10,8 +10,9 @@ from hydra.core.plugins import Plugins
 from omegaconf import DictConfig, OmegaConf
 
 from . import rundir
-from .config import DIRECTIONS, Objective, schema, typed
+from .config import DIRECTIONS, Objective, flat, schema, typed
 from .distributed import launch_env
+from .errors import ConfigError
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
@@ -69,3 +70,83 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
         cfg = typed(hydra_compose(config_name="train", overrides=list(overrides)))
     resolve_tokenizer(cfg)
     return cfg
+
+
+# In <run dir>/.hydra/: the overrides of each launch of the run, its first then each resume's (Hydra rewrites
+# overrides.yaml at every launch with that launch's alone).
+HISTORY = "overrides_history.yaml"
+# What a resume cannot change: the shapes of the checkpoint's weights, the ids and the order of the data.
+FIXED = ("model.", "data.kind", "data.paths", "data.sources", "data.text_field", "data.seq_len", "data.tokenizer",
+         "data.hub_", "data.split", "data.eval_fraction", "trainer.seed")  # fmt: skip
+CHANGEABLE = ("model.load_weights",)  # a resume's weights are the checkpoint's
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _merged(overrides: Sequence[str]) -> list[str]:
+    """Each key's last override, in the order of those (Hydra refuses a key given twice)."""
+    last = {}
+    for override in overrides:
+        last.pop(_key(override), None)
+        last[_key(override)] = override
+    return list(last.values())
+
+
+def _check_fixed(before: DictConfig, now: DictConfig) -> None:
+    old, new = (flat(OmegaConf.to_container(c, resolve=True)) for c in (before, now))
+    for key in sorted(old.keys() | new.keys()):
+        if key.startswith(FIXED) and key not in CHANGEABLE and old.get(key) != new.get(key):
+            raise ConfigError(
+                key,
+                f"cannot change on a resume ({old.get(key)!r} -> {new.get(key)!r}): the checkpoint's weights and "
+                "data position are the run's",
+                "resume without it, or start a new run with it (checkpoint.resume=never)",
+            )
+
+
+def _record(folder: str, history: list[list[str]], cfg: DictConfig) -> None:
+    OmegaConf.save(OmegaConf.create(history), os.path.join(folder, HISTORY))
+    OmegaConf.save(OmegaConf.create([o for launch in history for o in launch]), os.path.join(folder, "overrides.yaml"))
+    OmegaConf.save(cfg, os.path.join(folder, "config.yaml"))
+
+
+def continue_run(cfg: DictConfig) -> DictConfig:
+    """The config train.py runs. With checkpoint.resume=<a run or step dir> (one run, not a sweep), the run as it
+    was: its own overrides (as it started, then each resume's), then this command's, which win; one that cannot
+    change on a resume is refused (ConfigError). Rank 0 keeps the history in the run dir's .hydra/ (overrides.yaml:
+    every launch's overrides in order; config.yaml: the config run)."""
+    from hydra import compose as hydra_compose
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra = HydraConfig.get()
+    if hydra.mode == RunMode.MULTIRUN:
+        return cfg
+    now = list(hydra.overrides.task)
+    folder = os.path.join(hydra.runtime.output_dir, hydra.output_subdir or ".hydra")
+    path = os.path.join(folder, HISTORY)
+    history = OmegaConf.to_container(OmegaConf.load(path)) if os.path.exists(path) else None
+    resuming = cfg.checkpoint.resume not in ("auto", "never")
+    if resuming and set(os.listdir(hydra.runtime.output_dir)) <= {".hydra"}:  # Hydra has just made it
+        raise ConfigError(
+            "checkpoint.resume",
+            f"{cfg.checkpoint.resume} does not exist (or holds no run)",
+            "give a run dir or one of its checkpoints/step_<N> dirs",
+        )
+    if not resuming or history is None:
+        if history is None and hydra.output_subdir:  # a fresh run (or one from before the history was kept)
+            OmegaConf.save(OmegaConf.create([now]), path)
+        return cfg
+    before = _merged([o for launch in history for o in launch])
+    was = hydra_compose(config_name="train", overrides=before)
+    if hydra.output_subdir:  # what this launch of Hydra wrote over, back until the resume is accepted
+        _record(folder, history, was)
+    composed = hydra_compose(config_name="train", overrides=_merged(before + now))
+    _check_fixed(was, composed)
+    if hydra.output_subdir:
+        _record(folder, [*history, now], composed)
+        given = ", ".join(before) or "the defaults"
+        print(f"continuing the run with its own config ({given}); given now, and winning: {', '.join(now)}")
+    return composed

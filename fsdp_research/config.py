@@ -372,6 +372,16 @@ def schema() -> DictConfig:
     return node
 
 
+def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A plain container's leaves by dotted key (`optim.param_groups[0].lr_scale`)."""
+    if isinstance(node, dict):
+        dot = f"{prefix}." if prefix else ""
+        return {k: v for key, value in node.items() for k, v in flat(value, f"{dot}{key}").items()}
+    if isinstance(node, list):
+        return {k: v for i, value in enumerate(node) for k, v in flat(value, f"{prefix}[{i}]").items()}
+    return {prefix: node}
+
+
 def typed(cfg: Any) -> DictConfig:
     """A config (DictConfig or plain dict) merged onto the schema, so values have their declared types. The
     deprecated optim.warmup_steps / optim.min_lr_ratio move to the schedule group (with a warning)."""

@@ -5,6 +5,7 @@ process exits (exit code 2 for bad input), requeueing a preempted SLURM job, and
 import logging
 import os
 import sys
+import traceback
 from typing import Any
 
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from torch.multiprocessing import ProcessExitedException
 
 from . import rundir
 from .build import planned_model
+from .checkpoint import checkpoints_in
 from .config import typed
 from .data.tokenizer import resolve_tokenizer
 from .distributed import dead_ranks, device_for, launch_env, members, spawn
@@ -94,6 +96,17 @@ def _spawned_worker(cfg: Any, run_dir: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _exit_resumable(run_dir: str, code: int, why: str = "") -> None:
+    """Exit with code after a run that stopped or failed; its last line says how to continue it (rank 0's)."""
+    env = launch_env()
+    if env is None or env.rank == 0:
+        saved = checkpoints_in(os.path.join(run_dir, "checkpoints"))
+        command = "the same torchrun command" if env is not None else f"{sys.executable} {sys.argv[0]}"
+        how = f"to continue: {command} checkpoint.resume={run_dir}" if saved else "no resume checkpoint was saved"
+        print(f"{why}; {how}" if why else how, file=sys.stderr, flush=True)
+    sys.exit(code)
 
 
 def _record_death(run_dir: str, err: ProcessExitedException) -> None:
@@ -189,9 +202,8 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
     try:
         rundir.check_restart(cfg.checkpoint.resume)
         outcome = _run(cfg, run_dir)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        sys.exit(INTERRUPTED)
+    except KeyboardInterrupt:  # a second Ctrl-C, in a run of this process alone
+        _exit_resumable(run_dir, INTERRUPTED, "interrupted")
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         if not multirun:
@@ -203,19 +215,28 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
         stop_sweep = multirun and signalled and _in_launcher()
         if stop_sweep:
             _stop_sweep(err.signal_name or "SIGINT", run_dir)
-        if not multirun or stop_sweep:
+        if stop_sweep or (not multirun and err.exit_code == 2):  # a bad config has said why
             sys.exit(err.exit_code or 1)
+        if not multirun:
+            _exit_resumable(run_dir, err.exit_code or 1)
         return
     except AnomalyError as err:  # a failed run, not bad input: one line, exit 1
         print(f"error: {one_line(err)}", file=sys.stderr)
         if not multirun:
-            sys.exit(1)
+            _exit_resumable(run_dir, 1)
         return
     except Exception:
         if not multirun:
-            raise
+            traceback.print_exc()
+            _exit_resumable(run_dir, 1)
         log.exception("job failed")
         return
+    return _after(cfg, run_dir, outcome, multirun)
+
+
+def _after(cfg: DictConfig, run_dir: str, outcome: dict[str, Any], multirun: bool) -> float | None:
+    """What a launch returns or how it exits, once its run has ended: the objective of a completed run; a run
+    stopped by a signal exits (requeued under SLURM where the signal asks for it), and stops a local sweep."""
     preempted = outcome.get("status") == "preempted"
     if multirun and not _in_launcher():
         # Under SLURM: a job a signal stopped returns no objective; its status.json says preempted, and the
@@ -227,7 +248,8 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
         _stop_sweep(outcome.get("signal") or "signal", run_dir)
     env = launch_env()
     if not outcome.get("requeue"):
-        sys.exit(TERMINATED)  # stopped by SIGTERM, resumable: the scheduler that sent it decides what comes next
+        # Stopped by SIGTERM or Ctrl-C, resumable: the scheduler that sent it decides what comes next, or the user.
+        _exit_resumable(run_dir, INTERRUPTED if outcome.get("signal") == "SIGINT" else TERMINATED)
     if requeue() if env is None or env.rank == 0 else "SLURM_JOB_ID" in os.environ:
         # Requeued: end without returning a result, so a launcher waiting on this job (submitit) keeps
         # waiting for the requeued run instead of taking this one as its result.

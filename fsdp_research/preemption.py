@@ -5,7 +5,8 @@ limit, --signal=USR2@<s>) only set a flag; every rank finishes its step, and the
 same all-reduce tells which asynchronous checkpoint save has finished on every rank, how long ago the signal came
 and how long the last save took. The run then saves a resume checkpoint, if the save can end within
 trainer.preemption_grace_s of the signal; on the warning signal, under SLURM, rank 0 requeues the job (on SIGTERM,
-SLURM decides: a preemption in REQUEUE mode requeues it, scancel ends it)."""
+SLURM decides: a preemption in REQUEUE mode requeues it, scancel ends it). Ctrl-C (SIGINT) stops the same way, with a
+resume checkpoint; a second Ctrl-C ends the run at once (KeyboardInterrupt)."""
 
 import logging
 import os
@@ -22,8 +23,11 @@ from .errors import ConfigError
 
 log = logging.getLogger("fsdp_research")
 
-# Signal codes, the larger wins when ranks disagree: stop (SIGTERM), stop and requeue (a warning signal).
+# Signal codes, the larger wins when ranks disagree: stop (SIGTERM, Ctrl-C), stop and requeue (a warning signal).
 NONE, STOP, REQUEUE = 0, 1, 2
+# A Ctrl-C this soon after the first is the same press (a launcher that forwards it to a worker the terminal has
+# signalled too, as torchrun does), not the second that ends the run at once.
+SAME_PRESS_S = 0.5
 
 
 def _signum(name: str) -> int:
@@ -38,7 +42,8 @@ def _signum(name: str) -> int:
 
 
 class Signals:
-    """The configured signals, caught: each sets a flag (a second one too; the save it interrupts is atomic)."""
+    """The configured signals, caught: each sets a flag (a second one too; the save it interrupts is atomic); and
+    Ctrl-C: the first sets the flag, a later one raises KeyboardInterrupt."""
 
     def __init__(self, names: list[str]):
         """Made first thing in a run: a signal's default action ends the process, and setting up a large model can
@@ -46,17 +51,27 @@ class Signals:
         self.code = NONE
         self.received: str | None = None
         self._at: float | None = None
-        self.enabled = bool(names)
+        self._interrupted: float | None = None  # when the first Ctrl-C came
         # What each signal did before, given back by restore(): in a sweep the next job, and the launcher between
         # jobs, must not inherit a flag nobody reads (the signal would be lost).
         self._before = {num: signal.signal(num, self._on_signal) for num in map(_signum, names)}
+        self._before.setdefault(signal.SIGINT, signal.signal(signal.SIGINT, self._on_interrupt))
 
     def restore(self) -> None:
         for num, handler in self._before.items():
             signal.signal(num, handler)
 
+    def _on_interrupt(self, signum, frame) -> None:
+        if self._interrupted is None:
+            self._interrupted = time.monotonic()
+            self._on_signal(signum, frame)
+            if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+                print("Ctrl-C: stopping after this step with a resume checkpoint (Ctrl-C again: at once)", flush=True)
+        elif time.monotonic() - self._interrupted > SAME_PRESS_S:
+            raise KeyboardInterrupt
+
     def _on_signal(self, signum, frame) -> None:
-        code = STOP if signum == signal.SIGTERM else REQUEUE
+        code = STOP if signum in (signal.SIGTERM, signal.SIGINT) else REQUEUE
         if code > self.code:
             self.code, self.received = code, signal.Signals(signum).name
         if self._at is None:

@@ -73,8 +73,6 @@ class Run:
     peak: PeakMemory
     signals: Signals
     anomaly: AnomalyChecks
-    # Whether the ranks agree at step boundaries: there is a signal to catch or an async save to publish.
-    agrees: bool
     save_times: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
 
@@ -177,7 +175,6 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         peak=PeakMemory(device),
         signals=signals,
         anomaly=checks,
-        agrees=signals.enabled or checkpointer.is_async,
     )
     handle.step = state.step
     handle.bind(sinks.log, functools.partial(evaluate, run), functools.partial(_export, run))
@@ -306,7 +303,7 @@ def _loop(run: Run, result: TrainResult) -> None:
 def _at_boundary(run: Run, done: int) -> Boundary:
     """What the ranks agree on at this step boundary (every trainer.agree_every steps): publish the async save
     every rank has finished; the stop code (a signal any rank received) and the times the grace check needs."""
-    if not run.agrees or done % run.cfg.trainer.agree_every:
+    if done % run.cfg.trainer.agree_every:
         return Boundary(NONE, 0, 0.0, 0.0)
     boundary = agree(run.signals, run.checkpointer.finished_step(), run.checkpointer.last_save_s)
     run.checkpointer.publish_finished(boundary.finished_step)

@@ -184,12 +184,43 @@ def test_sigterm_saves_and_the_run_resumes_exactly(work, baselines, signums):
     _same_run(run_dir, baselines["spawn"])
 
 
-def test_sigint_stops_promptly(work):
+def _continue_line(run, run_dir: str) -> str:
+    return run.stderr.strip().splitlines()[-1].removeprefix("interrupted; ")
+
+
+def test_ctrl_c_stops_with_a_checkpoint_and_says_how_to_continue(work, baselines):
+    """The first Ctrl-C stops at the step boundary with a resume checkpoint (exit 130); the command the last line
+    gives continues the run to where the uninterrupted one ends, bitwise."""
     run_dir, run, seconds = _signalled(work, "sigint", signal.SIGINT)
-    assert run.returncode == 130, run.stderr[-3000:]
+    assert run.returncode == 130 and seconds < 30, run.stderr[-3000:]
+    status = _status(run_dir)
+    assert (status["status"], status["signal"]) == ("preempted", "SIGINT")
+    assert "Ctrl-C: stopping after this step with a resume checkpoint (Ctrl-C again: at once)" in run.stdout
+    with open(os.path.join(run_dir, "train.log")) as f:
+        stopped = int(f.read().split("preemption signal (SIGINT): stopped after step ")[1].split()[0])
+    assert _all_checkpoints_intact(run_dir)[-1] == stopped < STEPS
+    command = _continue_line(run, run_dir)
+    assert command == f"to continue: {sys.executable} {TRAIN} checkpoint.resume={run_dir}"
+    resumed = Launch(str(work / "sigint"), command.split()[4:]).finish()
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    _same_run(run_dir, baselines["spawn"])
+
+
+def test_a_second_ctrl_c_stops_at_once(work):
+    """Two Ctrl-C during a step that sleeps 60 s: the second ends the run there, no checkpoint of that step."""
+    run_dir = str(work / "sigint2" / "run")
+    slow = ["+callbacks.slow._target_=tests.helpers.plugins.SlowStep", "+callbacks.slow.step=8"]
+    job = Launch(str(work / "sigint2"), [*SPAWN, *slow, "+callbacks.slow.seconds=60", f"hydra.run.dir={run_dir}"])
+    job.wait_until("the slow step", lambda: os.path.exists(os.path.join(run_dir, "slow")))
+    sent = time.monotonic()
+    job.signal(signal.SIGINT)
+    time.sleep(1.0)
+    job.signal(signal.SIGINT)
+    run = job.finish()
+    assert run.returncode == 130 and time.monotonic() - sent < 30, run.stderr[-3000:]
     assert _status(run_dir)["status"] == "interrupted"
-    assert seconds < 30
-    _all_checkpoints_intact(run_dir)
+    assert _all_checkpoints_intact(run_dir)[-1] == INTERVAL
+    assert _continue_line(run, run_dir).startswith("to continue: ")
 
 
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])

@@ -8,11 +8,11 @@ import logging
 import os
 import warnings
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from ..config import flat
 from .schedules import build_scheduler
 
 log = logging.getLogger("fsdp_research")
@@ -20,20 +20,12 @@ SECTIONS = ("optim", "schedule")
 _ABSENT = "(absent)"
 
 
-def _flat(node: Any, prefix: str) -> dict[str, Any]:
-    if isinstance(node, dict):
-        return {k: v for key, value in node.items() for k, v in _flat(value, f"{prefix}.{key}").items()}
-    if isinstance(node, list):
-        return {k: v for i, value in enumerate(node) for k, v in _flat(value, f"{prefix}[{i}]").items()}
-    return {prefix: node}
-
-
 def changed_settings(saved: DictConfig, cfg: DictConfig) -> list[str]:
     """`key: old -> new` for each optim.* and schedule.* value of cfg that differs from the saved config's."""
     before, now = ({}, {})
     for section in SECTIONS:
-        before.update(_flat(OmegaConf.to_container(saved.get(section, {}), resolve=True), section))
-        now.update(_flat(OmegaConf.to_container(cfg[section], resolve=True), section))
+        before.update(flat(OmegaConf.to_container(saved.get(section, {}), resolve=True), section))
+        now.update(flat(OmegaConf.to_container(cfg[section], resolve=True), section))
     return [
         f"{key}: {before.get(key, _ABSENT)} -> {now.get(key, _ABSENT)}"
         for key in sorted(before.keys() | now.keys())

@@ -5,6 +5,7 @@ function that spikes the lr, and a model whose forward overflows at a known modu
 import json
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
@@ -102,6 +103,20 @@ class SignalAt:
     def on_before_optimizer_step(self, run, step: int, metrics: dict) -> None:
         if run.rank == self.rank and step == self.step:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class SlowStep:
+    """Before the optimizer step of step `step`: <run dir>/slow (rank 0), then `seconds` of sleep on every rank, a
+    long step to Ctrl-C into."""
+
+    def __init__(self, step: int, seconds: float):
+        self.step, self.seconds = step, seconds
+
+    def on_before_optimizer_step(self, run, step: int, metrics: dict) -> None:
+        if step == self.step:
+            if run.rank == 0:
+                open(os.path.join(run.run_dir, "slow"), "w").close()
+            time.sleep(self.seconds)
 
 
 class SweepFault:

@@ -1,0 +1,62 @@
+"""Resuming a run as a user types it: `python train.py checkpoint.resume=<run dir> trainer.max_steps=N` continues
+the run with its own config (its groups and keys as it started, then the overrides given now, which win), keeps
+the history of overrides in .hydra/, refuses what cannot change on a resume, and a path that does not exist."""
+
+import os
+
+import pytest
+import yaml
+
+from tests.conftest import FAST, ROOT
+from tests.helpers.checkpointing import with_overrides
+from tests.helpers.cli import finish, read_metrics, start
+
+FIRST = with_overrides(
+    FAST,
+    "optim.lr=1e-3",
+    "schedule=constant",
+    "schedule.warmup_steps=0",
+    "trainer.log_interval=2",
+    "trainer.max_steps=4",
+    "checkpoint.interval=4",
+    "distributed.nproc_per_node=1",
+)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("resume") / "run")
+    first = finish(start([*FIRST, f"hydra.run.dir={run_dir}"], ROOT))
+    assert first.returncode == 0, first.stderr[-3000:]
+    return run_dir
+
+
+def test_a_resume_continues_with_the_runs_own_config(run_dir, tmp_path):
+    before = open(os.path.join(run_dir, ".hydra", "overrides.yaml")).read()
+    bad = {
+        "seq_len": start([f"checkpoint.resume={run_dir}", "data.seq_len=32"], ROOT),
+        "missing": start([f"checkpoint.resume={tmp_path / 'nope'}"], ROOT),
+    }
+    refused = {name: finish(proc) for name, proc in bad.items()}
+    assert refused["seq_len"].returncode == 2 and refused["seq_len"].last_error_line() == (
+        "error: data.seq_len: cannot change on a resume (64 -> 32): the checkpoint's weights and data position are "
+        "the run's; fix: resume without it, or start a new run with it (checkpoint.resume=never)"
+    )
+    assert refused["missing"].returncode == 2 and refused["missing"].last_error_line() == (
+        f"error: checkpoint.resume: {tmp_path / 'nope'} does not exist (or holds no run); fix: give a run dir or "
+        "one of its checkpoints/step_<N> dirs"
+    )
+    assert open(os.path.join(run_dir, ".hydra", "overrides.yaml")).read() == before
+    resumed = finish(start([f"checkpoint.resume={run_dir}", "trainer.max_steps=8"], ROOT))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "continuing the run with its own config (" in resumed.stdout
+    assert "given now, and winning: checkpoint.resume=" in resumed.stdout
+    # The constant schedule at 1e-3, a row every 2 steps: the run's own, not the defaults (cosine, every 10).
+    rows = read_metrics(run_dir)
+    assert [(r["step"], r["lr"]) for r in rows] == [(2, 1e-3), (4, 1e-3), (6, 1e-3), (8, 1e-3)]
+    with open(os.path.join(run_dir, ".hydra", "overrides.yaml")) as f:
+        history = yaml.safe_load(f)
+    assert history == [*FIRST, f"checkpoint.resume={run_dir}", "trainer.max_steps=8"]
+    with open(os.path.join(run_dir, ".hydra", "config.yaml")) as f:
+        config = yaml.safe_load(f)
+    assert (config["schedule"]["name"], config["trainer"]["max_steps"]) == ("constant", 8)
