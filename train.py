@@ -6,24 +6,28 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from fsdp_research.composition import continue_run, register_configs
+from fsdp_research.composition import check_command_line, continue_run, register_configs
 from fsdp_research.distributed import launch_env
+from fsdp_research.errors import ConfigError
 
 register_configs()
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    # Here, not at the top: Hydra refuses a bad command line before torch and transformers are imported.
-    from fsdp_research.errors import ConfigError
+    # Here, not at the top: a bad command line is refused before torch and transformers are imported.
     from fsdp_research.launch import launch
 
     try:
         cfg = continue_run(cfg)
     except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(err)
     return launch(cfg, HydraConfig.get().runtime.output_dir)
+
+
+def _refuse(err: ConfigError) -> None:
+    print(f"error: {err}", file=sys.stderr)
+    sys.exit(2)
 
 
 if __name__ == "__main__":
@@ -32,4 +36,8 @@ if __name__ == "__main__":
         # Under torchrun/srun every rank runs this file: only rank 0 makes the run dir (its timestamp is
         # its own); the others are told rank 0's run dir once the process group exists.
         sys.argv += ["hydra.run.dir=."]
+    try:
+        check_command_line(sys.argv[1:])
+    except ConfigError as err:
+        _refuse(err)
     main()

@@ -1,6 +1,7 @@
 """Hydra wiring, for train.py, the command-line tools and the tests (the library never imports it): the schema
 in Hydra's ConfigStore, the resolvers conf/ uses, and compose() for a config without @hydra.main."""
 
+import difflib
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -150,3 +151,72 @@ def continue_run(cfg: DictConfig) -> DictConfig:
         given = ", ".join(before) or "the defaults"
         print(f"continuing the run with its own config ({given}); given now, and winning: {', '.join(now)}")
     return composed
+
+
+def _nearest(word: str, choices: Sequence[str]) -> str | None:
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _unknown_key(key: str, known: Sequence[str]) -> ConfigError:
+    near = _nearest(key, known)
+    if near:
+        return ConfigError(key, f"no such key (did you mean {near}?)", f"use {near}")
+    return ConfigError(key, "no such key", "python train.py --cfg job lists the keys")
+
+
+def _composition_error(err: Exception, overrides: Sequence[str], known: Sequence[str]) -> ConfigError:
+    """Hydra's error as one line naming the key (or group) and the fix."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    text = str(err)
+    if isinstance(err, MissingConfigException) and "Could not find '" in text:
+        group, option = text.split("Could not find '", 1)[1].split("'", 1)[0].rsplit("/", 1)
+        options = [line.strip() for line in text.split("Available options in", 1)[-1].splitlines()[1:]]
+        options = options[: next((i for i, o in enumerate(options) if o.startswith("Config search")), len(options))]
+        near = _nearest(option, options)
+        problem = f"no option {option!r}" + (f" (did you mean {near}?)" if near else "")
+        return ConfigError(group, problem, f"use one of {', '.join(options)}")
+    if isinstance(err, OverrideParseException):
+        override = text.split("'", 2)[1] if text.count("'") >= 2 else text.splitlines()[0]
+        return ConfigError(
+            override.split("=", 1)[0], f"cannot parse {override!r}", "write <key>=<value>, e.g. trainer.max_steps=100"
+        )
+    cause = err.__cause__
+    key = getattr(cause, "full_key", None) or ""
+    if "Could not override" in text or "not in" in str(cause):
+        return _unknown_key(key, known)
+    value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == key), "")
+    if "ListConfig" in str(cause):
+        return ConfigError(key, f"{value!r} is not a list", f"write {key}=[{value}] (brackets; commas between items)")
+    return ConfigError(
+        key or "command line", str(cause or err).strip().splitlines()[0], "give a value of the key's type"
+    )
+
+
+def check_command_line(args: Sequence[str]) -> None:
+    """The overrides of `python train.py <args>` compose: else ConfigError, one line naming the key (an unknown
+    one with the nearest known, a `+` for a key no schema has, a list without brackets, an option a group does not
+    have). Hydra's flags and a sweep (-m, whose values are lists) are Hydra's to parse."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.errors import HydraException
+
+    if any(arg.startswith("-") for arg in args):
+        return
+    overrides = [a for a in args if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    register_configs()
+    with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
+        known = list(flat(OmegaConf.to_container(hydra_compose(config_name="train"))))
+        try:
+            hydra_compose(config_name="train", overrides=overrides)
+        except HydraException as err:
+            raise _composition_error(err, overrides, known) from None
+    structure = schema()
+    for override in overrides:
+        if override.startswith("+") and not override.startswith("++"):
+            parent, _, name = override[1:].split("=", 1)[0].rpartition(".")
+            node = OmegaConf.select(structure, parent) if parent else structure
+            # A structured group (not a free-form one: a plug-in's kwargs, model.config) has no room for new keys.
+            if isinstance(node, DictConfig) and OmegaConf.is_struct(node) is not False and name not in node:
+                raise _unknown_key(override[1:].split("=", 1)[0], known)

@@ -41,6 +41,12 @@ def build_hf_config(cfg: ModelConfig):
             "neither model.name_or_path nor model.model_type is set",
             "pick a model option (model=llama_tiny) or set model.name_or_path",
         )
+    path = str(cfg.name_or_path or "")
+    # A hub id is <org>/<name>: anything else with a slash, or starting like a path, is a directory.
+    if path and not os.path.isdir(path) and (path.startswith((".", "~", os.sep)) or path.count("/") > 1):
+        raise ConfigError(
+            "model.name_or_path", f"{path} does not exist", "give a directory written by save_pretrained, or a hub id"
+        )
     try:
         if cfg.name_or_path:
             return AutoConfig.from_pretrained(cfg.name_or_path, **cfg.config)

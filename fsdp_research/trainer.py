@@ -39,7 +39,7 @@ from .sharding import ShardingPlan, grad_sync
 from .sinks import Sinks, setup_logging
 from .startup import close_on_exit, observe, open_data, read_ahead, seed_rng, throughput_of
 from .state import TrainResult, TrainState
-from .validation import check_config
+from .validation import check_config, doubts
 
 log = logging.getLogger("fsdp_research")
 
@@ -115,6 +115,8 @@ def _prepare(cfg: DictConfig, run_dir: str) -> tuple[torch.device, str, Any, nn.
     if dist.get_rank() == 0:
         os.makedirs(run_dir, exist_ok=True)
     setup_logging(run_dir, dist.get_rank())
+    for doubt in doubts(cfg, device):
+        log.warning(doubt)
     resume_dir = on_rank0(lambda: rundir.resume_point(cfg.checkpoint.resume, run_dir))
     return device, run_dir, hf_config, model, plan, resume_dir
 

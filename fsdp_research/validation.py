@@ -260,3 +260,18 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     check_callbacks(cfg.callbacks)
     check_checkpoint(cfg.checkpoint)
     check_doctor(cfg.doctor)
+
+
+def doubts(cfg: DictConfig, device: torch.device) -> list[str]:
+    """What a config runs but most likely not as meant: warned at start, not refused."""
+    found = []
+    if not cfg.schedule.get("_target_") and cfg.schedule.warmup_steps >= cfg.trainer.max_steps:
+        found.append(
+            f"schedule.warmup_steps={cfg.schedule.warmup_steps} is at or past trainer.max_steps="
+            f"{cfg.trainer.max_steps}: the whole run warms up and the lr never reaches optim.lr"
+        )
+    if device.type == "cpu" and dtypes(cfg.precision)[0] is torch.float16:
+        found.append(
+            "precision: fp16 on the CPU runs 6-10x slower than bf16 (no fast fp16 kernels): use precision=bf16"
+        )
+    return found

@@ -41,7 +41,10 @@ def test_a_pretrained_model_trains_and_exports_with_its_own_tokenizer(model_dirs
     common = [*FAST, f"data.paths=[{corpus}]", "trainer.max_steps=2", "distributed.nproc_per_node=1"]
     runs = {
         "own": start([*common, *pretrained(own), "checkpoint.export=true", f"hydra.run.dir={tmp_path / 'own'}"], ROOT),
-        "bare": start([*common, *pretrained(bare), f"hydra.run.dir={tmp_path / 'bare'}"], ROOT),
+        # With a warmup past the run's end, warned at start.
+        "bare": start(
+            [*common, *pretrained(bare), "schedule.warmup_steps=5", f"hydra.run.dir={tmp_path / 'bare'}"], ROOT
+        ),
         "other": start([*common, *pretrained(own), "data.tokenizer=byte", f"hydra.run.dir={tmp_path / 'x'}"], ROOT),
     }
     done = {name: finish(proc) for name, proc in runs.items()}
@@ -51,10 +54,9 @@ def test_a_pretrained_model_trains_and_exports_with_its_own_tokenizer(model_dirs
     exported = AutoTokenizer.from_pretrained(str(tmp_path / "own" / "export"))
     assert exported.get_vocab() == AutoTokenizer.from_pretrained(own).get_vocab()
     assert done["bare"].returncode == 0, done["bare"].stderr[-3000:]
-    assert (
-        "tokenizer: byte (model.name_or_path holds no tokenizer: give data.tokenizer the one its weights learnt)"
-        in (open(tmp_path / "bare" / "train.log").read())
-    )
+    bare_log = open(tmp_path / "bare" / "train.log").read()
+    assert "tokenizer: byte (model.name_or_path holds no tokenizer: give data.tokenizer the one its weights" in bare_log
+    assert "schedule.warmup_steps=5 is at or past trainer.max_steps=2: the whole run warms up" in bare_log
     other = done["other"]
     assert other.returncode == 2 and other.last_error_line() == (
         f"error: data.tokenizer: 'byte' (257 tokens) is not the vocabulary of model.name_or_path's own tokenizer "
@@ -62,3 +64,16 @@ def test_a_pretrained_model_trains_and_exports_with_its_own_tokenizer(model_dirs
         "model.load_weights=false"
     )
     assert not os.path.exists(tmp_path / "x" / "metrics.jsonl")
+
+
+def test_doubtful_settings_are_warned():
+    import torch
+
+    from fsdp_research.validation import doubts
+
+    cpu = torch.device("cpu")
+    assert doubts(compose([]), cpu) == []
+    [fp16] = doubts(compose(["precision=fp16"]), cpu)
+    assert fp16.startswith("precision: fp16 on the CPU runs 6-10x slower than bf16")
+    [warmup] = doubts(compose(["schedule.warmup_steps=500", "trainer.max_steps=10"]), cpu)
+    assert warmup.startswith("schedule.warmup_steps=500 is at or past trainer.max_steps=10")

@@ -129,7 +129,10 @@ def model_tokenizer(name_or_path: str | None) -> str | None:
         return name_or_path if found else None
     from huggingface_hub import try_to_load_from_cache
 
-    cached = (try_to_load_from_cache(name_or_path, f) for f in _TOKENIZER_FILES)
+    try:
+        cached = [try_to_load_from_cache(name_or_path, f) for f in _TOKENIZER_FILES]
+    except ValueError:  # not a hub id either: the model's own checks say so
+        return None
     return name_or_path if any(isinstance(c, str) for c in cached) else None
 
 

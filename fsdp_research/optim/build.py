@@ -28,6 +28,10 @@ log = logging.getLogger("fsdp_research")
 _PER_GROUP = ("lr", "weight_decay")
 
 
+# How torch's optimizers name their arguments in the errors they raise ("Invalid learning rate: -1").
+_SAID_AS = {"learning rate": "lr", "epsilon": "eps", "beta": "betas", "weight_decay": "weight_decay"}
+
+
 def _target_and_kwargs(node: DictConfig, key: str, exclude: Sequence[str] = ()) -> tuple[type, dict]:
     target = resolve(node._target_, f"{key}._target_")
     kwargs = kwargs_of(node, tuple(exclude))
@@ -36,17 +40,38 @@ def _target_and_kwargs(node: DictConfig, key: str, exclude: Sequence[str] = ()) 
     return target, kwargs
 
 
+def _name(target) -> str:
+    return getattr(target, "__qualname__", str(target))
+
+
+def _check_values(target, kwargs: dict, key: str) -> None:
+    """The optimizer's own checks of its values (a negative lr, betas out of [0, 1)), run on one small parameter
+    before any compute; a refusal said as the key its value came from."""
+    probe = torch.zeros(2, 2, requires_grad=True)
+    try:
+        target([probe], **named_in(target, kwargs, or_any=True))
+    except ValueError as err:
+        said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        lowered = said.lower()
+        name = next((k for k in kwargs if k in lowered), None)
+        name = name or next((k for words, k in _SAID_AS.items() if words in lowered and k in kwargs), None)
+        where = f"{key}.{name}" if name else f"{key}._target_"
+        value = f"{kwargs[name]!r}: " if name else ""
+        raise ConfigError(where, f"{value}{_name(target)} refuses it ({said})", "give a value it takes") from None
+
+
 def check_optim(cfg: DictConfig, schedule: DictConfig) -> None:
     """Everything about the optimizer and its schedule that needs no model: targets import, kwargs bind."""
     check_no_decay(cfg.no_decay)
-    target, _ = _target_and_kwargs(cfg, "optim", OWN_KEYS)
+    target, kwargs = _target_and_kwargs(cfg, "optim", OWN_KEYS)
     if cfg.others is None and isinstance(target, type) and issubclass(target, Muon):
         raise ConfigError("optim.others", "is not set: Muon takes matrices only", "set it, e.g. torch.optim.AdamW")
+    _check_values(target, kwargs, "optim")
     if cfg.others is not None:
         for key in ("_target_", "lr"):
             if key not in cfg.others:
                 raise ConfigError(f"optim.others.{key}", "is not set", "set it, e.g. torch.optim.AdamW and 3e-3")
-        _target_and_kwargs(cfg.others, "optim.others")
+        _check_values(*_target_and_kwargs(cfg.others, "optim.others"), "optim.others")
     check_schedule(schedule)
 
 

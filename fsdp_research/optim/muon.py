@@ -84,6 +84,9 @@ class Muon(torch.optim.Optimizer):
     ):
         if adjust_lr_fn not in (None, "original", "match_rms_adamw"):
             raise ValueError(f"adjust_lr_fn {adjust_lr_fn!r}: use original or match_rms_adamw")
+        for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum)):
+            if value < 0:  # as torch.optim.Muon checks them
+                raise ValueError(f"Invalid {name} value: {value}")
         defaults = dict(
             lr=lr,
             weight_decay=weight_decay,
