@@ -1,8 +1,14 @@
 """Hydra entry point: `python train.py <group>=<option> <key>=<value> ...` (see README.md)."""
 
+import os
 import sys
 
-import hydra
+# GNU OpenMP's idle workers spin 3,000 rounds before they sleep, not 300,000: as fast on an idle machine, and a rank
+# whose cores another job shares no longer spins them away (2.65x the idle step instead of 4.4x beside a 2-thread
+# job; bench/threads.py). Read once, as torch loads OpenMP: set before the first import of torch. Yours wins.
+os.environ.setdefault("GOMP_SPINCOUNT", "3000")
+
+import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
@@ -18,6 +24,9 @@ def main(cfg: DictConfig) -> float | None:
     # Here, not at the top: a bad command line is refused before torch and transformers are imported.
     from fsdp_research.launch import launch
 
+    env = launch_env()
+    if env is None or env.rank == 0:
+        print(f"run dir: {HydraConfig.get().runtime.output_dir}", flush=True)
     try:
         cfg = continue_run(cfg)
     except ConfigError as err:

@@ -1,9 +1,10 @@
 """CPU threads per rank, measured: the default job (its first 20 steps, logged every step) under each thread setting,
 on this machine idle and beside another job of 2 busy threads (a matmul loop, as a second run on the node would be),
 settings alternated so that drift hits each alike. Prints the median step time (steps 4-20, best of the repeats) per
-setting and load, and each against the best idle setting; `default` is what the app picks with no variable set.
+setting and load, and each against the best idle setting; `default` is what the app picks with no variable set
+(each rank its share of the cores, GOMP_SPINCOUNT=3000 from train.py).
 
-    .venv/bin/python bench/threads.py [--repeats 2] [--steps 20]
+    .venv/bin/python bench/threads.py [--repeats 3] [--steps 20]
 """
 
 import argparse
@@ -19,8 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SETTINGS = {
     "default": {},
     "1 thread": {"OMP_NUM_THREADS": "1"},
-    "2 threads": {"OMP_NUM_THREADS": "2"},
+    "2 threads, libgomp's spin (300k)": {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "300000"},
     "2 threads, passive wait": {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"},
+    "2 threads, spin 3k": {"OMP_NUM_THREADS": "2", "GOMP_SPINCOUNT": "3000"},
 }
 LOAD = "import torch; torch.set_num_threads(2); a = torch.randn(768, 768)\nwhile True: a @ a"
 
@@ -37,7 +39,7 @@ def _step_time(env: dict[str, str], steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     base = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
@@ -53,10 +55,10 @@ def main() -> None:
             if burner is not None:
                 burner.kill()
     best = min(times["idle", name] for name in SETTINGS)
-    print(f"{'setting':<26} {'idle s/step':>12} {'x best':>7} {'loaded s/step':>14} {'x best idle':>12}")
+    print(f"{'setting':<34} {'idle s/step':>12} {'x best':>7} {'loaded s/step':>14} {'x best idle':>12}")
     for name in SETTINGS:
         idle, loaded = times["idle", name], times["loaded", name]
-        print(f"{name:<26} {idle:>12.4f} {idle / best:>7.2f} {loaded:>14.4f} {loaded / best:>12.2f}")
+        print(f"{name:<34} {idle:>12.4f} {idle / best:>7.2f} {loaded:>14.4f} {loaded / best:>12.2f}")
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ HISTORY = "overrides_history.yaml"
 # What a resume cannot change: the shapes of the checkpoint's weights, the ids and the order of the data.
 FIXED = ("model.", "data.kind", "data.paths", "data.sources", "data.text_field", "data.seq_len", "data.tokenizer",
          "data.hub_", "data.split", "data.eval_fraction", "trainer.seed")  # fmt: skip
-CHANGEABLE = ("model.load_weights",)  # a resume's weights are the checkpoint's
+# A resume's weights are the checkpoint's; the MoE balancing rate is a training setting.
+CHANGEABLE = ("model.load_weights", "model.moe.")
 
 
 def _key(override: str) -> str:
@@ -98,7 +99,7 @@ def _merged(overrides: Sequence[str]) -> list[str]:
 def _check_fixed(before: DictConfig, now: DictConfig) -> None:
     old, new = (flat(OmegaConf.to_container(c, resolve=True)) for c in (before, now))
     for key in sorted(old.keys() | new.keys()):
-        if key.startswith(FIXED) and key not in CHANGEABLE and old.get(key) != new.get(key):
+        if key.startswith(FIXED) and not key.startswith(CHANGEABLE) and old.get(key) != new.get(key):
             raise ConfigError(
                 key,
                 f"cannot change on a resume ({old.get(key)!r} -> {new.get(key)!r}): the checkpoint's weights and "
@@ -113,38 +114,55 @@ def _record(folder: str, history: list[list[str]], cfg: DictConfig) -> None:
     OmegaConf.save(cfg, os.path.join(folder, "config.yaml"))
 
 
+def _search_path(hydra) -> list[str]:
+    """The command's hydra.searchpath (a user project's conf/): compose() of the run's overrides needs it too."""
+    return [o for o in hydra.overrides.hydra if o.lstrip("+").startswith("hydra.searchpath=")]
+
+
 def continue_run(cfg: DictConfig) -> DictConfig:
     """The config train.py runs. With checkpoint.resume=<a run or step dir> (one run, not a sweep), the run as it
     was: its own overrides (as it started, then each resume's), then this command's, which win; one that cannot
-    change on a resume is refused (ConfigError). Rank 0 keeps the history in the run dir's .hydra/ (overrides.yaml:
-    every launch's overrides in order; config.yaml: the config run)."""
+    change on a resume is refused (ConfigError). Every rank reads the run's history (torchrun's ranks other than 0
+    have no run dir of Hydra's), so all compose the same config; rank 0 keeps it in the run dir's .hydra/
+    (overrides.yaml: every launch's overrides in order; config.yaml: the config run)."""
     from hydra import compose as hydra_compose
     from hydra.core.hydra_config import HydraConfig
+    from hydra.errors import HydraException
     from hydra.types import RunMode
 
     hydra = HydraConfig.get()
     if hydra.mode == RunMode.MULTIRUN:
         return cfg
     now = list(hydra.overrides.task)
-    folder = os.path.join(hydra.runtime.output_dir, hydra.output_subdir or ".hydra")
+    resuming = cfg.checkpoint.resume not in ("auto", "never")
+    run_dir = rundir.resolve(cfg.checkpoint.resume, hydra.runtime.output_dir)
+    folder = os.path.join(run_dir, ".hydra")
     path = os.path.join(folder, HISTORY)
     history = OmegaConf.to_container(OmegaConf.load(path)) if os.path.exists(path) else None
-    resuming = cfg.checkpoint.resume not in ("auto", "never")
-    if resuming and set(os.listdir(hydra.runtime.output_dir)) <= {".hydra"}:  # Hydra has just made it
+    if resuming and (not os.path.isdir(run_dir) or set(os.listdir(run_dir)) <= {".hydra"}):  # Hydra has just made it
         raise ConfigError(
             "checkpoint.resume",
             f"{cfg.checkpoint.resume} does not exist (or holds no run)",
             "give a run dir or one of its checkpoints/step_<N> dirs",
         )
     if not resuming or history is None:
-        if history is None and hydra.output_subdir:  # a fresh run (or one from before the history was kept)
+        # A fresh start (no checkpoint to continue from) begins the history anew; a requeued or restarted run
+        # (checkpoint.resume=auto with checkpoints) keeps it.
+        fresh = not os.path.isdir(os.path.join(run_dir, "checkpoints")) or not os.listdir(f"{run_dir}/checkpoints")
+        if hydra.output_subdir and (fresh or history is None):
             OmegaConf.save(OmegaConf.create([now]), path)
         return cfg
     before = _merged([o for launch in history for o in launch])
-    was = hydra_compose(config_name="train", overrides=before)
+    try:
+        was = hydra_compose(config_name="train", overrides=[*before, *_search_path(hydra)])
+        composed = hydra_compose(config_name="train", overrides=[*_merged(before + now), *_search_path(hydra)])
+    except HydraException as err:
+        first = str(err).strip().splitlines()[0]
+        raise ConfigError(
+            "checkpoint.resume", f"the run's overrides no longer compose ({first})", "fix conf/"
+        ) from None
     if hydra.output_subdir:  # what this launch of Hydra wrote over, back until the resume is accepted
         _record(folder, history, was)
-    composed = hydra_compose(config_name="train", overrides=_merged(before + now))
     _check_fixed(was, composed)
     if hydra.output_subdir:
         _record(folder, [*history, now], composed)
@@ -204,7 +222,8 @@ def check_command_line(args: Sequence[str]) -> None:
 
     if any(arg.startswith("-") for arg in args):
         return
-    overrides = [a for a in args if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
+    # Hydra's own keys are its to check, but for the search path (a user project's conf/), which composition needs.
+    overrides = [a for a in args if not a.lstrip("+~").startswith(("hydra.", "hydra/")) or "hydra.searchpath=" in a]
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
         known = list(flat(OmegaConf.to_container(hydra_compose(config_name="train"))))

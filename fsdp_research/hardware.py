@@ -24,6 +24,7 @@ PEAK_TFLOPS = (
     (r"\bv100\b", 125.0, 15.7),
     (r"\bt4\b", 65.0, 8.1),
     (r"\brtx 4090\b", 165.0, 82.6),
+    (r"\ba6000\b", 154.8, 38.7),
     (r"\brtx 3090\b", 71.0, 35.6),
     (r"\bmi300x\b", 1307.0, 163.4),
     (r"\bmi250x?\b", 383.0, 95.7),
@@ -67,6 +68,12 @@ GPUS = {
     "a100": Device("a100", 80, 312.0, 19.5, 2039, 300, 25, 32),
     "mi300x": Device("mi300x", 192, 1307.0, 163.4, 5300, 448, 50, 64),
     "l40s": Device("l40s", 48, 362.0, 91.6, 864, 32, 25, 32, per_node=4),
+    # 24-48 GB cards without NVLink (an A6000 pair's bridge aside): peers talk over PCIe Gen4 x16 (32 GB/s), nodes
+    # over a cloud instance's 100 Gb/s shared by its GPUs.
+    "l4": Device("l4", 24, 121.0, 30.3, 300, 32, 3, 32),
+    "a10g": Device("a10g", 24, 125.0, 31.2, 600, 32, 3, 32),
+    "rtx4090": Device("rtx4090", 24, 165.0, 82.6, 1008, 32, 3, 32, per_node=4),
+    "a6000": Device("a6000", 48, 154.8, 38.7, 768, 32, 3, 32, per_node=4),
 }
 # Shares of the datasheet peaks a training step reaches: dense matmuls of a well-fed transformer (torchtitan and
 # OLMo-core report 40-55% MFU for 8B models on H100), collectives' bus bandwidth (NCCL's tests: about 80%).
@@ -87,9 +94,10 @@ HOST_MEMORY_GBS = 300.0
 
 
 def gpu_named(device_name: str) -> Device | None:
-    """The table's device that torch.cuda.get_device_name() names (whole words), or None."""
+    """The table's device that torch.cuda.get_device_name() names (whole words; "RTX 4090" is rtx4090), or None."""
     name = device_name.lower()
-    return next((d for key, d in GPUS.items() if re.search(rf"\b{key}\b", name)), None)
+    spaced = {key: re.sub(r"(?<=[a-z])(?=\d)", " ?", key) for key in GPUS}
+    return next((GPUS[key] for key, pattern in spaced.items() if re.search(rf"\b{pattern}\b", name)), None)
 
 
 def gpu(name: str) -> Device:

@@ -99,13 +99,23 @@ def _spawned_worker(cfg: Any, run_dir: str) -> None:
 
 
 def _exit_resumable(run_dir: str, code: int, why: str = "") -> None:
-    """Exit with code after a run that stopped or failed; its last line says how to continue it (rank 0's)."""
+    """Exit with code after a run that stopped or failed; its last line says how to continue it (rank 0's; a sweep's
+    job: the sweep's line says how)."""
     env = launch_env()
-    if env is None or env.rank == 0:
+    hydra = HydraConfig.get() if HydraConfig.initialized() else None
+    if (env is None or env.rank == 0) and not (hydra and hydra.mode == RunMode.MULTIRUN):
         saved = checkpoints_in(os.path.join(run_dir, "checkpoints"))
         command = "the same torchrun command" if env is not None else f"{sys.executable} {sys.argv[0]}"
-        how = f"to continue: {command} checkpoint.resume={run_dir}" if saved else "no resume checkpoint was saved"
-        print(f"{why}; {how}" if why else how, file=sys.stderr, flush=True)
+        # A user project's conf/ (hydra.searchpath) is needed to compose the run again.
+        search = [o for o in (hydra.overrides.hydra if hydra else ()) if o.startswith("hydra.searchpath=")]
+        resume = " ".join([*search, f"checkpoint.resume={run_dir}"])
+        # Without a checkpoint there is nothing to continue: the error stays the last line.
+        lines = [why] if why else []
+        lines += [f"to continue: {command} {resume}"] if saved else []
+        if lines:
+            print("; ".join(lines), file=sys.stderr, flush=True)
+    elif why:
+        print(why, file=sys.stderr, flush=True)
     sys.exit(code)
 
 
@@ -127,6 +137,7 @@ def run_spawned(cfg: DictConfig, world_size: int, run_dir: str) -> None:
 def check_job(cfg: DictConfig) -> None:
     """The workers' own checks, once, in this process (before workers start, or a search's trials): raises
     ConfigError."""
+    resolve_tokenizer(cfg)
     hf_config = build_hf_config(cfg.model)
     check_config(cfg, cfg.distributed.nproc_per_node, hf_config, device_for(cfg.trainer.device, 0))
     planned_model(cfg, hf_config, values=False)
@@ -191,7 +202,6 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
     on (the sweep callback fails it at its end); a job already completed (a sweep run again) is not run again; a
     signal stops the whole sweep."""
     cfg = typed(cfg)
-    resolve_tokenizer(cfg)
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     if multirun:
         _name_sweep_job(cfg)
@@ -200,6 +210,7 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
         print(f"job {HydraConfig.get().job.num} completed earlier: not run again")
         return _result(cfg, run_dir)
     try:
+        resolve_tokenizer(cfg)  # a tokenizer that does not load is bad input, said as such
         rundir.check_restart(cfg.checkpoint.resume)
         outcome = _run(cfg, run_dir)
     except KeyboardInterrupt:  # a second Ctrl-C, in a run of this process alone
@@ -220,10 +231,10 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
         if not multirun:
             _exit_resumable(run_dir, err.exit_code or 1)
         return
-    except AnomalyError as err:  # a failed run, not bad input: one line, exit 1
+    except AnomalyError as err:  # a failed run, not bad input: one line, exit 1; resuming would fail the same way
         print(f"error: {one_line(err)}", file=sys.stderr)
         if not multirun:
-            _exit_resumable(run_dir, 1)
+            sys.exit(1)
         return
     except Exception:
         if not multirun:
@@ -243,6 +254,9 @@ def _after(cfg: DictConfig, run_dir: str, outcome: dict[str, Any], multirun: boo
         # sweep run again resumes it.
         return None if preempted else _result(cfg, run_dir)
     if not (preempted or (multirun and outcome.get("signal"))):
+        env = launch_env()
+        if not multirun and (env is None or env.rank == 0):
+            print("\n".join(rundir.written(run_dir)), flush=True)
         return _result(cfg, run_dir)
     if multirun:
         _stop_sweep(outcome.get("signal") or "signal", run_dir)

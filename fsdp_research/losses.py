@@ -81,7 +81,7 @@ class _CrossEntropyAndZ(torch.autograd.Function):
         logits, labels, lse = ctx.saved_tensors
         e = ctx.label_smoothing
         # d/dx of ce: softmax - (1 - e) onehot - e / vocab; of lse^2: 2 lse softmax.
-        grad = logits.float().sub(lse[:, None]).exp_().mul_((grad_ce + 2 * grad_z * lse)[:, None])
+        grad = logits.to(torch.float32, copy=True).sub_(lse[:, None]).exp_().mul_((grad_ce + 2 * grad_z * lse)[:, None])
         grad.scatter_add_(-1, labels[:, None], (-(1 - e) * grad_ce).expand(len(labels), 1).to(grad.dtype))
         if e:
             grad.sub_(grad_ce * e / logits.shape[-1])

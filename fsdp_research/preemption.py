@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 import subprocess
+import threading
 import time
 from typing import NamedTuple
 
@@ -52,22 +53,28 @@ class Signals:
         self.received: str | None = None
         self._at: float | None = None
         self._interrupted: float | None = None  # when the first Ctrl-C came
+        self._last_interrupt = 0.0
+        self._raised = False
         # What each signal did before, given back by restore(): in a sweep the next job, and the launcher between
         # jobs, must not inherit a flag nobody reads (the signal would be lost).
         self._before = {num: signal.signal(num, self._on_signal) for num in map(_signum, names)}
-        self._before.setdefault(signal.SIGINT, signal.signal(signal.SIGINT, self._on_interrupt))
+        if threading.current_thread() is threading.main_thread():  # signals can be caught there only
+            self._before.setdefault(signal.SIGINT, signal.signal(signal.SIGINT, self._on_interrupt))
 
     def restore(self) -> None:
         for num, handler in self._before.items():
             signal.signal(num, handler)
 
     def _on_interrupt(self, signum, frame) -> None:
+        now, last = time.monotonic(), self._last_interrupt
+        self._last_interrupt = now
         if self._interrupted is None:
-            self._interrupted = time.monotonic()
+            self._interrupted = now
             self._on_signal(signum, frame)
-            if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-                print("Ctrl-C: stopping after this step with a resume checkpoint (Ctrl-C again: at once)", flush=True)
-        elif time.monotonic() - self._interrupted > SAME_PRESS_S:
+            if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # os.write: print() may be mid-write when this runs
+                os.write(1, b"Ctrl-C: stopping after this step with a resume checkpoint (Ctrl-C again: at once)\n")
+        elif now - last > SAME_PRESS_S and not self._raised:  # once: the copies of the press land while it unwinds
+            self._raised = True
             raise KeyboardInterrupt
 
     def _on_signal(self, signum, frame) -> None:

@@ -1,6 +1,7 @@
 """Sweep report: every job dir of a sweep (<sweep dir>/<n>/) as one row: the overrides that differ between
 jobs, final loss and eval loss, throughput per device, peak memory, steps and status; and a PNG with the loss
-curves and each job's throughput and peak memory. `fsdp-research report` is the command."""
+curves and each job's throughput and peak memory. A single run's: its row and its curves (loss and eval loss, lr,
+throughput, memory by step). `fsdp-research report` is the command."""
 
 import os
 import statistics
@@ -118,8 +119,9 @@ def load_job(job_dir: str) -> dict[str, Any]:
     records = read_records(job_dir)
     rows, evals = [r for r in records if "loss" in r], [r for r in records if "eval_loss" in r]
     # Without status.json the job may still be running or may have died without a word: we cannot tell.
+    name = os.path.basename(os.path.normpath(job_dir))
     return {
-        "num": int(os.path.basename(os.path.normpath(job_dir))),
+        "num": int(name) if name.isdigit() else 0,
         "overrides": job_overrides(job_dir),
         "rows": rows,
         "evals": evals,
@@ -230,6 +232,33 @@ def plot(jobs: list[dict[str, Any]], path: str, search: dict[str, Any] | None = 
             )
         ax.set_title(title)
         ax.margins(x=0.15)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_run(job: dict[str, Any], path: str) -> None:
+    """One run's curves by step: loss (eval loss as markers), learning rate, tokens/s per device, peak memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, evals = job["rows"], job["evals"]
+    memory_key = next((key for key in MEMORY_KEYS if any(key in row for row in rows)), None)
+    panels = (("loss", "loss"), ("lr", "learning rate"), ("tokens_per_s_per_device", "tokens/s per device"))
+    panels += ((memory_key, f"peak memory (GiB, {memory_key})"),) if memory_key else ()
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * len(panels)), sharex=True)
+    for ax, (key, title) in zip(axes, panels):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), label=key)
+        if key == "loss" and evals:
+            ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o", mfc="none", label="eval loss")
+            ax.legend(fontsize="small")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("step")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -18,6 +18,8 @@ from .errors import ConfigError
 log = logging.getLogger("fsdp_research")
 
 STATUS = "status.json"
+# What a run writes, as its last lines name it (besides its checkpoints).
+_OUTPUTS = (("metrics", "metrics.jsonl"), ("log", "train.log"), ("export", "export"), ("W&B", "wandb"))
 
 
 # Where rank 0 of a torchrun job's first attempt leaves its run dir: torchrun's own store (the agents'), under a key
@@ -147,3 +149,16 @@ def write_status(run_dir: str, status: str, error: str | None = None, **details:
     with open(path + ".tmp", "w") as f:
         json.dump({"status": status, "error": error, **details}, f)
     os.replace(path + ".tmp", path)
+
+
+def written(run_dir: str) -> list[str]:
+    """What a finished run leaves in its dir, each by its path, and how to plot it: the run's last lines."""
+    found = [
+        f"{what} {os.path.join(run_dir, name)}"
+        for what, name in _OUTPUTS
+        if os.path.exists(os.path.join(run_dir, name))
+    ]
+    steps = checkpoints_in(os.path.join(run_dir, "checkpoints"))
+    if steps:
+        found.append(f"checkpoints {os.path.join(run_dir, 'checkpoints')} (newest step_{steps[0][0]})")
+    return [f"wrote: {', '.join(found)}", f"plot it: fsdp-research report {run_dir}"]

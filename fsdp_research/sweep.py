@@ -176,3 +176,4 @@ class SweepStatus(Callback):
                 file=sys.stderr,
             )
             sys.exit(1)
+        print(f"the sweep is done; its table and plots: fsdp-research report {sweep_dir}", flush=True)

@@ -189,7 +189,7 @@ class StepResult:
     grad_norm: torch.Tensor  # global
     lr: float  # the one the step used
     stats: dict[str, torch.Tensor]  # the loss's parts to log apart; a mixture of experts' tokens per expert
-    # For the callbacks: the loss's mean over ranks; whether a callback skipped the optimizer step.
+    # For the callbacks: the loss's mean over ranks; whether the optimizer step was skipped (a callback, an overflow).
     mean_loss: float | None = None
     skipped: bool = False
 
@@ -227,7 +227,8 @@ def train_step(run: Run, step: int) -> StepResult:
     run.state.scheduler.step()
     run.state.step = step + 1
     run.state.tokens_seen += t.global_batch_size * run.cfg.data.seq_len
-    return StepResult(loss_sum, norm, lr, totals, mean_loss, skipped)
+    # Skipped for the callbacks (the EMA's average stays): by one of them, or by the loss scaler's overflow.
+    return StepResult(loss_sum, norm, lr, totals, mean_loss, skipped or not finite)
 
 
 def _clip(run: Run, step: int, loss_sum: torch.Tensor) -> tuple[torch.Tensor, float | None, bool]:

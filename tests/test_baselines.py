@@ -39,9 +39,12 @@ def _losses(runs, name) -> torch.Tensor:
 
 def test_ddp_computes_as_fsdp_does(runs):
     fsdp, ddp, classic = (_losses(runs, n) for n in ("blockwise_bf16", "ddp_bf16", "ddp_classic_bf16"))
-    torch.testing.assert_close(ddp, fsdp, rtol=1e-4, atol=0)
-    # autocast keeps fp32 weights and an fp32 residual stream: another computation, visibly
-    assert (classic - fsdp).abs().max() > 1e-3
+    # bf16 sums in another order (DDP's all-reduce, FSDP's reduce-scatter): on some CPUs' bf16 kernels step 4's
+    # losses differ by 1.3e-4 of theirs.
+    torch.testing.assert_close(ddp, fsdp, rtol=2e-4, atol=0)
+    # autocast keeps fp32 weights and an fp32 residual stream: another computation, further from FSDP's than DDP's
+    # sums in another order are (1.7e-3 against 7e-4 on such a CPU)
+    assert (classic - fsdp).abs().max() > 2 * (ddp - fsdp).abs().max()
 
 
 @pytest.mark.parametrize("name", ["compiled", "compiled+ac"])

@@ -75,7 +75,7 @@ def test_submit_flags_around_the_file_and_sbatch_options_after_the_separator(tmp
 @pytest.mark.parametrize(
     "argv, error",
     [
-        (["report", "{missing}", "--out", "{tmp}/report.png"], "error: no such sweep directory: {missing}"),
+        (["report", "{missing}", "--out", "{tmp}/report.png"], "error: no such sweep or run directory: {missing}"),
         (["export", "{missing}", "--dtype", "bfloat16", "{tmp}/hf"], "error: {missing}: "),
     ],
     ids=["report", "export"],

@@ -70,6 +70,7 @@ def test_embedding_lookups_are_not_matmuls():
         ("Tesla V100-SXM2-32GB", 125.0, 15.7),
         ("Tesla T4", 65.0, 8.1),
         ("NVIDIA GeForce RTX 4090", 165.0, 82.6),
+        ("NVIDIA RTX A6000", 154.8, 38.7),
         ("AMD Instinct MI300X", 1307.0, 163.4),
     ],
 )
@@ -80,4 +81,4 @@ def test_peaks_by_exact_device_and_dtype(name, bf16, fp32):
 
 
 def test_an_unknown_device_has_no_peak():
-    assert peak_for("NVIDIA RTX A6000", torch.bfloat16) is None
+    assert peak_for("NVIDIA Quadro P1000", torch.bfloat16) is None

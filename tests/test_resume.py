@@ -3,6 +3,8 @@ the run with its own config (its groups and keys as it started, then the overrid
 the history of overrides in .hydra/, refuses what cannot change on a resume, and a path that does not exist."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -11,6 +13,7 @@ from tests.conftest import FAST, ROOT
 from tests.helpers.checkpointing import with_overrides
 from tests.helpers.cli import finish, read_metrics, start
 
+REPORT = [sys.executable, "-m", "fsdp_research", "report"]
 FIRST = with_overrides(
     FAST,
     "optim.lr=1e-3",
@@ -24,11 +27,34 @@ FIRST = with_overrides(
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def first(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("resume") / "run")
     first = finish(start([*FIRST, f"hydra.run.dir={run_dir}"], ROOT))
     assert first.returncode == 0, first.stderr[-3000:]
-    return run_dir
+    return run_dir, first
+
+
+@pytest.fixture(scope="module")
+def run_dir(first):
+    return first[0]
+
+
+def test_a_run_says_where_it_is_and_what_it_wrote(first, tmp_path):
+    """The first line is the run dir; the last ones what it wrote and how to plot it; the report of the run."""
+    run_dir, run = first
+    lines = run.stdout.strip().splitlines()
+    assert lines[0] == f"run dir: {run_dir}"
+    assert lines[-2] == (
+        f"wrote: metrics {run_dir}/metrics.jsonl, log {run_dir}/train.log, checkpoints {run_dir}/checkpoints "
+        "(newest step_4)"
+    )
+    assert lines[-1] == f"plot it: fsdp-research report {run_dir}"
+    out = str(tmp_path / "run.png")
+    report = subprocess.run([*REPORT, run_dir, "--out", out], capture_output=True, text=True)
+    assert report.returncode == 0, report.stderr
+    header, row = report.stdout.splitlines()[:2]
+    assert header.split()[:4] == ["job", "overrides", "loss", "eval_loss"] and row.split()[-2:] == ["4", "completed"]
+    assert os.path.getsize(out) > 10_000
 
 
 def test_a_resume_continues_with_the_runs_own_config(run_dir, tmp_path):

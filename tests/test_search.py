@@ -201,6 +201,7 @@ def test_a_diverged_trial_is_told_failed_and_the_search_continues(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     assert [t.state for t in _trials(sweep)] == [optuna.trial.TrialState.FAIL]
     assert "trial 0 failed (no finite eval_loss)" in first.stdout
+    assert f"the sweep is done; its table and plots: fsdp-research report {sweep}" in first.stdout
     again = _run(tmp_path, "nan", command)
     assert again.returncode == 0 and f"continuing the sweep in {sweep}" in again.stdout, again.stderr[-2000:]
     assert [t.state for t in _trials(sweep)] == [optuna.trial.TrialState.FAIL]

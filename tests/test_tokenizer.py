@@ -77,3 +77,35 @@ def test_doubtful_settings_are_warned():
     assert fp16.startswith("precision: fp16 on the CPU runs 6-10x slower than bf16")
     [warmup] = doubts(compose(["schedule.warmup_steps=500", "trainer.max_steps=10"]), cpu)
     assert warmup.startswith("schedule.warmup_steps=500 is at or past trainer.max_steps=10")
+
+
+CUSTOM = [
+    "model=custom",
+    "model.model_type=qwen3",
+    "model.config.hidden_size=128",
+    "model.config.intermediate_size=384",
+]
+CUSTOM += [
+    "model.config.num_hidden_layers=4",
+    "model.config.num_attention_heads=4",
+    "model.config.num_key_value_heads=2",
+]
+CUSTOM += ["model.config.head_dim=32"]
+
+
+def test_a_model_from_its_config_takes_the_tokenizers_vocabulary(model_dirs):
+    """model=custom (the example of conf/model/custom.yaml) with the byte tokenizer: 257 rows, not Qwen3's 151,936;
+    with a BPE tokenizer its 300; model.config.vocab_size given wins."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_research.models import build_hf_config
+
+    own, _, _ = model_dirs
+    assert compose(CUSTOM).model.config.vocab_size == 257
+    assert compose([*CUSTOM, f"data.tokenizer={own}"]).model.config.vocab_size == 300
+    assert compose([*CUSTOM, "model.config.vocab_size=1024"]).model.config.vocab_size == 1024
+    assert "vocab_size" not in compose([*CUSTOM, "data=synthetic"]).model.config  # no tokenizer: the family's
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(build_hf_config(compose(CUSTOM).model))
+    assert sum(p.numel() for p in model.parameters()) < 2_000_000

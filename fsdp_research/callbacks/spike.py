@@ -4,7 +4,7 @@ record (spike_loss_z, spike_grad_norm_z, spike_skipped); with skip, its optimize
 SkipStepOptimizer). Every finite value enters the window, spike or not (OLMo-core's rule): after a lasting level
 shift (a data-mix change, the end of warmup) the window follows it, where keeping spikes out would skip every later
 step. A run of skips is capped at max_consecutive_skips: the next spike is taken, and the log says why. A non-finite
-value is a spike, and never enters the window."""
+value is a spike, never enters the window, and is skipped however many came before."""
 
 import logging
 import math
@@ -52,7 +52,9 @@ class SpikeMonitor:
             self.consecutive_skips = 0
             return
         self.spikes += 1
-        skipped = self.skip and self.consecutive_skips < self.max_consecutive_skips
+        # A non-finite value is always skipped: taking it would put nan in the weights for good.
+        finite_values = all(math.isfinite(metrics[key]) for key in self.history)
+        skipped = self.skip and (self.consecutive_skips < self.max_consecutive_skips or not finite_values)
         if skipped:
             self.consecutive_skips += 1
             run.skip_step()

@@ -7,6 +7,7 @@ and on a GPU the CUDA context, fastest first, and ends with `best: <overrides>` 
 top few on world_size local processes and ranks them by measured speed."""
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
@@ -16,10 +17,10 @@ from omegaconf import DictConfig
 from torch.multiprocessing import ProcessExitedException
 
 from ..composition import compose
-from ..config import Strategy
+from ..config import DataConfig, Strategy
 from ..distributed import device_for
 from ..errors import ConfigError
-from ..hardware import GPUS, LINKS, gpu
+from ..hardware import GPUS, LINKS, Device, gpu
 from ..launch import run_spawned
 from ..planner.budget import DEFAULT_HEADROOM, GIB, Budget, budget, parse_headroom
 from ..planner.calibrate import calibrate_cpu, cpu_optimizer_rate
@@ -58,14 +59,11 @@ def _searchable(overrides: list[str], world_size: int) -> list[str]:
     return overrides
 
 
-def _hardware(args, cfg: DictConfig, m: ModelSummary, world_size: int, device_type: str) -> Hardware:
+def _hardware(args, cfg: DictConfig, m: ModelSummary, world_size: int, device_type: str, notes: list) -> Hardware:
     """A GPU of the table (--gpu, --link), or this machine's CPU rates measured on world_size processes."""
     compute = dtypes(cfg.precision)[0]
     if device_type == "cuda":
-        try:
-            device = gpu(args.gpu or "h100")
-        except KeyError as err:
-            raise ConfigError("--gpu", err.args[0], f"use --gpu {' | '.join(GPUS)}") from None
+        device = _device(args, notes)
         link = args.link or ("nvlink" if world_size <= device.per_node else "ib")
         return gpu_hardware(device, compute.itemsize, link, cpu_optimizer_rate())
     cores = os.cpu_count() or 1
@@ -78,6 +76,40 @@ def _hardware(args, cfg: DictConfig, m: ModelSummary, world_size: int, device_ty
     print(f"measuring this machine's CPU rates on {world_size} process(es)...", file=sys.stderr)
     rows = cfg.trainer.micro_batch_size * cfg.data.seq_len
     return calibrate_cpu(world_size, rows, m.hidden, m.intermediate, compute)
+
+
+def _device(args, notes: list[str]) -> Device:
+    """--gpu's device of the table (h100 by default), with --gpu-memory and --gpu-tflops for a card it lacks; a
+    note where the cap says the card is smaller than the one planned for."""
+    try:
+        device = gpu(args.gpu or "h100")
+    except KeyError as err:
+        raise ConfigError(
+            "--gpu", err.args[0], f"use --gpu {' | '.join(GPUS)}, or --gpu-memory and --gpu-tflops"
+        ) from None
+    changes = {}
+    if args.gpu_memory is not None:
+        changes["memory_gib"] = (
+            parse_size(args.gpu_memory, "--gpu-memory", "use e.g. --gpu-memory 24GiB", unit=GIB) / GIB
+        )
+    if args.gpu_tflops is not None:
+        if args.gpu_tflops <= 0:
+            raise ConfigError(
+                "--gpu-tflops", f"{args.gpu_tflops} is not a rate", "give its dense bf16 TFLOP/s, e.g. 120"
+            )
+        changes["bf16_tflops"] = args.gpu_tflops
+    if changes:
+        device = dataclasses.replace(device, name=f"{device.name} (as given)", **changes)
+    elif args.gpu is None and args.fit is not None and _cap_gib(args) < 0.9 * device.memory_gib:
+        notes.append(
+            f"note: --fit {args.fit} at an {device.name}'s speed ({device.memory_gib:g} GiB): for a smaller card give "
+            f"--gpu ({', '.join(GPUS)}) or --gpu-memory and --gpu-tflops"
+        )
+    return device
+
+
+def _cap_gib(args) -> float:
+    return parse_size(args.fit, "--fit", "use --fit <memory per rank>, e.g. 80, 80GiB, 80G or 81920MiB", unit=GIB) / GIB
 
 
 def _measure(overrides: Sequence[str], found: Sequence[Candidate], base: DictConfig, world_size: int) -> list:
@@ -112,10 +144,9 @@ def _budget(args, gpu_plan: bool) -> Budget | None:
         if args.headroom is not None:
             raise ConfigError("--headroom", "it is what --fit keeps free", "add --fit <GiB per rank>")
         return None
-    fix = "use --fit <memory per rank>, e.g. 80, 80GiB, 80G or 81920MiB"
-    cap = parse_size(args.fit, "--fit", fix, unit=GIB) / GIB
+    cap = _cap_gib(args)
     if cap <= 0:
-        raise ConfigError("--fit", f"{args.fit} is not a memory cap", fix)
+        raise ConfigError("--fit", f"{args.fit} is not a memory cap", "use --fit <memory per rank>, e.g. 80, 80GiB")
     headroom = DEFAULT_HEADROOM if args.headroom is None else parse_headroom(args.headroom, "--headroom")
     return budget(cap, headroom, gpu_plan)
 
@@ -158,6 +189,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--device", choices=("cpu", "cuda"), help="the device type to plan for (default: the trainer's, trainer.device)"
     )
     parser.add_argument("--gpu", help=f"{', '.join(GPUS)} (default h100; implies --device cuda)")
+    parser.add_argument("--gpu-memory", metavar="SIZE", help="a card the table lacks: its memory (24GiB; implies cuda)")
+    parser.add_argument(
+        "--gpu-tflops", type=float, help="a card the table lacks: its dense bf16 TFLOP/s (implies cuda)"
+    )
     parser.add_argument(
         "--link", choices=LINKS, help="what GPUs talk over (default: nvlink up to a node's GPUs, else ib)"
     )
@@ -182,9 +217,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.fit is not None:
             overrides = _searchable(overrides, launch.get("world_size", 0))
         cfg, _, world_size = checked_config(overrides, launch.get("world_size", 0))
-        if args.device == "cpu" and (args.gpu or args.link):
-            raise ConfigError("--gpu", "--gpu and --link plan for GPUs, not --device cpu", "drop --device cpu")
-        device_type = args.device or ("cuda" if args.gpu or args.link else device_for(cfg.trainer.device, 0).type)
+        notes: list[str] = []  # printed after the plan, whose first line is the model's
+        given = (args.gpu_memory, args.gpu_tflops)
+        given_gpu = args.gpu or args.link or any(value is not None for value in given)
+        if args.device == "cpu" and given_gpu:
+            raise ConfigError("--gpu", "--gpu, --gpu-* and --link plan for GPUs, not --device cpu", "drop --device cpu")
+        device_type = args.device or ("cuda" if given_gpu else device_for(cfg.trainer.device, 0).type)
+        if cfg.data.seq_len == DataConfig.seq_len and not any(o.startswith("data.seq_len=") for o in overrides):
+            notes.append(
+                f"note: planned at data.seq_len={cfg.data.seq_len}, the data group's default: give the sequence "
+                "length you will train with (data.seq_len=...)"
+            )
         room = _budget(args, device_type == "cuda")
         others = _compare_configs(overrides, world_size) if args.compare else []
         # One model build for the plan and every row of the comparison (a large model's build is most of the time).
@@ -192,12 +235,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = run_settings(cfg, world_size, device_type)
         print(format_plan(summaries[0], run))
         if device_type == "cuda" or args.fit is not None:
-            hw = _hardware(args, cfg, summaries[0], world_size, device_type)
+            hw = _hardware(args, cfg, summaries[0], world_size, device_type, notes)
             print(format_time(step_time(summaries[0], run, hw), run, hw))
         if args.compare:
             print()
             rows = [(m, run_settings(c, world_size, device_type)) for m, c in zip(summaries[1:], others)]
             print(format_compare(rows))
+        for note in notes:
+            print(note)
         if args.fit is not None:
             print()
             _fit(args, room, overrides, cfg, summaries[0], world_size, hw)

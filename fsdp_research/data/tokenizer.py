@@ -10,6 +10,7 @@ from functools import cache
 
 import numpy as np
 
+from ..config import DataKind
 from ..errors import ConfigError
 
 BYTE_VOCAB = 257  # 256 byte values and an end-of-document token
@@ -79,6 +80,15 @@ class Tokenizer:
         tokens[ends - 1] = self.eos_id
         return tokens, lengths + 1
 
+    def special_ids(self) -> dict[str, int | None]:
+        """The ids a model's config names (bos/eos/pad_token_id), as this tokenizer has them."""
+        hf = self._hf
+        return {
+            "bos_token_id": hf.bos_token_id if hf is not None else None,
+            "eos_token_id": self.eos_id,
+            "pad_token_id": hf.pad_token_id if hf is not None else None,
+        }
+
     def save(self, out_dir: str) -> None:
         """Into an export: the Hugging Face tokenizer's files (the byte tokenizer has none)."""
         if self._hf is not None:
@@ -133,13 +143,27 @@ def model_tokenizer(name_or_path: str | None) -> str | None:
         cached = [try_to_load_from_cache(name_or_path, f) for f in _TOKENIZER_FILES]
     except ValueError:  # not a hub id either: the model's own checks say so
         return None
-    return name_or_path if any(isinstance(c, str) for c in cached) else None
+    # A hub model whose weights are not fetched yet: its tokenizer comes with them (one it lacks is said on load).
+    return name_or_path if any(isinstance(c, str) for c in cached) or not os.path.exists(name_or_path) else None
+
+
+def _from_config_alone(model) -> bool:
+    return bool(model.get("model_type")) and not model.get("name_or_path") and not model.get("_target_")
 
 
 def resolve_tokenizer(cfg) -> None:
-    """data.tokenizer=auto (a run's config, in place): the pretrained model's own tokenizer, else byte."""
+    """A run's config, in place: data.tokenizer=auto is the pretrained model's own tokenizer, else byte; a model
+    built from its family's config alone, without model.config.vocab_size, takes the tokenizer's vocabulary (not the
+    family's default: Qwen3's 151,936 rows beside a 257-token byte tokenizer), and its special tokens' ids where
+    those are not given either (the family's would lie outside the vocabulary: Phi-3's padding row 32,000)."""
     if cfg.data.tokenizer == AUTO:
         cfg.data.tokenizer = model_tokenizer(cfg.model.get("name_or_path")) or "byte"
+    model = cfg.model
+    if _from_config_alone(model) and "vocab_size" not in model.config and cfg.data.kind != DataKind.synthetic:
+        tok = load_tokenizer(cfg.data.tokenizer)
+        model.config.vocab_size = tok.vocab_size
+        for key, value in tok.special_ids().items():
+            model.config.setdefault(key, value)
 
 
 def check_model_tokenizer(tokenizer: str, model) -> None:
@@ -165,4 +189,5 @@ def describe(name: str, model) -> str:
     whose = " (the model's own)" if own and os.path.abspath(own) == os.path.abspath(name) else ""
     if model.get("load_weights") and own is None:
         whose = " (model.name_or_path holds no tokenizer: give data.tokenizer the one its weights learnt)"
-    return f"tokenizer: {name}{whose}, {tok.vocab_size} tokens"
+    follows = _from_config_alone(model) and model.config.get("vocab_size") == tok.vocab_size
+    return f"tokenizer: {name}{whose}, {tok.vocab_size} tokens" + (", the model's vocab_size" if follows else "")

@@ -49,7 +49,7 @@ def _check_values(target, kwargs: dict, key: str) -> None:
     before any compute; a refusal said as the key its value came from."""
     probe = torch.zeros(2, 2, requires_grad=True)
     try:
-        target([probe], **named_in(target, kwargs, or_any=True))
+        target([{"params": [probe]}], **named_in(target, kwargs, or_any=True))
     except ValueError as err:
         said = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         lowered = said.lower()
@@ -58,6 +58,8 @@ def _check_values(target, kwargs: dict, key: str) -> None:
         where = f"{key}.{name}" if name else f"{key}._target_"
         value = f"{kwargs[name]!r}: " if name else ""
         raise ConfigError(where, f"{value}{_name(target)} refuses it ({said})", "give a value it takes") from None
+    except Exception:  # a factory that needs what only a run has (a process group, a device): checked when built
+        pass
 
 
 def check_optim(cfg: DictConfig, schedule: DictConfig) -> None:

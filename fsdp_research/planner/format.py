@@ -215,16 +215,22 @@ def format_time(time: StepTime, run: Run, hw: Hardware) -> str:
 def format_fit(
     fitting: Sequence[Candidate], found: Sequence[Candidate], room: Budget, top: int, base: DictConfig, head: str
 ) -> list[str]:
-    """The top configs that fit, fastest first, as rows: rank, tokens/s, step time, peak, the overrides."""
+    """The top configs that fit, fastest first, as rows: rank, tokens/s, step time, peak, the host memory a rank's
+    cpu_offload takes (where one does), the overrides."""
     fit = sum(c.memory.peak <= room.usable for c in found)
+    shown = fitting[:top]
+    host = any(c.memory.host for c in shown)
     lines = [
         f"plan --fit {room} per rank: {head}; {len(found)} configs planned, {fit} fit, "
         f"{len(fitting)} of them none beats in both speed and peak",
-        f"{'rank':>4}  {'tokens/s':>10}  {'step (s)':>8}  {'peak (GiB)':>10}  config",
+        f"{'rank':>4}  {'tokens/s':>10}  {'step (s)':>8}  {'peak (GiB)':>10}  "
+        + (f"{'host (GiB)':>10}  " if host else "")
+        + "config",
     ]
-    for index, c in enumerate(fitting[:top], 1):
+    for index, c in enumerate(shown, 1):
         lines.append(
             f"{index:>4}  {c.tokens_per_s:>10,.0f}  {c.time.total:>8.3f}  {c.memory.peak / GIB:>10.2f}  "
+            + (f"{c.memory.host / GIB:>10.2f}  " if host else "")
             + " ".join(c.overrides(base))
         )
     return lines
