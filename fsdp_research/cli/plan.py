@@ -59,11 +59,13 @@ def _searchable(overrides: list[str], world_size: int) -> list[str]:
     return overrides
 
 
-def _hardware(args, cfg: DictConfig, m: ModelSummary, world_size: int, device_type: str, notes: list) -> Hardware:
+def _hardware(
+    args, cfg: DictConfig, m: ModelSummary, world_size: int, device_type: str, room: Budget | None, notes: list
+) -> Hardware:
     """A GPU of the table (--gpu, --link), or this machine's CPU rates measured on world_size processes."""
     compute = dtypes(cfg.precision)[0]
     if device_type == "cuda":
-        device = _device(args, notes)
+        device = _device(args, room, notes)
         link = args.link or ("nvlink" if world_size <= device.per_node else "ib")
         return gpu_hardware(device, compute.itemsize, link, cpu_optimizer_rate())
     cores = os.cpu_count() or 1
@@ -78,7 +80,7 @@ def _hardware(args, cfg: DictConfig, m: ModelSummary, world_size: int, device_ty
     return calibrate_cpu(world_size, rows, m.hidden, m.intermediate, compute)
 
 
-def _device(args, notes: list[str]) -> Device:
+def _device(args, room: Budget | None, notes: list[str]) -> Device:
     """--gpu's device of the table (h100 by default), with --gpu-memory and --gpu-tflops for a card it lacks; a
     note where the cap says the card is smaller than the one planned for."""
     try:
@@ -100,16 +102,12 @@ def _device(args, notes: list[str]) -> Device:
         changes["bf16_tflops"] = args.gpu_tflops
     if changes:
         device = dataclasses.replace(device, name=f"{device.name} (as given)", **changes)
-    elif args.gpu is None and args.fit is not None and _cap_gib(args) < 0.9 * device.memory_gib:
+    elif args.gpu is None and room is not None and room.cap_gib < 0.9 * device.memory_gib:
         notes.append(
             f"note: --fit {args.fit} at an {device.name}'s speed ({device.memory_gib:g} GiB): for a smaller card give "
             f"--gpu ({', '.join(GPUS)}) or --gpu-memory and --gpu-tflops"
         )
     return device
-
-
-def _cap_gib(args) -> float:
-    return parse_size(args.fit, "--fit", "use --fit <memory per rank>, e.g. 80, 80GiB, 80G or 81920MiB", unit=GIB) / GIB
 
 
 def _measure(overrides: Sequence[str], found: Sequence[Candidate], base: DictConfig, world_size: int) -> list:
@@ -144,7 +142,7 @@ def _budget(args, gpu_plan: bool) -> Budget | None:
         if args.headroom is not None:
             raise ConfigError("--headroom", "it is what --fit keeps free", "add --fit <GiB per rank>")
         return None
-    cap = _cap_gib(args)
+    cap = parse_size(args.fit, "--fit", "use --fit <memory per rank>, e.g. 80, 80GiB, 80G or 81920MiB", unit=GIB) / GIB
     if cap <= 0:
         raise ConfigError("--fit", f"{args.fit} is not a memory cap", "use --fit <memory per rank>, e.g. 80, 80GiB")
     headroom = DEFAULT_HEADROOM if args.headroom is None else parse_headroom(args.headroom, "--headroom")
@@ -177,7 +175,7 @@ def _fit(
     print("best: " + " ".join([*base_overrides, *best.overrides(base)]))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fsdp-research plan", description=__doc__.split(":", 1)[1].strip())
     parser.add_argument(
         "overrides",
@@ -207,7 +205,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--top", type=int, default=5, help="with --fit: how many configs to show (default 5)")
     parser.add_argument("--measure", action="store_true", help="with --fit: run the top few and rank them measured")
-    args = parser.parse_intermixed_args(argv)
+    return parser
+
+
+def _device_type(args, cfg: DictConfig, overrides: Sequence[str], notes: list[str]) -> str:
+    """cuda where a flag names a GPU, else --device, else the trainer's; a note where the plan's sequence length is
+    the data group's default."""
+    given_gpu = args.gpu or args.link or args.gpu_memory is not None or args.gpu_tflops is not None
+    if args.device == "cpu" and given_gpu:
+        raise ConfigError("--gpu", "--gpu, --gpu-* and --link plan for GPUs, not --device cpu", "drop --device cpu")
+    if cfg.data.seq_len == DataConfig.seq_len and not any(o.startswith("data.seq_len=") for o in overrides):
+        notes.append(
+            f"note: planned at data.seq_len={cfg.data.seq_len}, the data group's default: give the sequence "
+            "length you will train with (data.seq_len=...)"
+        )
+    return args.device or ("cuda" if given_gpu else device_for(cfg.trainer.device, 0).type)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_intermixed_args(argv)
     try:
         if args.top < 1:
             raise ConfigError("--top", f"{args.top} is below 1", "use --top K, K >= 1")
@@ -218,16 +234,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             overrides = _searchable(overrides, launch.get("world_size", 0))
         cfg, _, world_size = checked_config(overrides, launch.get("world_size", 0))
         notes: list[str] = []  # printed after the plan, whose first line is the model's
-        given = (args.gpu_memory, args.gpu_tflops)
-        given_gpu = args.gpu or args.link or any(value is not None for value in given)
-        if args.device == "cpu" and given_gpu:
-            raise ConfigError("--gpu", "--gpu, --gpu-* and --link plan for GPUs, not --device cpu", "drop --device cpu")
-        device_type = args.device or ("cuda" if given_gpu else device_for(cfg.trainer.device, 0).type)
-        if cfg.data.seq_len == DataConfig.seq_len and not any(o.startswith("data.seq_len=") for o in overrides):
-            notes.append(
-                f"note: planned at data.seq_len={cfg.data.seq_len}, the data group's default: give the sequence "
-                "length you will train with (data.seq_len=...)"
-            )
+        device_type = _device_type(args, cfg, overrides, notes)
         room = _budget(args, device_type == "cuda")
         others = _compare_configs(overrides, world_size) if args.compare else []
         # One model build for the plan and every row of the comparison (a large model's build is most of the time).
@@ -235,7 +242,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         run = run_settings(cfg, world_size, device_type)
         print(format_plan(summaries[0], run))
         if device_type == "cuda" or args.fit is not None:
-            hw = _hardware(args, cfg, summaries[0], world_size, device_type, notes)
+            hw = _hardware(args, cfg, summaries[0], world_size, device_type, room, notes)
             print(format_time(step_time(summaries[0], run, hw), run, hw))
         if args.compare:
             print()
