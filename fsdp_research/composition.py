@@ -114,11 +114,6 @@ def _record(folder: str, history: list[list[str]], cfg: DictConfig) -> None:
     OmegaConf.save(cfg, os.path.join(folder, "config.yaml"))
 
 
-def _search_path(hydra) -> list[str]:
-    """The command's hydra.searchpath (a user project's conf/): compose() of the run's overrides needs it too."""
-    return [o for o in hydra.overrides.hydra if o.lstrip("+").startswith("hydra.searchpath=")]
-
-
 def continue_run(cfg: DictConfig) -> DictConfig:
     """The config train.py runs. With checkpoint.resume=<a run or step dir> (one run, not a sweep), the run as it
     was: its own overrides (as it started, then each resume's), then this command's, which win; one that cannot
@@ -154,8 +149,8 @@ def continue_run(cfg: DictConfig) -> DictConfig:
         return cfg
     before = _merged([o for launch in history for o in launch])
     try:
-        was = hydra_compose(config_name="train", overrides=[*before, *_search_path(hydra)])
-        composed = hydra_compose(config_name="train", overrides=[*_merged(before + now), *_search_path(hydra)])
+        was = hydra_compose(config_name="train", overrides=[*before, *rundir.search_path(hydra)])
+        composed = hydra_compose(config_name="train", overrides=[*_merged(before + now), *rundir.search_path(hydra)])
     except HydraException as err:
         first = str(err).strip().splitlines()[0]
         raise ConfigError(
@@ -176,14 +171,21 @@ def _nearest(word: str, choices: Sequence[str]) -> str | None:
     return close[0] if close else None
 
 
-def _unknown_key(key: str, known: Sequence[str]) -> ConfigError:
-    near = _nearest(key, known)
+def _known_keys() -> list[str]:
+    """Every key of the default config (inside an initialized Hydra): what an unknown key is held against."""
+    from hydra import compose as hydra_compose
+
+    return list(flat(OmegaConf.to_container(hydra_compose(config_name="train"))))
+
+
+def _unknown_key(key: str) -> ConfigError:
+    near = _nearest(key, _known_keys())
     if near:
         return ConfigError(key, f"no such key (did you mean {near}?)", f"use {near}")
     return ConfigError(key, "no such key", "python train.py --cfg job lists the keys")
 
 
-def _composition_error(err: Exception, overrides: Sequence[str], known: Sequence[str]) -> ConfigError:
+def _composition_error(err: Exception, overrides: Sequence[str]) -> ConfigError:
     """Hydra's error as one line naming the key (or group) and the fix."""
     from hydra.errors import MissingConfigException, OverrideParseException
 
@@ -203,7 +205,7 @@ def _composition_error(err: Exception, overrides: Sequence[str], known: Sequence
     cause = err.__cause__
     key = getattr(cause, "full_key", None) or ""
     if "Could not override" in text or "not in" in str(cause):
-        return _unknown_key(key, known)
+        return _unknown_key(key)
     value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == key), "")
     if "ListConfig" in str(cause):
         return ConfigError(key, f"{value!r} is not a list", f"write {key}=[{value}] (brackets; commas between items)")
@@ -225,17 +227,16 @@ def check_command_line(args: Sequence[str]) -> None:
     # Hydra's own keys are its to check, but for the search path (a user project's conf/), which composition needs.
     overrides = [a for a in args if not a.lstrip("+~").startswith(("hydra.", "hydra/")) or "hydra.searchpath=" in a]
     register_configs()
+    structure = schema()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):
-        known = list(flat(OmegaConf.to_container(hydra_compose(config_name="train"))))
         try:
             hydra_compose(config_name="train", overrides=overrides)
         except HydraException as err:
-            raise _composition_error(err, overrides, known) from None
-    structure = schema()
-    for override in overrides:
-        if override.startswith("+") and not override.startswith("++"):
-            parent, _, name = override[1:].split("=", 1)[0].rpartition(".")
-            node = OmegaConf.select(structure, parent) if parent else structure
-            # A structured group (not a free-form one: a plug-in's kwargs, model.config) has no room for new keys.
-            if isinstance(node, DictConfig) and OmegaConf.is_struct(node) is not False and name not in node:
-                raise _unknown_key(override[1:].split("=", 1)[0], known)
+            raise _composition_error(err, overrides) from None
+        for override in overrides:
+            if override.startswith("+") and not override.startswith("++"):
+                parent, _, name = override[1:].split("=", 1)[0].rpartition(".")
+                node = OmegaConf.select(structure, parent) if parent else structure
+                # A structured group (not a free-form one: a plug-in's kwargs, model.config) has no room for new keys.
+                if isinstance(node, DictConfig) and OmegaConf.is_struct(node) is not False and name not in node:
+                    raise _unknown_key(override[1:].split("=", 1)[0])

@@ -106,9 +106,7 @@ def _exit_resumable(run_dir: str, code: int, why: str = "") -> None:
     if (env is None or env.rank == 0) and not (hydra and hydra.mode == RunMode.MULTIRUN):
         saved = checkpoints_in(os.path.join(run_dir, "checkpoints"))
         command = "the same torchrun command" if env is not None else f"{sys.executable} {sys.argv[0]}"
-        # A user project's conf/ (hydra.searchpath) is needed to compose the run again.
-        search = [o for o in (hydra.overrides.hydra if hydra else ()) if o.startswith("hydra.searchpath=")]
-        resume = " ".join([*search, f"checkpoint.resume={run_dir}"])
+        resume = " ".join([*(rundir.search_path(hydra) if hydra else []), f"checkpoint.resume={run_dir}"])
         # Without a checkpoint there is nothing to continue: the error stays the last line.
         lines = [why] if why else []
         lines += [f"to continue: {command} {resume}"] if saved else []

@@ -52,14 +52,14 @@ class Signals:
         self.code = NONE
         self.received: str | None = None
         self._at: float | None = None
-        self._interrupted: float | None = None  # when the first Ctrl-C came
-        self._last_interrupt = 0.0
+        self._last_interrupt: float | None = None  # when the latest Ctrl-C came (None: none yet)
         self._raised = False
         # What each signal did before, given back by restore(): in a sweep the next job, and the launcher between
         # jobs, must not inherit a flag nobody reads (the signal would be lost).
         self._before = {num: signal.signal(num, self._on_signal) for num in map(_signum, names)}
-        if threading.current_thread() is threading.main_thread():  # signals can be caught there only
-            self._before.setdefault(signal.SIGINT, signal.signal(signal.SIGINT, self._on_interrupt))
+        # Signals can be caught in the main thread only; SIGINT named as a preemption signal stays one.
+        if threading.current_thread() is threading.main_thread() and signal.SIGINT not in self._before:
+            self._before[signal.SIGINT] = signal.signal(signal.SIGINT, self._on_interrupt)
 
     def restore(self) -> None:
         for num, handler in self._before.items():
@@ -68,8 +68,7 @@ class Signals:
     def _on_interrupt(self, signum, frame) -> None:
         now, last = time.monotonic(), self._last_interrupt
         self._last_interrupt = now
-        if self._interrupted is None:
-            self._interrupted = now
+        if last is None:
             self._on_signal(signum, frame)
             if int(os.environ.get("LOCAL_RANK", 0)) == 0:  # os.write: print() may be mid-write when this runs
                 os.write(1, b"Ctrl-C: stopping after this step with a resume checkpoint (Ctrl-C again: at once)\n")

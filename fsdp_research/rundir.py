@@ -151,6 +151,12 @@ def write_status(run_dir: str, status: str, error: str | None = None, **details:
     os.replace(path + ".tmp", path)
 
 
+def search_path(hydra) -> list[str]:
+    """The command's hydra.searchpath override (a user project's conf/), from Hydra's record of a launch: what
+    composing the run again needs too."""
+    return [o for o in hydra.overrides.hydra if o.lstrip("+").startswith("hydra.searchpath=")]
+
+
 def written(run_dir: str) -> list[str]:
     """What a finished run leaves in its dir, each by its path, and how to plot it: the run's last lines."""
     found = [
