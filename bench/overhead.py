@@ -1,16 +1,26 @@
-"""Trainer overhead: the trainer's steady-state step time against a bare loop of per-block fully_shard +
-AdamW (+ torch's clip_grad_norm_ where the config clips) and nothing else, same model, batch, sharding and data,
-on the same ranks, alternated in one run; and the trainer with trainer.compile=true (each block's forward
-compiled; compile time is in the warm-up steps). Then what the trainer adds around a step, item by item, each
-timed alone on the same ranks, as a share of the trainer's step at log_interval 1 and 10.
+"""Trainer overhead, two ways.
 
-    .venv/bin/python bench/overhead.py [--nproc 2] [--steps 60] [--repeats 3] [overrides ...]
+The floor: the trainer as a user runs it (`python train.py ...`, log every step) against the seed's loop
+(bench/seed_loop.py under torchrun: from_pretrained, per-block fully_shard, AdamW, nothing else), whole processes
+alternated, on the issue's case (2 ranks, fp32, a 6-block llama of hidden 256 / vocab 4096 written with
+save_pretrained, 4 x 256 tokens per rank) and on the default job (`python train.py`); each run's median step
+time after FLOOR_WARMUP steps (a step the machine's neighbours slow down moves it little), the median over repeats.
+
+Then in one set of worker processes: the trainer's steady-state step time against a bare loop of per-block
+fully_shard + AdamW (+ torch's clip_grad_norm_ where the config clips) and nothing else, same model, batch,
+sharding and data, on the same ranks, alternated in one run; and the trainer with trainer.compile=true (each
+block's forward compiled; compile time is in the warm-up steps). Then what the trainer adds around a step, item
+by item, each timed alone on the same ranks, as a share of the trainer's step at log_interval 1 and 10.
+
+    .venv/bin/python bench/overhead.py [--nproc 2] [--steps 60] [--repeats 3] [--floor-steps 40]
+        [--floor-repeats 3] [--skip-floor | --floor-only] [overrides ...]
 """
 
 import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +49,85 @@ from fsdp_research.sinks import JsonlSink, step_metrics  # noqa: E402
 from fsdp_research.trainer import mean_over_ranks, train  # noqa: E402
 
 WARMUP = 10
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLOOR_WARMUP = 4  # steps left out of the floor's means (the issue's "steps 4+")
+# The issue's case: the trainer's overrides beside the model the seed loop loads.
+ISSUE_MODEL = dict(
+    model_type="llama",
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=4096,
+    max_position_embeddings=512,
+)
+ISSUE_CASE = [
+    "precision=fp32",
+    "sharding=blockwise",
+    "data=synthetic",
+    "data.seq_len=256",
+    "logger=none",
+    "trainer.global_batch_size=8",
+    "trainer.micro_batch_size=4",
+    "distributed.nproc_per_node=2",
+    "checkpoint.interval=0",
+    "checkpoint.export=false",
+]
+
+
+def write_model(hf_config: dict, out: str) -> str:
+    """A randomly initialised model of these shapes, written with save_pretrained (what both sides load)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(**hf_config)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    return out
+
+
+def trainer_run(overrides: list[str], steps: int, run_dir: str) -> float:
+    """`python train.py <overrides>` logging every step: the mean step_time_s of its steps after FLOOR_WARMUP."""
+    command = [sys.executable, "train.py", *overrides, f"trainer.max_steps={steps}", "trainer.log_interval=1"]
+    subprocess.run([*command, f"hydra.run.dir={run_dir}"], cwd=ROOT, check=True, capture_output=True)
+    return statistics.median(r["step_time_s"] for r in step_metrics(run_dir) if r["step"] > FLOOR_WARMUP)
+
+
+def seed_run(model_dir: str, cfg, steps: int) -> float:
+    """bench/seed_loop.py under torchrun on the trainer's batch: the median of its steps after FLOOR_WARMUP."""
+    t, nproc = cfg.trainer, cfg.distributed.nproc_per_node
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    command = [torchrun, f"--nproc_per_node={nproc}", os.path.join(ROOT, "bench", "seed_loop.py"), model_dir]
+    command += [f"--batch={t.global_batch_size // nproc}", f"--micro-batch={t.micro_batch_size}"]
+    command += [f"--seq-len={cfg.data.seq_len}", f"--steps={steps}", f"--precision={cfg.precision.name}"]
+    out = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+    times = json.loads(out.strip().splitlines()[-1])["step_time_s"]
+    return statistics.median(times[FLOOR_WARMUP:])
+
+
+def floor(name: str, overrides: list[str], issue_model: bool, steps: int, repeats: int, out: str) -> float:
+    """The trainer against the seed's loop on one case, whole processes alternated; prints the medians and
+    returns the ratio. The issue's case trains the model both load; the default job builds its own, and the seed
+    loop loads one of its shapes."""
+    model_dir = os.path.join(out, f"{name}_model")
+    if issue_model:
+        write_model(ISSUE_MODEL, model_dir)
+        overrides = ["model=pretrained", f"model.name_or_path={model_dir}", *overrides]
+    cfg = compose(overrides)
+    if not issue_model:
+        write_model({"model_type": cfg.model.model_type, **cfg.model.config}, model_dir)
+    trainer, seed = [], []
+    for r in range(repeats):
+        trainer.append(trainer_run(overrides, steps, os.path.join(out, f"{name}_run{r}")))
+        seed.append(seed_run(model_dir, cfg, steps))
+    ratio = statistics.median(trainer) / statistics.median(seed)
+    print(
+        f"{name}: trainer {statistics.median(trainer) * 1e3:.1f} ms/step | seed loop "
+        f"{statistics.median(seed) * 1e3:.1f} ms/step | trainer / seed loop {ratio:.3f} (per repeat: "
+        f"{', '.join(f'{t / s:.3f}' for t, s in zip(trainer, seed))})",
+        flush=True,
+    )
+    return ratio
 
 
 def bare_loop(cfg, steps: int) -> float:
@@ -196,7 +285,29 @@ def _bench(container, steps: int, repeats: int, out: str) -> None:
     )
 
 
+def floors(argv: list[str]) -> list[str]:
+    """Runs the floor's cases unless --skip-floor; returns the rest of the command line (exits after them with
+    --floor-only)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--floor-steps", type=int, default=40)
+    parser.add_argument("--floor-repeats", type=int, default=3)
+    parser.add_argument("--skip-floor", action="store_true")
+    parser.add_argument("--floor-only", action="store_true")
+    parser.add_argument("--floor-cases", default="issue,default", help="issue, default or both (comma-separated)")
+    args, rest = parser.parse_known_args(argv)
+    if not args.skip_floor:
+        print(f"the seed's loop as the floor: {args.floor_steps} steps x {args.floor_repeats} alternated repeats")
+        with tempfile.TemporaryDirectory() as out:
+            cases = {"issue": ("issue case", ISSUE_CASE, True), "default": ("default job", [], False)}
+            for case in args.floor_cases.split(","):
+                floor(*cases[case], args.floor_steps, args.floor_repeats, out)
+    if args.floor_only:
+        sys.exit(0)
+    return rest
+
+
 def main() -> None:
+    sys.argv[1:] = floors(sys.argv[1:])
     args, _, times = bench_main(_bench, default_steps=60)
     trainer, bare, compiled = (statistics.median(times[k]) for k in ("trainer", "bare", "compiled"))
     # Each repeat's pair ran back to back: their ratios show the machine's noise.
