@@ -7,6 +7,7 @@ Feistel network, cycle-walked to the window count) sets a held-out set aside onc
 the seed, and shuffles the rest afresh every epoch. A mixture assigns samples to sources in blocks of BLOCK
 samples whose composition follows the weights exactly (to 1 / BLOCK), in an order shuffled per block."""
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,9 @@ def _mix(x: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
+# Cached: every batch asks for the same few keys (the rounds', the epoch's), read ahead on a thread that takes
+# cores and the interpreter lock from the step.
+@functools.lru_cache(maxsize=4096)
 def key(*parts: int) -> int:
     """One 64-bit key from several integers (a seed, a source, an epoch, a purpose)."""
     value = np.zeros(1, np.uint64)
