@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -42,6 +43,7 @@ from fsdp_research.distributed import device_for, init_distributed, spawn  # noq
 from fsdp_research.initialization import init_weights, materialize  # noqa: E402
 from fsdp_research.metrics import PeakMemory  # noqa: E402
 from fsdp_research.models import block_class_name, build_hf_config, build_model, find_blocks  # noqa: E402
+from fsdp_research.optim import build_optimizer  # noqa: E402
 from fsdp_research.optim.clipping import clip_grad_norm  # noqa: E402
 from fsdp_research.precision import dtypes  # noqa: E402
 from fsdp_research.preemption import Signals, agree  # noqa: E402
@@ -247,7 +249,17 @@ def itemize(cfg, out: str, calls: int = 300) -> None:
     model, _ = build_sharded_model(cfg, build_hf_config(cfg.model), device, dist.get_world_size())
     for p in model.parameters():
         p.grad = torch.ones_like(p)
+    # The schedule is stepped alone here, without its optimizer's steps: torch's warning about that order is moot.
+    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
+    _, scheduler = build_optimizer(model, cfg)
+    t, rank, world = cfg.trainer, dist.get_rank(), dist.get_world_size()
+    data = build_data(cfg.data, build_hf_config(cfg.model).vocab_size, t.seed)
+    batch = iter(range(10**9))
     items = {
+        (EVERY_STEP, "the next batch (read ahead on a thread: cores and the interpreter lock)"): lambda: (
+            data.rank_batch(next(batch), t.global_batch_size, rank, world)
+        ),
+        (EVERY_STEP, "the learning-rate schedule's step"): lambda: scheduler.step(),
         (EVERY_STEP, f"the gradient norm and clipping (optim.grad_clip={cfg.optim.grad_clip:g})"): lambda: (
             clip_grad_norm(model, cfg.optim.grad_clip)
         ),
