@@ -52,7 +52,7 @@ from fsdp_research.trainer import mean_over_ranks, train  # noqa: E402
 
 WARMUP = 10
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FLOOR_WARMUP = 4  # steps left out of the floor's means (the issue's "steps 4+")
+FLOOR_WARMUP = 4  # steps left out of the floor's medians (the issue's "steps 4+")
 # The issue's case: the trainer's overrides beside the model the seed loop loads.
 ISSUE_MODEL = dict(
     model_type="llama",
@@ -89,7 +89,7 @@ def write_model(hf_config: dict, out: str) -> str:
 
 
 def trainer_run(overrides: list[str], steps: int, run_dir: str) -> float:
-    """`python train.py <overrides>` logging every step: the mean step_time_s of its steps after FLOOR_WARMUP."""
+    """`python train.py <overrides>` logging every step: the median step_time_s of its steps after FLOOR_WARMUP."""
     command = [sys.executable, "train.py", *overrides, f"trainer.max_steps={steps}", "trainer.log_interval=1"]
     subprocess.run([*command, f"hydra.run.dir={run_dir}"], cwd=ROOT, check=True, capture_output=True)
     return statistics.median(r["step_time_s"] for r in step_metrics(run_dir) if r["step"] > FLOOR_WARMUP)
@@ -107,9 +107,9 @@ def seed_run(model_dir: str, cfg, steps: int) -> float:
     return statistics.median(times[FLOOR_WARMUP:])
 
 
-def floor(name: str, overrides: list[str], issue_model: bool, steps: int, repeats: int, out: str) -> float:
-    """The trainer against the seed's loop on one case, whole processes alternated; prints the medians and
-    returns the ratio. The issue's case trains the model both load; the default job builds its own, and the seed
+def floor(name: str, overrides: list[str], issue_model: bool, steps: int, repeats: int, out: str) -> None:
+    """The trainer against the seed's loop on one case, whole processes alternated; prints the medians and their
+    ratio. The issue's case trains the model both load; the default job builds its own, and the seed
     loop loads one of its shapes."""
     model_dir = os.path.join(out, f"{name}_model")
     if issue_model:
@@ -129,7 +129,6 @@ def floor(name: str, overrides: list[str], issue_model: bool, steps: int, repeat
         f"{', '.join(f'{t / s:.3f}' for t, s in zip(trainer, seed))})",
         flush=True,
     )
-    return ratio
 
 
 def bare_loop(cfg, steps: int) -> float:
@@ -305,7 +304,7 @@ def floors(argv: list[str]) -> list[str]:
     parser.add_argument("--floor-repeats", type=int, default=3)
     parser.add_argument("--skip-floor", action="store_true")
     parser.add_argument("--floor-only", action="store_true")
-    parser.add_argument("--floor-cases", default="issue,default", help="issue, default or both (comma-separated)")
+    parser.add_argument("--floor-cases", default="issue,default", help="issue,default or one of them")
     args, rest = parser.parse_known_args(argv)
     if not args.skip_floor:
         print(f"the seed's loop as the floor: {args.floor_steps} steps x {args.floor_repeats} alternated repeats")
