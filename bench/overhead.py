@@ -17,6 +17,7 @@ by item, each timed alone on the same ranks, as a share of the trainer's step at
 """
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -31,7 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
@@ -51,7 +53,6 @@ from fsdp_research.sinks import JsonlSink, step_metrics  # noqa: E402
 from fsdp_research.trainer import mean_over_ranks, train  # noqa: E402
 
 WARMUP = 10
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOOR_WARMUP = 4  # steps left out of the floor's medians (the issue's "steps 4+")
 # The issue's case: the trainer's overrides beside the model the seed loop loads.
 ISSUE_MODEL = dict(
@@ -245,15 +246,16 @@ def itemize(cfg, out: str, calls: int = 300) -> None:
     sink = JsonlSink(os.path.join(out, f"items_rank{dist.get_rank()}"), 0)
     row = {"step": 1, "time": 0.0, "loss": 1.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 1.0}
     # A sharded model with gradients, as after backward (the bare loop clips with torch's clip_grad_norm_).
-    model, _ = build_sharded_model(cfg, build_hf_config(cfg.model), device, dist.get_world_size())
+    hf_config = build_hf_config(cfg.model)
+    model, _ = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
     for p in model.parameters():
         p.grad = torch.ones_like(p)
     # The schedule is stepped alone here, without its optimizer's steps: torch's warning about that order is moot.
     warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step")
     _, scheduler = build_optimizer(model, cfg)
     t, rank, world = cfg.trainer, dist.get_rank(), dist.get_world_size()
-    data = build_data(cfg.data, build_hf_config(cfg.model).vocab_size, t.seed)
-    batch = iter(range(10**9))
+    data = build_data(cfg.data, hf_config.vocab_size, t.seed)
+    batch = itertools.count()
     items = {
         (EVERY_STEP, "the next batch (read ahead on a thread: cores and the interpreter lock)"): lambda: (
             data.rank_batch(next(batch), t.global_batch_size, rank, world)
