@@ -10,8 +10,8 @@ import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from .config import ActivationCheckpointingConfig, CheckpointMode
-from .errors import ConfigError
+from fsdp_research.config import ActivationCheckpointingConfig, CheckpointMode
+from fsdp_research.errors import ConfigError
 
 
 def resolve_op(name: str):

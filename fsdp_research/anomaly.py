@@ -14,10 +14,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .errors import AnomalyError
-from .models import clean_name
-from .sharding import local_shard
-from .state import TrainState
+from fsdp_research.errors import AnomalyError
+from fsdp_research.models import clean_name
+from fsdp_research.sharding import local_shard
+from fsdp_research.state import TrainState
 
 
 def _tensors(output: Any) -> Iterator[torch.Tensor]:

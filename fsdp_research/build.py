@@ -7,18 +7,18 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 from torch.distributed.fsdp import FSDPModule
 
-from .activation_checkpointing import apply_activation_checkpointing
-from .compilation import apply_compile
-from .config import Strategy
-from .dimensions import dims
-from .initialization import init_weights, materialize
-from .losses import check_chunkable
-from .models import block_class_name, build_model, build_own_model, clean_name, find_blocks, pretrained_dir
-from .optim.groups import check_patterns
-from .precision import build_mp_policy, dtypes, kept_in_fp32
-from .pretrained import load_pretrained
-from .sharding import ShardingPlan, apply_ddp, apply_fsdp, build_mesh, build_plan
-from .validation import check_data_fits
+from fsdp_research.activation_checkpointing import apply_activation_checkpointing
+from fsdp_research.compilation import apply_compile
+from fsdp_research.config import Strategy
+from fsdp_research.dimensions import dims
+from fsdp_research.initialization import init_weights, materialize
+from fsdp_research.losses import check_chunkable
+from fsdp_research.models import block_class_name, build_model, build_own_model, clean_name, find_blocks, pretrained_dir
+from fsdp_research.optim.groups import check_patterns
+from fsdp_research.precision import build_mp_policy, dtypes, kept_in_fp32
+from fsdp_research.pretrained import load_pretrained
+from fsdp_research.sharding import ShardingPlan, apply_ddp, apply_fsdp, build_mesh, build_plan
+from fsdp_research.validation import check_data_fits
 
 
 def planned_model(cfg: DictConfig, hf_config, values: bool = True) -> tuple[nn.Module, ShardingPlan]:

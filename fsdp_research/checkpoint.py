@@ -26,8 +26,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .distributed import control_group, gloo_group, new_threads_single_threaded
-from .errors import CheckpointError
+from fsdp_research.distributed import control_group, gloo_group, new_threads_single_threaded
+from fsdp_research.errors import CheckpointError
 
 log = logging.getLogger("fsdp_research")
 

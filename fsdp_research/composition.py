@@ -10,10 +10,10 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.plugins import Plugins
 from omegaconf import DictConfig, OmegaConf
 
-from . import rundir
-from .config import DIRECTIONS, Objective, flat, schema, typed
-from .distributed import launch_env
-from .errors import ConfigError
+from fsdp_research import rundir
+from fsdp_research.config import DIRECTIONS, Objective, flat, schema, typed
+from fsdp_research.distributed import launch_env
+from fsdp_research.errors import ConfigError
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 
@@ -64,7 +64,7 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from .data.tokenizer import resolve_tokenizer
+    from fsdp_research.data.tokenizer import resolve_tokenizer
 
     register_configs()
     with initialize_config_dir(config_dir=CONF_DIR, version_base="1.3"):

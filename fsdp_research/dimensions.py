@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from .models import block_class_name, find_blocks, input_embedding, output_layer
+from fsdp_research.models import block_class_name, find_blocks, input_embedding, output_layer
 
 # A module's attributes that hold its number of attention heads, its query/key and value head sizes (first found).
 _HEADS = ("num_heads", "num_attention_heads", "n_heads", "n_head")

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .config import DistributedConfig
-from .errors import ConfigError
+from fsdp_research.config import DistributedConfig
+from fsdp_research.errors import ConfigError
 
 
 @dataclass(frozen=True)

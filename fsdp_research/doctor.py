@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass
 
 from omegaconf import DictConfig
 
-from .dimensions import ModelDims
-from .layout import Layout, layout
-from .sharding import ShardingPlan
+from fsdp_research.dimensions import ModelDims
+from fsdp_research.layout import Layout, layout
+from fsdp_research.sharding import ShardingPlan
 
 log = logging.getLogger("fsdp_research")
 
@@ -244,6 +244,6 @@ def report(findings: list[Finding], sinks, step: int) -> None:
 
 
 if __name__ == "__main__":  # the old path, python -m fsdp_research.doctor
-    from .cli import run_moved
+    from fsdp_research.cli import run_moved
 
     run_moved("fsdp_research.doctor", "doctor")

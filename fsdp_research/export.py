@@ -22,12 +22,12 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
-from . import sizes
-from .consolidate import INDEX, consolidate, write_index
-from .data.tokenizer import load_tokenizer
-from .distributed import control_group
-from .models import build_model, clean_name
-from .precision import fp32_names, parse_dtype
+from fsdp_research import sizes
+from fsdp_research.consolidate import INDEX, consolidate, write_index
+from fsdp_research.data.tokenizer import load_tokenizer
+from fsdp_research.distributed import control_group
+from fsdp_research.models import build_model, clean_name
+from fsdp_research.precision import fp32_names, parse_dtype
 
 log = logging.getLogger("fsdp_research")
 
@@ -236,6 +236,6 @@ def load_checkpoint_weights(step_dir: str) -> dict[str, torch.Tensor]:
 
 
 if __name__ == "__main__":  # the old path, python -m fsdp_research.export
-    from .cli import run_moved
+    from fsdp_research.cli import run_moved
 
     run_moved("fsdp_research.export", "export")

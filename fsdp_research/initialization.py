@@ -22,10 +22,10 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .distributed import control_group
-from .errors import ConfigError
-from .models import as_built, clean_name
-from .recipes import Recipe, Unsupported, recording, replay
+from fsdp_research.distributed import control_group
+from fsdp_research.errors import ConfigError
+from fsdp_research.models import as_built, clean_name
+from fsdp_research.recipes import Recipe, Unsupported, recording, replay
 
 log = logging.getLogger("fsdp_research")
 

@@ -14,18 +14,18 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.multiprocessing import ProcessExitedException
 
-from . import rundir
-from .build import planned_model
-from .checkpoint import checkpoints_in
-from .config import typed
-from .data.tokenizer import resolve_tokenizer
-from .distributed import dead_ranks, device_for, launch_env, members, spawn
-from .errors import AnomalyError, CheckpointError, ConfigError
-from .models import build_hf_config
-from .preemption import REQUEUE, requeue
-from .sweep import objective
-from .trainer import train
-from .validation import check_config
+from fsdp_research import rundir
+from fsdp_research.build import planned_model
+from fsdp_research.checkpoint import checkpoints_in
+from fsdp_research.config import typed
+from fsdp_research.data.tokenizer import resolve_tokenizer
+from fsdp_research.distributed import dead_ranks, device_for, launch_env, members, spawn
+from fsdp_research.errors import AnomalyError, CheckpointError, ConfigError
+from fsdp_research.models import build_hf_config
+from fsdp_research.preemption import REQUEUE, requeue
+from fsdp_research.sweep import objective
+from fsdp_research.trainer import train
+from fsdp_research.validation import check_config
 
 log = logging.getLogger("fsdp_research")
 

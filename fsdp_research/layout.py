@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from .config import Strategy
+from fsdp_research.config import Strategy
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from .data.pipeline import Data
-from .errors import ConfigError
-from .models import output_layer
-from .targets import check_call, kwargs_of, named_in, resolve
+from fsdp_research.data.pipeline import Data
+from fsdp_research.errors import ConfigError
+from fsdp_research.models import output_layer
+from fsdp_research.targets import check_call, kwargs_of, named_in, resolve
 
 # loss's own keys: with loss._target_ the others are its keyword arguments.
 _OWN = ("name", "z_loss", "label_smoothing", "chunks")

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from .dimensions import ModelDims, expert_modules
-from .hardware import peak_for
+from fsdp_research.dimensions import ModelDims, expert_modules
+from fsdp_research.hardware import peak_for
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None) -> float | None:

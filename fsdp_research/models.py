@@ -10,10 +10,10 @@ import torch
 import torch.nn as nn
 from torch.nn.modules.module import register_module_module_registration_hook
 
-from .config import ModelConfig
-from .errors import ConfigError
-from .recipes import Recipe, Recorder, Unsupported, recording
-from .targets import build as build_target
+from fsdp_research.config import ModelConfig
+from fsdp_research.errors import ConfigError
+from fsdp_research.recipes import Recipe, Recorder, Unsupported, recording
+from fsdp_research.targets import build as build_target
 
 # model's own keys: with model._target_ the others are the factory's keyword arguments.
 OWN_KEYS = ("name", "name_or_path", "model_type", "config", "load_weights", "block_class", "moe")

@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from .config import PrecisionConfig
-from .errors import ConfigError
+from fsdp_research.config import PrecisionConfig
+from fsdp_research.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

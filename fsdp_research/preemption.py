@@ -19,8 +19,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .distributed import control_group
-from .errors import ConfigError
+from fsdp_research.distributed import control_group
+from fsdp_research.errors import ConfigError
 
 log = logging.getLogger("fsdp_research")
 

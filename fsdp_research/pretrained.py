@@ -29,9 +29,9 @@ from safetensors import safe_open
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from .errors import ConfigError
-from .models import build_model, clean_name
-from .sharding import local_shard
+from fsdp_research.errors import ConfigError
+from fsdp_research.models import build_model, clean_name
+from fsdp_research.sharding import local_shard
 
 _FIX = "use a checkpoint of this model's architecture (model.name_or_path), without model.config overrides of shapes"
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from .rundir import outcome
-from .sinks import read_records
-from .sweep import MULTIRUN, job_overrides
+from fsdp_research.rundir import outcome
+from fsdp_research.sinks import read_records
+from fsdp_research.sweep import MULTIRUN, job_overrides
 
 # CUDA runs log allocated and reserved peaks, CPU runs the RSS. Reserved comes first: it is what the caching
 # allocator actually holds on the device, so it is the number that decides whether a config fits.
@@ -265,6 +265,6 @@ def plot_run(job: dict[str, Any], path: str) -> None:
 
 
 if __name__ == "__main__":  # the old path, python -m fsdp_research.report
-    from .cli import run_moved
+    from fsdp_research.cli import run_moved
 
     run_moved("fsdp_research.report", "report")

@@ -11,9 +11,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .checkpoint import checkpoints_in, is_step_dir, verify
-from .distributed import restarted
-from .errors import ConfigError
+from fsdp_research.checkpoint import checkpoints_in, is_step_dir, verify
+from fsdp_research.distributed import restarted
+from fsdp_research.errors import ConfigError
 
 log = logging.getLogger("fsdp_research")
 

@@ -7,8 +7,8 @@ import statistics
 
 from omegaconf import DictConfig
 
-from .launch import run_spawned
-from .sinks import step_metrics
+from fsdp_research.launch import run_spawned
+from fsdp_research.sinks import step_metrics
 
 WARMUP_STEPS = 5
 # What a measured run leaves out: everything but the steps (give the config trainer.max_steps).
@@ -72,6 +72,6 @@ def plot(results: dict[str, dict[int, float]], path: str) -> None:
 
 
 if __name__ == "__main__":  # the old path, python -m fsdp_research.scaling
-    from .cli import run_moved
+    from fsdp_research.cli import run_moved
 
     run_moved("fsdp_research.scaling", "scaling")

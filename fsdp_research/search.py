@@ -20,11 +20,11 @@ from omegaconf import OmegaConf
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import TrialState
 
-from .config import Objective, typed
-from .errors import ConfigError
-from .launch import check_job
-from .rundir import read_status
-from .sweep import MULTIRUN, job_overrides
+from fsdp_research.config import Objective, typed
+from fsdp_research.errors import ConfigError
+from fsdp_research.launch import check_job
+from fsdp_research.rundir import read_status
+from fsdp_research.sweep import MULTIRUN, job_overrides
 
 log = logging.getLogger(__name__)
 

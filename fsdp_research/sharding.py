@@ -12,9 +12,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from .config import ShardingConfig, Strategy
-from .errors import ConfigError
-from .precision import fp32_policy
+from fsdp_research.config import ShardingConfig, Strategy
+from fsdp_research.errors import ConfigError
+from fsdp_research.precision import fp32_policy
 
 
 @dataclass(frozen=True)

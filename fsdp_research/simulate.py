@@ -16,16 +16,16 @@ from omegaconf import DictConfig
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from .build import planned_model
-from .export import export_dtype, parse_size, write_parts
-from .initialization import init_weights, materialize
-from .losses import check_chunkable
-from .metrics import reset_rss_peak, rss, rss_peak
-from .optim.build import build_optimizer
-from .planner.memory import memory
-from .planner.summary import run_settings, summarize
-from .precision import build_mp_policy
-from .sharding import apply_fsdp, build_mesh, local_shard
+from fsdp_research.build import planned_model
+from fsdp_research.export import export_dtype, parse_size, write_parts
+from fsdp_research.initialization import init_weights, materialize
+from fsdp_research.losses import check_chunkable
+from fsdp_research.metrics import reset_rss_peak, rss, rss_peak
+from fsdp_research.optim.build import build_optimizer
+from fsdp_research.planner.memory import memory
+from fsdp_research.planner.summary import run_settings, summarize
+from fsdp_research.precision import build_mp_policy
+from fsdp_research.sharding import apply_fsdp, build_mesh, local_shard
 
 # A forward and backward is run where its FLOPs (6 per parameter per token, embedding and head included) stay
 # under this: some ten seconds on a CPU core.

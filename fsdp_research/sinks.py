@@ -9,7 +9,7 @@ import sys
 import time
 from typing import Any
 
-from .config import LoggerConfig
+from fsdp_research.config import LoggerConfig
 
 log = logging.getLogger("fsdp_research")
 

@@ -3,7 +3,7 @@ SLURM's --mem and nvidia-smi mean G), or a bare number in the caller's unit. Imp
 
 import re
 
-from .errors import ConfigError
+from fsdp_research.errors import ConfigError
 
 _UNITS = {
     "": 1,

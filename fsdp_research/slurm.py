@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import OverrideParseException
 
-from .errors import SubmitError
+from fsdp_research.errors import SubmitError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARRAY_SCRIPT = os.path.join(REPO, "slurm", "array.sbatch")

@@ -14,21 +14,21 @@ import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
-from . import rundir
-from .config import DataKind
-from .data.pipeline import Build, Data, Prefetcher, build_data
-from .data.tokenizer import describe as describe_tokenizer
-from .dimensions import ModelDims
-from .distributed import cores_per_rank, members, on_rank0, planned_nodes
-from .doctor import diagnose, report
-from .metrics import Throughput, active_parameters
-from .models import dropout_in
-from .planner.search import doctor_fit
-from .precision import dtypes
-from .profiling import StepProfiler
-from .sharding import ShardingPlan
-from .sinks import Sinks, build_sinks
-from .state import TrainState
+from fsdp_research import rundir
+from fsdp_research.config import DataKind
+from fsdp_research.data.pipeline import Build, Data, Prefetcher, build_data
+from fsdp_research.data.tokenizer import describe as describe_tokenizer
+from fsdp_research.dimensions import ModelDims
+from fsdp_research.distributed import cores_per_rank, members, on_rank0, planned_nodes
+from fsdp_research.doctor import diagnose, report
+from fsdp_research.metrics import Throughput, active_parameters
+from fsdp_research.models import dropout_in
+from fsdp_research.planner.search import doctor_fit
+from fsdp_research.precision import dtypes
+from fsdp_research.profiling import StepProfiler
+from fsdp_research.sharding import ShardingPlan
+from fsdp_research.sinks import Sinks, build_sinks
+from fsdp_research.state import TrainState
 
 log = logging.getLogger("fsdp_research")
 

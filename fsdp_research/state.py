@@ -6,8 +6,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .precision import LossScaler
-from .sinks import new_run_id
+from fsdp_research.precision import LossScaler
+from fsdp_research.sinks import new_run_id
 
 
 @dataclass

@@ -11,11 +11,11 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from .config import DIRECTIONS, Objective
-from .errors import ConfigError, SubmitError
-from .rundir import outcome
-from .sinks import read_records
-from .slurm import check_partition, check_sbatch
+from fsdp_research.config import DIRECTIONS, Objective
+from fsdp_research.errors import ConfigError, SubmitError
+from fsdp_research.rundir import outcome
+from fsdp_research.sinks import read_records
+from fsdp_research.slurm import check_partition, check_sbatch
 
 # Where a sweep's launcher records the command it ran (Hydra's record); a re-run compares its own against it.
 MULTIRUN = "multirun.yaml"

@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from .errors import ConfigError
+from fsdp_research.errors import ConfigError
 
 # Keys Hydra's instantiate reads: never passed on as keyword arguments.
 _HYDRA_KEYS = ("_target_", "_partial_", "_recursive_", "_convert_", "_args_")

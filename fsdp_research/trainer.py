@@ -15,31 +15,31 @@ import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
 
-from . import overfit, rundir
-from .anomaly import AnomalyChecks, apply_anomaly_checks
-from .balancing import BiasBalancer
-from .build import planned_model, shard_model
-from .callbacks.hooks import Callbacks, RunHandle
-from .checkpoint import Checkpointer, config_files
-from .config import Strategy, typed
-from .data.pipeline import Data, Prefetcher
-from .dimensions import dims
-from .distributed import broadcast_object, device_for, init_distributed, launch_env, on_rank0
-from .export import export_dtype, export_model, parse_size
-from .layout import Layout, layout
-from .losses import LossFn, Router, build_loss, held_out_loss, router_of, train_loss
-from .metrics import MEAN_LOSSES, PeakMemory, Throughput, loss_metrics
-from .models import build_hf_config
-from .optim import build_optimizer, clip_, clip_grad_norm, configured_keys, grad_norm
-from .optim.resume import continue_schedule
-from .precision import LossScaler, autocast
-from .preemption import NONE, STOP, Boundary, Signals, agree
-from .profiling import StepProfiler, region
-from .sharding import ShardingPlan, grad_sync
-from .sinks import Sinks, setup_logging
-from .startup import close_on_exit, observe, open_data, read_ahead, seed_rng, throughput_of
-from .state import TrainResult, TrainState
-from .validation import check_config, doubts
+from fsdp_research import overfit, rundir
+from fsdp_research.anomaly import AnomalyChecks, apply_anomaly_checks
+from fsdp_research.balancing import BiasBalancer
+from fsdp_research.build import planned_model, shard_model
+from fsdp_research.callbacks.hooks import Callbacks, RunHandle
+from fsdp_research.checkpoint import Checkpointer, config_files
+from fsdp_research.config import Strategy, typed
+from fsdp_research.data.pipeline import Data, Prefetcher
+from fsdp_research.dimensions import dims
+from fsdp_research.distributed import broadcast_object, device_for, init_distributed, launch_env, on_rank0
+from fsdp_research.export import export_dtype, export_model, parse_size
+from fsdp_research.layout import Layout, layout
+from fsdp_research.losses import LossFn, Router, build_loss, held_out_loss, router_of, train_loss
+from fsdp_research.metrics import MEAN_LOSSES, PeakMemory, Throughput, loss_metrics
+from fsdp_research.models import build_hf_config
+from fsdp_research.optim import build_optimizer, clip_, clip_grad_norm, configured_keys, grad_norm
+from fsdp_research.optim.resume import continue_schedule
+from fsdp_research.precision import LossScaler, autocast
+from fsdp_research.preemption import NONE, STOP, Boundary, Signals, agree
+from fsdp_research.profiling import StepProfiler, region
+from fsdp_research.sharding import ShardingPlan, grad_sync
+from fsdp_research.sinks import Sinks, setup_logging
+from fsdp_research.startup import close_on_exit, observe, open_data, read_ahead, seed_rng, throughput_of
+from fsdp_research.state import TrainResult, TrainState
+from fsdp_research.validation import check_config, doubts
 
 log = logging.getLogger("fsdp_research")
 

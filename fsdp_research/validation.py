@@ -5,9 +5,9 @@ and the planner run the same checks."""
 import torch
 from omegaconf import DictConfig
 
-from .activation_checkpointing import resolve_op
-from .callbacks.hooks import check_callbacks
-from .config import (
+from fsdp_research.activation_checkpointing import resolve_op
+from fsdp_research.callbacks.hooks import check_callbacks
+from fsdp_research.config import (
     ActivationCheckpointingConfig,
     CheckpointConfig,
     CheckpointMode,
@@ -20,22 +20,22 @@ from .config import (
     Strategy,
     TrainerConfig,
 )
-from .data.parts import first_file, probe
-from .data.pipeline import check_tokenizer, sources
-from .data.tokenizer import check_model_tokenizer
-from .dimensions import max_positions
-from .distributed import backend_for
-from .errors import ConfigError
-from .export import parse_size
-from .hardware import GPUS
-from .layout import layout
-from .losses import check_loss
-from .models import pretrained_dir
-from .optim import check_optim
-from .planner.budget import parse_headroom
-from .precision import dtypes, parse_dtype
-from .pretrained import check_weights
-from .targets import resolve
+from fsdp_research.data.parts import first_file, probe
+from fsdp_research.data.pipeline import check_tokenizer, sources
+from fsdp_research.data.tokenizer import check_model_tokenizer
+from fsdp_research.dimensions import max_positions
+from fsdp_research.distributed import backend_for
+from fsdp_research.errors import ConfigError
+from fsdp_research.export import parse_size
+from fsdp_research.hardware import GPUS
+from fsdp_research.layout import layout
+from fsdp_research.losses import check_loss
+from fsdp_research.models import pretrained_dir
+from fsdp_research.optim import check_optim
+from fsdp_research.planner.budget import parse_headroom
+from fsdp_research.precision import dtypes, parse_dtype
+from fsdp_research.pretrained import check_weights
+from fsdp_research.targets import resolve
 
 
 def check_trainer(t: TrainerConfig, world_size: int) -> None:

@@ -7,11 +7,11 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from ..composition import compose
-from ..distributed import device_for, planned_world_size
-from ..errors import ConfigError
-from ..models import build_hf_config
-from ..validation import check_config
+from fsdp_research.composition import compose
+from fsdp_research.distributed import device_for, planned_world_size
+from fsdp_research.errors import ConfigError
+from fsdp_research.models import build_hf_config
+from fsdp_research.validation import check_config
 
 LAUNCH_KEYS = ("world_size", "nodes")
 

@@ -10,17 +10,17 @@ from typing import Any
 
 from torch.multiprocessing import ProcessExitedException
 
-from ..build import planned_model
-from ..composition import compose
-from ..dimensions import dims
-from ..distributed import device_for, planned_nodes
-from ..doctor import CHECKS, diagnose, explain
-from ..errors import ConfigError
-from ..launch import run_spawned
-from ..planner.search import doctor_fit
-from ..profiling import format_breakdown
-from ..sinks import read_records
-from .common import checked_config, fail, split_launch
+from fsdp_research.build import planned_model
+from fsdp_research.cli.common import checked_config, fail, split_launch
+from fsdp_research.composition import compose
+from fsdp_research.dimensions import dims
+from fsdp_research.distributed import device_for, planned_nodes
+from fsdp_research.doctor import CHECKS, diagnose, explain
+from fsdp_research.errors import ConfigError
+from fsdp_research.launch import run_spawned
+from fsdp_research.planner.search import doctor_fit
+from fsdp_research.profiling import format_breakdown
+from fsdp_research.sinks import read_records
 
 MEASURE_STEPS = 3
 

@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 from omegaconf import OmegaConf
 
-from ..checkpoint import verify
-from ..errors import ConfigError
-from ..export import export_dtype, load_checkpoint_weights, parse_size, write_hf_dir, write_state_dir
-from .common import fail
+from fsdp_research.checkpoint import verify
+from fsdp_research.cli.common import fail
+from fsdp_research.errors import ConfigError
+from fsdp_research.export import export_dtype, load_checkpoint_weights, parse_size, write_hf_dir, write_state_dir
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,10 +7,10 @@ curves, throughput and peak memory, and a search's objective per trial and per s
 import argparse
 import os
 
-from ..report import differing_overrides, format_table, format_trials, load_job, load_trials, plot, plot_run
-from ..sinks import METRICS
-from ..sweep import job_dirs
-from .common import fail
+from fsdp_research.cli.common import fail
+from fsdp_research.report import differing_overrides, format_table, format_trials, load_job, load_trials, plot, plot_run
+from fsdp_research.sinks import METRICS
+from fsdp_research.sweep import job_dirs
 
 
 def main(argv: list[str] | None = None) -> int:

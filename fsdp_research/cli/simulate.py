@@ -15,12 +15,12 @@ from collections.abc import Sequence
 
 import torch.distributed as dist
 
-from ..composition import compose
-from ..config import Strategy
-from ..distributed import device_for
-from ..errors import ConfigError
-from ..simulate import Phase, as_dict, simulate
-from .common import checked_config, fail, split_launch
+from fsdp_research.cli.common import checked_config, fail, split_launch
+from fsdp_research.composition import compose
+from fsdp_research.config import Strategy
+from fsdp_research.distributed import device_for
+from fsdp_research.errors import ConfigError
+from fsdp_research.simulate import Phase, as_dict, simulate
 
 GIB = 2**30
 

@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from ..errors import SubmitError
-from ..slurm import read_override_lines, submit
-from .common import fail
+from fsdp_research.cli.common import fail
+from fsdp_research.errors import SubmitError
+from fsdp_research.slurm import read_override_lines, submit
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -20,10 +20,10 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConfigError, DataError
-from .parts import Part, batches, read_part, text_bytes
-from .store import KEY, MANIFEST, VERSION, StoreSpec, TokenStore, part_name, verify
-from .tokenizer import load_tokenizer
+from fsdp_research.data.parts import Part, batches, read_part, text_bytes
+from fsdp_research.data.store import KEY, MANIFEST, VERSION, StoreSpec, TokenStore, part_name, verify
+from fsdp_research.data.tokenizer import load_tokenizer
+from fsdp_research.errors import ConfigError, DataError
 
 log = logging.getLogger("fsdp_research")
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
-from ..errors import ConfigError
+from fsdp_research.errors import ConfigError
 
 # JSON Lines are parsed this much at a time.
 CHUNK_BYTES = 4 * 2**20

@@ -12,8 +12,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import ConfigError
-from .formats import SPLITTABLE, compression, dataset_size, file_format, read, row_groups
+from fsdp_research.data.formats import SPLITTABLE, compression, dataset_size, file_format, read, row_groups
+from fsdp_research.errors import ConfigError
 
 # The bounds of a part's size (see part_bytes).
 MIN_PART_BYTES, MAX_PART_BYTES = 4 * 2**20, 256 * 2**20

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .store import TokenStore
+from fsdp_research.data.store import TokenStore
 
 BLOCK = 4096
 _ROUNDS = 4

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from .parts import Part
-from .tokenizer import load_tokenizer
+from fsdp_research.data.parts import Part
+from fsdp_research.data.tokenizer import load_tokenizer
 
 log = logging.getLogger("fsdp_research")
 

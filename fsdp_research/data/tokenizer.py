@@ -10,8 +10,8 @@ from functools import cache
 
 import numpy as np
 
-from ..config import DataKind
-from ..errors import ConfigError
+from fsdp_research.config import DataKind
+from fsdp_research.errors import ConfigError
 
 BYTE_VOCAB = 257  # 256 byte values and an end-of-document token
 BYTE_EOS = 256

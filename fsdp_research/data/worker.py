@@ -9,9 +9,9 @@ import sys
 import threading
 import time
 
-from ..errors import ConfigError, DataError
-from .builder import build_parts
-from .parts import Part
+from fsdp_research.data.builder import build_parts
+from fsdp_research.data.parts import Part
+from fsdp_research.errors import ConfigError, DataError
 
 
 def _exit_with_parent(parent: int) -> None:

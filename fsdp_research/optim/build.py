@@ -9,14 +9,14 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
-from ..errors import ConfigError
-from ..models import clean_name
-from ..targets import check_call, kwargs_of, named_in, resolve
-from .combined import Combined
-from .groups import check_no_decay, check_patterns, param_groups
-from .muon import Muon
-from .muon_params import describe, muon_split
-from .schedules import build_scheduler, check_schedule
+from fsdp_research.errors import ConfigError
+from fsdp_research.models import clean_name
+from fsdp_research.optim.combined import Combined
+from fsdp_research.optim.groups import check_no_decay, check_patterns, param_groups
+from fsdp_research.optim.muon import Muon
+from fsdp_research.optim.muon_params import describe, muon_split
+from fsdp_research.optim.schedules import build_scheduler, check_schedule
+from fsdp_research.targets import check_call, kwargs_of, named_in, resolve
 
 # optim's own keys: the rest are the target's keyword arguments.
 OWN_KEYS = ("name", "no_decay", "param_groups", "others", "grad_clip", "warmup_steps", "min_lr_ratio")

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch.nn as nn
 
-from ..errors import ConfigError
+from fsdp_research.errors import ConfigError
 
 NO_DECAY = ("bias", "1d", "embedding")
 

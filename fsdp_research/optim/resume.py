@@ -12,8 +12,8 @@ from collections.abc import Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import flat
-from .schedules import build_scheduler
+from fsdp_research.config import flat
+from fsdp_research.optim.schedules import build_scheduler
 
 log = logging.getLogger("fsdp_research")
 SECTIONS = ("optim", "schedule")

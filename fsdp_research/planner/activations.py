@@ -20,7 +20,7 @@ block's matmul FLOPs) and the cheap rest. loss.chunks=n: the logits and their fp
 
 from collections.abc import Sequence
 
-from .summary import ModelSummary
+from fsdp_research.planner.summary import ModelSummary
 
 FP32 = 4
 

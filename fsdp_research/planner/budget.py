@@ -4,8 +4,8 @@ and, on a GPU, the CUDA context (fsdp_research.hardware.CUDA_CONTEXT_GIB)."""
 
 from dataclasses import dataclass
 
-from ..errors import ConfigError
-from ..hardware import CUDA_CONTEXT_GIB
+from fsdp_research.errors import ConfigError
+from fsdp_research.hardware import CUDA_CONTEXT_GIB
 
 GIB = 2**30
 DEFAULT_HEADROOM = 0.1

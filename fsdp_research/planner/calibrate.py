@@ -11,9 +11,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..config import DistributedConfig
-from ..distributed import init_distributed, spawn
-from .timing import Hardware
+from fsdp_research.config import DistributedConfig
+from fsdp_research.distributed import init_distributed, spawn
+from fsdp_research.planner.timing import Hardware
 
 
 def _seconds(fn, repeats: int) -> float:

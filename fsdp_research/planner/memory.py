@@ -39,8 +39,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..config import Strategy
-from .activations import (
+from fsdp_research.config import Strategy
+from fsdp_research.planner.activations import (
     FP32,
     block_activation_bytes,
     logits_forward,
@@ -49,9 +49,9 @@ from .activations import (
     norm_bytes,
     saved_activations,
 )
-from .optimizer import step_temporaries
-from .resident import callback_bytes, communicator_bytes
-from .summary import ModelSummary, Run
+from fsdp_research.planner.optimizer import step_temporaries
+from fsdp_research.planner.resident import callback_bytes, communicator_bytes
+from fsdp_research.planner.summary import ModelSummary, Run
 
 
 @dataclass(frozen=True)

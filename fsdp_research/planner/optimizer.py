@@ -13,9 +13,9 @@ B = b A + c A A (2 m^3), B X (2 m^2 k). The rounds wait for their slowest owner.
 
 from collections.abc import Sequence
 
-from ..config import Strategy
-from .activations import FP32
-from .summary import ModelSummary, Run, UnitSize
+from fsdp_research.config import Strategy
+from fsdp_research.planner.activations import FP32
+from fsdp_research.planner.summary import ModelSummary, Run, UnitSize
 
 
 def _group(m: ModelSummary, run: Run) -> int:

@@ -4,11 +4,11 @@ NCCL communicators of the process groups FSDP2 makes for units resharded to k ra
 builds a DeviceMesh of the shard group viewed as [n/k, k]: two more groups per rank, 14 for 7 units, each created
 at start-up with buffers of its own on the device; gloo's hold none)."""
 
-from ..callbacks.footprint import PlannedRank
-from ..config import Strategy
-from ..hardware import NCCL_COMMUNICATOR_GIB
-from .activations import FP32
-from .summary import ModelSummary, Run
+from fsdp_research.callbacks.footprint import PlannedRank
+from fsdp_research.config import Strategy
+from fsdp_research.hardware import NCCL_COMMUNICATOR_GIB
+from fsdp_research.planner.activations import FP32
+from fsdp_research.planner.summary import ModelSummary, Run
 
 GIB = 2**30
 

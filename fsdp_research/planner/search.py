@@ -12,16 +12,16 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from ..config import typed
-from ..errors import ConfigError
-from ..hardware import gpu, gpu_named
-from ..models import build_hf_config
-from ..precision import dtypes
-from .budget import Budget, budget
-from .calibrate import cpu_optimizer_rate
-from .memory import Memory, memory
-from .summary import ModelSummary, Run, run_settings, summaries_by_sharding, summary_for
-from .timing import Hardware, StepTime, gpu_hardware, step_time, tokens_per_second
+from fsdp_research.config import typed
+from fsdp_research.errors import ConfigError
+from fsdp_research.hardware import gpu, gpu_named
+from fsdp_research.models import build_hf_config
+from fsdp_research.planner.budget import Budget, budget
+from fsdp_research.planner.calibrate import cpu_optimizer_rate
+from fsdp_research.planner.memory import Memory, memory
+from fsdp_research.planner.summary import ModelSummary, Run, run_settings, summaries_by_sharding, summary_for
+from fsdp_research.planner.timing import Hardware, StepTime, gpu_hardware, step_time, tokens_per_second
+from fsdp_research.precision import dtypes
 
 GIB = 2**30
 log = logging.getLogger("fsdp_research")

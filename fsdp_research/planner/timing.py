@@ -18,13 +18,19 @@ reshard_after_forward=k's groups of k stay within a node when they fit in one.""
 
 from dataclasses import dataclass
 
-from ..config import Strategy
-from ..hardware import COMPUTE_EFFICIENCY, HOST_MEMORY_GBS, LINK_EFFICIENCY, NCCL_COMMUNICATOR_INIT_S, Device
-from .activations import FP32, LLAMA_LIKE, recompute_share, selective_recompute
-from .optimizer import muon_flops, muon_rounds
-from .resident import extra_groups
-from .summary import ModelSummary, Run
-from .traffic import traffic
+from fsdp_research.config import Strategy
+from fsdp_research.hardware import (
+    COMPUTE_EFFICIENCY,
+    HOST_MEMORY_GBS,
+    LINK_EFFICIENCY,
+    NCCL_COMMUNICATOR_INIT_S,
+    Device,
+)
+from fsdp_research.planner.activations import FP32, LLAMA_LIKE, recompute_share, selective_recompute
+from fsdp_research.planner.optimizer import muon_flops, muon_rounds
+from fsdp_research.planner.resident import extra_groups
+from fsdp_research.planner.summary import ModelSummary, Run
+from fsdp_research.planner.traffic import traffic
 
 # NCCL's fixed cost per collective on NVLink/InfiniBand (tens of microseconds; NCCL's own tests).
 GPU_LATENCY_S = 30e-6

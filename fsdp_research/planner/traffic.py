@@ -10,9 +10,9 @@ blocks' matrices in its ns_dtype per step, within the shard group.
 
 from dataclasses import dataclass
 
-from ..config import Strategy
-from .activations import FP32
-from .summary import ModelSummary, Run
+from fsdp_research.config import Strategy
+from fsdp_research.planner.activations import FP32
+from fsdp_research.planner.summary import ModelSummary, Run
 
 
 @dataclass(frozen=True)
