@@ -12,9 +12,9 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from fsdp_research.composition import check_command_line, continue_run, register_configs
-from fsdp_research.distributed import launch_env
+from fsdp_research.distributed.processes import launch_env
 from fsdp_research.errors import ConfigError
+from fsdp_research.jobs.compose import check_command_line, continue_run, register_configs
 
 register_configs()
 
@@ -22,7 +22,7 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     # Here, not at the top: a bad command line is refused before torch and transformers are imported.
-    from fsdp_research.launch import launch
+    from fsdp_research.jobs.launch import launch
 
     env = launch_env()
     if env is None or env.rank == 0:

@@ -14,7 +14,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp_research.sinks import step_metrics  # noqa: E402
+from fsdp_research.metrics.sinks import step_metrics  # noqa: E402
 
 
 def _ratio(steps: int, interval: int, overrides: list[str], out: str) -> float:

@@ -23,12 +23,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from omegaconf import OmegaConf  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
 
-from fsdp_research.build import build_sharded_model  # noqa: E402
-from fsdp_research.checkpoint import Checkpointer  # noqa: E402
-from fsdp_research.composition import compose  # noqa: E402
-from fsdp_research.config import typed  # noqa: E402
-from fsdp_research.distributed import device_for, init_distributed, spawn  # noqa: E402
-from fsdp_research.models import build_hf_config  # noqa: E402
+from fsdp_research.checkpoint.dcp import Checkpointer  # noqa: E402
+from fsdp_research.config.schema import typed  # noqa: E402
+from fsdp_research.distributed.processes import device_for, init_distributed, spawn  # noqa: E402
+from fsdp_research.jobs.compose import compose  # noqa: E402
+from fsdp_research.model.architecture import build_hf_config  # noqa: E402
+from fsdp_research.model.parallelize import build_sharded_model  # noqa: E402
 from fsdp_research.optim import build_optimizer  # noqa: E402
 
 # A mid-size llama (~33M parameters; ~0.4 GB of model + AdamW state): large enough for I/O to dominate.

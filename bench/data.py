@@ -27,9 +27,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp_research.composition import compose  # noqa: E402
 from fsdp_research.data.pipeline import Build, build_data, open_stores  # noqa: E402
 from fsdp_research.data.tokenizer import load_tokenizer  # noqa: E402
+from fsdp_research.jobs.compose import compose  # noqa: E402
 
 RECORD = 4096
 

@@ -46,7 +46,7 @@ step 60 "MFU, llama_1b bf16" "$PY" train.py model=llama_1b precision=bf16 data=s
     checkpoint.interval=0 checkpoint.export=false logger=none hydra.run.dir="$OUT/mfu"
 "$PY" - "$OUT/mfu" <<'PY'
 import sys
-from fsdp_research.sinks import step_metrics
+from fsdp_research.metrics.sinks import step_metrics
 for m in step_metrics(sys.argv[1])[-2:]:
     print({k: m.get(k) for k in ("step", "tokens_per_s", "mfu", "peak_mem_allocated_gib", "peak_mem_reserved_gib")})
 PY

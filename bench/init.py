@@ -1,5 +1,5 @@
 """Initialisation's cost per rank at 1 and 4 ranks (real gloo processes, llama_1b by default): each rank plans,
-shards and initialises its shard as the trainer does (fsdp_research.simulate.set_up_shard); per phase the wall
+shards and initialises its shard as the trainer does (fsdp_research.tools.simulate.set_up_shard); per phase the wall
 time, this process's CPU time, and its peak resident memory. On a 2-core machine 4 ranks share the cores: CPU
 time per rank is the cost that must fall with ranks (wall time shows the sharing).
 
@@ -16,11 +16,11 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from fsdp_research.composition import compose  # noqa: E402
-from fsdp_research.config import typed  # noqa: E402
-from fsdp_research.distributed import init_distributed, spawn  # noqa: E402
-from fsdp_research.models import build_hf_config  # noqa: E402
-from fsdp_research.simulate import as_dict, set_up_shard  # noqa: E402
+from fsdp_research.config.schema import typed  # noqa: E402
+from fsdp_research.distributed.processes import init_distributed, spawn  # noqa: E402
+from fsdp_research.jobs.compose import compose  # noqa: E402
+from fsdp_research.model.architecture import build_hf_config  # noqa: E402
+from fsdp_research.tools.simulate import as_dict, set_up_shard  # noqa: E402
 
 
 def _rank(overrides: list[str], out: str) -> None:

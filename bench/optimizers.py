@@ -19,13 +19,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fsdp_research.build import build_sharded_model  # noqa: E402
-from fsdp_research.composition import compose  # noqa: E402
-from fsdp_research.config import typed  # noqa: E402
-from fsdp_research.distributed import device_for, init_distributed, spawn  # noqa: E402
-from fsdp_research.losses import train_loss  # noqa: E402
-from fsdp_research.models import build_hf_config  # noqa: E402
+from fsdp_research.config.schema import typed  # noqa: E402
+from fsdp_research.distributed.processes import device_for, init_distributed, spawn  # noqa: E402
+from fsdp_research.jobs.compose import compose  # noqa: E402
+from fsdp_research.model.architecture import build_hf_config  # noqa: E402
+from fsdp_research.model.parallelize import build_sharded_model  # noqa: E402
 from fsdp_research.optim import build_optimizer  # noqa: E402
+from fsdp_research.train.losses import train_loss  # noqa: E402
 
 MID = [
     "model=llama_mid",

@@ -37,20 +37,20 @@ sys.path.insert(0, ROOT)
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
-from fsdp_research.build import build_sharded_model  # noqa: E402
-from fsdp_research.composition import compose  # noqa: E402
-from fsdp_research.config import typed  # noqa: E402
+from fsdp_research.config.schema import typed  # noqa: E402
 from fsdp_research.data.pipeline import build_data  # noqa: E402
-from fsdp_research.distributed import device_for, init_distributed, spawn  # noqa: E402
-from fsdp_research.initialization import init_weights, materialize  # noqa: E402
-from fsdp_research.metrics import PeakMemory  # noqa: E402
-from fsdp_research.models import block_class_name, build_hf_config, build_model, find_blocks  # noqa: E402
+from fsdp_research.distributed.precision import dtypes  # noqa: E402
+from fsdp_research.distributed.processes import device_for, init_distributed, spawn  # noqa: E402
+from fsdp_research.jobs.compose import compose  # noqa: E402
+from fsdp_research.metrics.meters import PeakMemory  # noqa: E402
+from fsdp_research.metrics.sinks import JsonlSink, step_metrics  # noqa: E402
+from fsdp_research.model.architecture import block_class_name, build_hf_config, build_model, find_blocks  # noqa: E402
+from fsdp_research.model.initialization import init_weights, materialize  # noqa: E402
+from fsdp_research.model.parallelize import build_sharded_model  # noqa: E402
 from fsdp_research.optim import build_optimizer  # noqa: E402
 from fsdp_research.optim.clipping import clip_grad_norm  # noqa: E402
-from fsdp_research.precision import dtypes  # noqa: E402
-from fsdp_research.preemption import Signals, agree  # noqa: E402
-from fsdp_research.sinks import JsonlSink, step_metrics  # noqa: E402
-from fsdp_research.trainer import mean_over_ranks, train  # noqa: E402
+from fsdp_research.train.preemption import Signals, agree  # noqa: E402
+from fsdp_research.train.trainer import mean_over_ranks, train  # noqa: E402
 
 WARMUP = 10
 FLOOR_WARMUP = 4  # steps left out of the floor's medians (the "steps 4+")

@@ -19,11 +19,11 @@ from overhead import alternate, bare_loop, bench_main, seconds_per_step, trainer
 from torch.distributed.fsdp import FSDPModule
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from fsdp_research.config import typed  # noqa: E402
+from fsdp_research.config.schema import typed  # noqa: E402
 from fsdp_research.data.pipeline import build_data  # noqa: E402
-from fsdp_research.distributed import device_for, init_distributed  # noqa: E402
-from fsdp_research.initialization import init_weights, materialize  # noqa: E402
-from fsdp_research.models import block_class_name, build_hf_config, build_model  # noqa: E402
+from fsdp_research.distributed.processes import device_for, init_distributed  # noqa: E402
+from fsdp_research.model.architecture import block_class_name, build_hf_config, build_model  # noqa: E402
+from fsdp_research.model.initialization import init_weights, materialize  # noqa: E402
 
 
 def _accelerator(model, bf16: bool):

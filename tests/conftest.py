@@ -1,4 +1,4 @@
-"""Configs are composed with Hydra's compose API (fsdp_research.composition.compose), exactly as train.py composes
+"""Configs are composed with Hydra's compose API (fsdp_research.jobs.compose.compose), exactly as train.py composes
 them; outputs go to tmp dirs."""
 
 import glob

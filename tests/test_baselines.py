@@ -5,7 +5,7 @@ another precision. trainer.compile (each block's forward compiled, FSDP's hooks 
 import pytest
 import torch
 
-from fsdp_research.composition import compose
+from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST
 from tests.helpers.dist import final_weights, ok, train_distributed
 

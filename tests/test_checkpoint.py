@@ -20,9 +20,9 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-from fsdp_research.checkpoint import MANIFEST, TRAINER_STATE, checkpoints_in, verify
-from fsdp_research.composition import compose
-from fsdp_research.export import load_checkpoint_weights
+from fsdp_research.checkpoint.dcp import MANIFEST, TRAINER_STATE, checkpoints_in, verify
+from fsdp_research.checkpoint.hf_export import load_checkpoint_weights
+from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST, ROOT
 from tests.helpers.checkpointing import (
     Job,

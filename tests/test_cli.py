@@ -1,8 +1,6 @@
-"""The command line's shape, common to every subcommand: flags and Hydra overrides in any order, and the old
-`python -m fsdp_research.<module>` paths still running their command after a note."""
+"""The command line's shape, common to every subcommand: flags and Hydra overrides in any order, one-line errors."""
 
 import argparse
-import runpy
 import subprocess
 import sys
 
@@ -14,16 +12,6 @@ from fsdp_research.cli import doctor as doctor_cli
 from fsdp_research.cli import submit as submit_cli
 from tests.conftest import ROOT
 from tests.helpers.cli import subprocess_env
-
-# Old module path -> the command it runs now.
-MOVED = {
-    "doctor": "doctor",
-    "plan": "plan",
-    "report": "report",
-    "export": "export",
-    "scaling": "scaling",
-    "slurm_submit": "submit",
-}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
@@ -86,29 +74,10 @@ def test_missing_input_after_flags_is_one_line(argv, error, tmp_path, capsys):
     assert capsys.readouterr().err.startswith(error.format(**paths))
 
 
-def _note(old: str) -> str:
-    command = MOVED[old]
-    return f"note: python -m fsdp_research.{old} is now fsdp-research {command} (python -m fsdp_research {command})"
-
-
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_module_path_runs_its_command(old, monkeypatch, capsys):
-    """In this process, as `python -m` runs a module (runpy), with the command's exit code; the module is first
-    dropped from sys.modules, as in a fresh process (runpy warns when it is already imported)."""
-    monkeypatch.delitem(sys.modules, f"fsdp_research.{old}", raising=False)
-    monkeypatch.setattr(sys, "argv", ["python", "--help"])
-    with pytest.raises(SystemExit) as exited:
-        runpy.run_module(f"fsdp_research.{old}", run_name="__main__", alter_sys=True)
-    assert exited.value.code == 0
-    out, err = capsys.readouterr()
-    assert err.splitlines() == [_note(old)]
-    assert out.startswith(f"usage: fsdp-research {MOVED[old]} ")
-
-
-def test_old_module_path_in_a_process_of_its_own():
-    """The real `python -m`, once: doctor.py runs as __main__ and is imported again by the command it runs."""
+def test_the_package_runs_a_command_in_a_process_of_its_own():
+    """The real `python -m fsdp_research <command>`, once."""
     result = subprocess.run(
-        [sys.executable, "-m", "fsdp_research.doctor", "model=llama_tiny", "world_size=2"],
+        [sys.executable, "-m", "fsdp_research", "doctor", "model=llama_tiny", "world_size=2"],
         cwd=ROOT,
         env=subprocess_env(),
         capture_output=True,
@@ -116,5 +85,4 @@ def test_old_module_path_in_a_process_of_its_own():
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert _note("doctor") in result.stderr.splitlines()
     assert result.stdout.startswith("no findings: ")

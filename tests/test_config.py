@@ -1,7 +1,7 @@
 """Experiment presets compose as `@package _global_` overrides of the groups."""
 
-from fsdp_research.composition import compose
-from fsdp_research.config import Strategy
+from fsdp_research.config.schema import Strategy
+from fsdp_research.jobs.compose import compose
 
 
 def test_experiment_preset_overrides_groups():

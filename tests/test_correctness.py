@@ -8,7 +8,7 @@ that raises is named by its own test, the others still run."""
 import pytest
 import torch
 
-from fsdp_research.composition import compose
+from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST
 from tests.helpers.dist import ok
 from tests.helpers.reference import reference_run, trained_from_initial

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from fsdp_research.composition import compose
 from fsdp_research.data.parts import resolve_files
 from fsdp_research.data.pipeline import Data, sources
 from fsdp_research.data.sampling import BLOCK, Stream, apportion, permute
+from fsdp_research.jobs.compose import compose
 
 N, BATCH, LENGTH = 37, 12, 5  # a prime number of windows: batches straddle epoch boundaries
 

@@ -14,12 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from fsdp_research.composition import compose
-from fsdp_research.data.builder import ensure_store
 from fsdp_research.data.pipeline import build_data, open_stores, store_specs
+from fsdp_research.data.store_builder import ensure_store
 from fsdp_research.errors import ConfigError, DataError
-from fsdp_research.models import build_hf_config
-from fsdp_research.validation import check_config, check_sources
+from fsdp_research.jobs.compose import compose
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.train.validation import check_config, check_sources
 from tests.helpers.corpora import bpe_tokenizer, write
 
 

@@ -13,15 +13,15 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_research.anomaly import apply_anomaly_checks
-from fsdp_research.composition import compose
-from fsdp_research.config import ScheduleName
+from fsdp_research.config.schema import ScheduleName
 from fsdp_research.data.pipeline import Data
 from fsdp_research.data.sampling import Stream, SyntheticWindows
+from fsdp_research.distributed.precision import LossScaler
 from fsdp_research.errors import AnomalyError, ConfigError
-from fsdp_research.precision import LossScaler
-from fsdp_research.state import TrainState
-from fsdp_research.validation import check_data, check_trainer
+from fsdp_research.jobs.compose import compose
+from fsdp_research.train.anomaly import apply_anomaly_checks
+from fsdp_research.train.state import TrainState
+from fsdp_research.train.validation import check_data, check_trainer
 from tests.conftest import FAST
 from tests.helpers.cli import Finished, finish, read_metrics, start
 

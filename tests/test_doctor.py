@@ -8,12 +8,12 @@ import sys
 import pytest
 import torch
 
-from fsdp_research.composition import compose
-from fsdp_research.distributed import planned_nodes
-from fsdp_research.doctor import CHECKS, diagnose
+from fsdp_research.distributed.processes import planned_nodes
 from fsdp_research.errors import ConfigError
-from fsdp_research.planner.search import doctor_fit
-from fsdp_research.validation import check_doctor
+from fsdp_research.jobs.compose import compose
+from fsdp_research.planner.doctor import CHECKS, diagnose
+from fsdp_research.planner.fit import doctor_fit
+from fsdp_research.train.validation import check_doctor
 from tests.conftest import ROOT
 from tests.helpers.fsdp_units import plan_for
 

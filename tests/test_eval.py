@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from fsdp_research.composition import compose
+from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST, ROOT
 from tests.helpers.checkpointing import with_overrides
 from tests.helpers.cli import finish, start

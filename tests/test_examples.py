@@ -133,9 +133,9 @@ def test_a_callback_of_ones_own_stops_the_run(project):
 def _initial_weights(project: str, world_size: int) -> dict:
     from omegaconf import OmegaConf
 
-    from fsdp_research.build import build_sharded_model
-    from fsdp_research.composition import compose
-    from fsdp_research.distributed import init_distributed
+    from fsdp_research.distributed.processes import init_distributed
+    from fsdp_research.jobs.compose import compose
+    from fsdp_research.model.parallelize import build_sharded_model
     from tests.helpers.dist import full_state
 
     cfg = compose([f"hydra.searchpath=[file://{project}/conf]", "model=tiny_gpt"])
@@ -173,10 +173,10 @@ def test_mfu_flops_of_an_own_model_match_torchs_counter(project, monkeypatch):
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.utils.flop_counter import FlopCounterMode
 
-    from fsdp_research.build import planned_model
-    from fsdp_research.composition import compose
-    from fsdp_research.dimensions import dims
-    from fsdp_research.metrics import flops_per_token, matmul_parameters
+    from fsdp_research.jobs.compose import compose
+    from fsdp_research.metrics.meters import flops_per_token, matmul_parameters
+    from fsdp_research.model.dimensions import dims
+    from fsdp_research.model.parallelize import planned_model
 
     project, _ = project
     monkeypatch.syspath_prepend(project)
@@ -196,9 +196,9 @@ def test_mfu_flops_of_an_own_model_match_torchs_counter(project, monkeypatch):
 
 
 def test_an_own_model_without_its_block_class_is_refused(project, monkeypatch):
-    from fsdp_research.build import planned_model
-    from fsdp_research.composition import compose
     from fsdp_research.errors import ConfigError
+    from fsdp_research.jobs.compose import compose
+    from fsdp_research.model.parallelize import planned_model
 
     project, _ = project
     monkeypatch.syspath_prepend(project)

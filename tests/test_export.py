@@ -1,5 +1,5 @@
 """The export at the end of training never gathers the model on one rank: every rank gathers and writes the groups
-it owns, one at a time, and its share of the shards (fsdp_research.consolidate). Bitwise equality of the exported
+it owns, one at a time, and its share of the shards (checkpoint.consolidate). Bitwise equality of the exported
 weights with what was trained is checked everywhere an export is read (test_checkpoint, test_faults, the census:
 145 families at 2 ranks against their input checkpoint); here: rank 0's memory, and the shards' layout."""
 
@@ -11,14 +11,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from fsdp_research.build import planned_model
-from fsdp_research.composition import compose
-from fsdp_research.distributed import init_distributed
-from fsdp_research.export import export_model
-from fsdp_research.initialization import materialize
-from fsdp_research.models import build_hf_config
-from fsdp_research.precision import build_mp_policy
-from fsdp_research.sharding import apply_fsdp, build_mesh
+from fsdp_research.checkpoint.hf_export import export_model
+from fsdp_research.distributed.precision import build_mp_policy
+from fsdp_research.distributed.processes import init_distributed
+from fsdp_research.distributed.sharding import apply_fsdp, build_mesh
+from fsdp_research.jobs.compose import compose
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.model.initialization import materialize
+from fsdp_research.model.parallelize import planned_model
 from tests.conftest import FAST
 from tests.helpers.dist import run_distributed
 

@@ -21,12 +21,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_research.checkpoint import verify
-from fsdp_research.composition import compose
+from fsdp_research.checkpoint.dcp import verify
 from fsdp_research.errors import ConfigError
-from fsdp_research.rundir import outcome
-from fsdp_research.sinks import JsonlSink, read_records
-from fsdp_research.validation import check_trainer
+from fsdp_research.jobs.compose import compose
+from fsdp_research.metrics.sinks import JsonlSink, read_records
+from fsdp_research.train.rundir import outcome
+from fsdp_research.train.validation import check_trainer
 from tests.conftest import FAST
 from tests.helpers.checkpointing import complete_steps, with_overrides
 from tests.helpers.cli import TRAIN, read_metrics, subprocess_env

@@ -8,9 +8,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
-from fsdp_research.dimensions import dims
-from fsdp_research.hardware import peak_for
-from fsdp_research.metrics import flops_per_token, matmul_parameters
+from fsdp_research.metrics.hardware import peak_for
+from fsdp_research.metrics.meters import flops_per_token, matmul_parameters
+from fsdp_research.model.dimensions import dims
 from tests.helpers.zoo import MOE, hf_config
 
 BATCH, SEQ = 2, 64

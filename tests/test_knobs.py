@@ -13,11 +13,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import AutoModelForCausalLM
 
-from fsdp_research.activation_checkpointing import resolve_op
-from fsdp_research.composition import compose
+from fsdp_research.distributed.activation_checkpointing import resolve_op
 from fsdp_research.errors import ConfigError
-from fsdp_research.losses import ChunkedCrossEntropy, check_chunkable, token_losses, train_loss
-from fsdp_research.validation import check_sharding
+from fsdp_research.jobs.compose import compose
+from fsdp_research.train.losses import ChunkedCrossEntropy, check_chunkable, token_losses, train_loss
+from fsdp_research.train.validation import check_sharding
 from tests.helpers.zoo import hf_config
 
 VOCAB = 512

@@ -1,7 +1,7 @@
-"""The shape of the package, read from its source: no import cycle (imports inside functions count), the leaves
-import nothing of ours, the library never imports the Hydra wiring or the command-line faces (but from its
-`if __name__ == "__main__":` block, an old `python -m fsdp_research.<module>` path that runs its command), and no
-module imports another's private names."""
+"""The shape of the package, read from its source: at most 8 modules at its top, every subpackage says what it owns,
+the layers of fsdp_research/__init__.py stack (no import from a higher one; imports inside functions count), no
+import cycle, the leaves import nothing of ours, the library never imports the Hydra wiring or the command-line
+faces, and no module imports another's private names."""
 
 import ast
 import os
@@ -11,9 +11,25 @@ import pytest
 from tests.conftest import ROOT
 
 PACKAGE = os.path.join(ROOT, "fsdp_research")
-LEAVES = {"fsdp_research.config", "fsdp_research.errors"}
+LEAVES = {"fsdp_research.config.schema", "fsdp_research.errors"}
+# Lowest first, as fsdp_research/__init__.py lists them; a module imports from its own layer or lower ones.
+LAYERS = [
+    ["errors"],
+    ["config"],
+    ["distributed"],
+    ["data"],
+    ["optim", "callbacks"],
+    ["model"],
+    ["checkpoint"],
+    ["metrics"],
+    ["planner"],
+    ["train"],
+    ["jobs"],
+    ["tools"],
+    ["cli", "__main__"],
+]
 # Above the library: only train.py, the CLI, tests and benches import these.
-FACES = ("fsdp_research.composition", "fsdp_research.cli", "fsdp_research.__main__")
+FACES = ("fsdp_research.jobs.compose", "fsdp_research.cli", "fsdp_research.__main__")
 
 
 def _modules():
@@ -30,21 +46,11 @@ def _modules():
 MODULES = _modules()
 
 
-def _walk(node: ast.AST, library_only: bool):
-    """ast.walk, less the `if __name__ == "__main__":` blocks when library_only: such a block runs only when the
-    module is the program (an old `python -m` path), a face, never when the library imports it."""
-    yield node
-    for child in ast.iter_child_nodes(node):
-        main_block = isinstance(child, ast.If) and ast.unparse(child.test) == "__name__ == '__main__'"
-        if not (library_only and main_block):
-            yield from _walk(child, library_only)
-
-
-def _imports(module: str, library_only: bool = False):
+def _imports(module: str):
     """(imported module, imported name or None) for every import statement of the module, wherever it stands."""
     path = MODULES[module]
     package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
-    for node in _walk(ast.parse(open(path).read()), library_only):
+    for node in ast.walk(ast.parse(open(path).read())):
         if isinstance(node, ast.Import):
             yield from ((alias.name, None) for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
@@ -57,8 +63,31 @@ def _imports(module: str, library_only: bool = False):
                 yield (target, None) if target in MODULES else (base, alias.name)
 
 
-def _edges(library_only: bool = False):
-    return {m: {t for t, _ in _imports(m, library_only) if t in MODULES and t != m} for m in MODULES}
+def _edges():
+    return {m: {t for t, _ in _imports(m) if t in MODULES and t != m} for m in MODULES}
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1] if "." in module else "__init__"
+    return next((i for i, names in enumerate(LAYERS) if top in names), -1)
+
+
+def test_at_most_eight_modules_at_the_top_and_every_subpackage_says_what_it_owns():
+    top = [m for m in MODULES if m.count(".") == 1 and not MODULES[m].endswith("__init__.py")]
+    assert len(top) <= 8, top
+    packages = [m for m, path in MODULES.items() if path.endswith("__init__.py")]
+    assert all(ast.get_docstring(ast.parse(open(MODULES[p]).read())) for p in packages)
+    # The map names every subpackage, each in one layer.
+    assert sorted(m.split(".")[1] for m in packages if m != "fsdp_research") == sorted(
+        name for names in LAYERS for name in names if name not in ("errors", "__main__")
+    )
+
+
+def test_no_import_from_a_higher_layer():
+    edges = _edges()
+    assert all(_layer(m) >= 0 for m in MODULES if m != "fsdp_research"), [m for m in MODULES if _layer(m) < 0]
+    upward = {m: sorted(t for t in edges[m] if _layer(t) > _layer(m)) for m in MODULES}
+    assert not {m: t for m, t in upward.items() if t}
 
 
 def test_no_import_cycle():
@@ -86,7 +115,7 @@ def test_leaves_import_nothing_of_ours(leaf):
 
 def test_library_never_imports_the_faces():
     library = [m for m in MODULES if not m.startswith(FACES)]
-    edges = _edges(library_only=True)
+    edges = _edges()
     offenders = {m: sorted(t for t in edges[m] if t.startswith(FACES)) for m in library}
     assert not {m: t for m, t in offenders.items() if t}
 

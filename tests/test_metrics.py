@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from fsdp_research import metrics
-from fsdp_research.metrics import PeakMemory, Throughput
+from fsdp_research.metrics import meters as metrics
+from fsdp_research.metrics.meters import PeakMemory, Throughput
 
 
 class Clock:

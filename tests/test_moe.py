@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fsdp_research.composition import compose
-from fsdp_research.dimensions import dims
-from fsdp_research.metrics import active_parameters
-from fsdp_research.models import build_hf_config, build_model
+from fsdp_research.jobs.compose import compose
+from fsdp_research.metrics.meters import active_parameters
+from fsdp_research.model.architecture import build_hf_config, build_model
+from fsdp_research.model.dimensions import dims
 from tests.conftest import FAST
 from tests.helpers.checkpointing import with_overrides
 from tests.helpers.cli import read_metrics
@@ -150,10 +150,10 @@ def _router_logits(model, batch) -> list:
 def _bf16_routers(initial: str, out: str) -> dict:
     import torch.distributed as dist
 
-    from fsdp_research.build import build_sharded_model
-    from fsdp_research.config import typed
-    from fsdp_research.distributed import init_distributed
-    from fsdp_research.export import export_model
+    from fsdp_research.checkpoint.hf_export import export_model
+    from fsdp_research.config.schema import typed
+    from fsdp_research.distributed.processes import init_distributed
+    from fsdp_research.model.parallelize import build_sharded_model
 
     cfg = compose(FAST + pretrained(initial) + ["precision=bf16"])
     init_distributed(typed(cfg).distributed, torch.device("cpu"))

@@ -8,7 +8,7 @@ torch's, bitwise."""
 import pytest
 import torch
 
-from fsdp_research.composition import compose
+from fsdp_research.jobs.compose import compose
 from fsdp_research.optim.muon import Muon, newton_schulz
 from tests.conftest import FAST
 from tests.helpers.dist import ok

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from transformers import AutoModelForCausalLM
 
-from fsdp_research.composition import compose
 from fsdp_research.errors import ConfigError
+from fsdp_research.jobs.compose import compose
 from fsdp_research.optim import build_optimizer, check_optim
 from fsdp_research.planner.summary import summary_for
-from fsdp_research.trainer import train
+from fsdp_research.train.trainer import train
 from tests.conftest import FAST
 from tests.helpers.dist import full_state, ok, run_distributed
 from tests.helpers.reference import decay_groups, factor_at, reference_run

@@ -4,9 +4,9 @@
 import pytest
 from transformers import AutoModelForCausalLM
 
-from fsdp_research.composition import compose
-from fsdp_research.config import typed
+from fsdp_research.config.schema import typed
 from fsdp_research.errors import ConfigError
+from fsdp_research.jobs.compose import compose
 from fsdp_research.optim import check_optim, param_groups
 from tests.helpers.reference import decay_groups
 from tests.helpers.zoo import hf_config
@@ -52,8 +52,8 @@ def _resume_groups(checkpoint_cfg, saved_cfg, resumed_cfg, run_dir: str) -> list
     import torch
     import torch.nn as nn
 
-    from fsdp_research.checkpoint import Checkpointer
-    from fsdp_research.distributed import init_distributed
+    from fsdp_research.checkpoint.dcp import Checkpointer
+    from fsdp_research.distributed.processes import init_distributed
     from fsdp_research.optim import build_optimizer
 
     init_distributed(typed(compose([])).distributed, torch.device("cpu"))

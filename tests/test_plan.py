@@ -28,8 +28,9 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_research.callbacks.ema import EMA
 from fsdp_research.cli.plan import main
-from fsdp_research.composition import compose
-from fsdp_research.hardware import (
+from fsdp_research.distributed.sharding import local_shard
+from fsdp_research.jobs.compose import compose
+from fsdp_research.metrics.hardware import (
     CUDA_CONTEXT_GIB,
     HOST_MEMORY_GBS,
     NCCL_COMMUNICATOR_GIB,
@@ -40,15 +41,14 @@ from fsdp_research.optim.muon import newton_schulz
 from fsdp_research.planner.activations import recompute_share
 from fsdp_research.planner.budget import budget
 from fsdp_research.planner.calibrate import ADAMW_BYTES, cpu_hardware, cpu_optimizer_rate
+from fsdp_research.planner.fit import candidates, fit
 from fsdp_research.planner.format import GIB
 from fsdp_research.planner.memory import memory, step_moments
 from fsdp_research.planner.optimizer import muon_flops, muon_temporaries, ns_flops
 from fsdp_research.planner.resident import callback_bytes, extra_groups
-from fsdp_research.planner.search import candidates, fit
 from fsdp_research.planner.summary import run_settings, summary_for
 from fsdp_research.planner.timing import gpu_hardware, step_time
 from fsdp_research.planner.traffic import traffic
-from fsdp_research.sharding import local_shard
 from tests.helpers.dist import run_distributed
 from tests.helpers.memory import measure_step_memory
 from tests.helpers.timing import measure_step_times, prepared

@@ -14,15 +14,15 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from fsdp_research.composition import compose
 from fsdp_research.errors import ConfigError
-from fsdp_research.losses import build_loss, check_loss
+from fsdp_research.jobs.compose import compose
+from fsdp_research.metrics.sinks import read_records
 from fsdp_research.optim import build_optimizer, check_optim, param_groups
 from fsdp_research.optim.combined import Combined
 from fsdp_research.optim.muon import Muon
 from fsdp_research.optim.schedules import multiplier
-from fsdp_research.sinks import read_records
-from fsdp_research.validation import check_config
+from fsdp_research.train.losses import build_loss, check_loss
+from fsdp_research.train.validation import check_config
 from tests.conftest import FAST
 from tests.helpers.checkpointing import assert_bitwise_equal, checkpoint_tensors, train, with_overrides
 from tests.helpers.zoo import hf_config
@@ -134,7 +134,7 @@ BAD = {
 def test_bad_plugin_config_is_one_line_naming_the_key(name):
     overrides, message = BAD[name]
     cfg = compose(overrides)
-    from fsdp_research.models import build_hf_config
+    from fsdp_research.model.architecture import build_hf_config
 
     with pytest.raises(ConfigError) as err:
         check_config(cfg, 2, build_hf_config(cfg.model), torch.device("cpu"))
@@ -149,16 +149,16 @@ def test_callbacks_are_added_and_removed_from_the_command_line():
     assert list(cfg.callbacks) == ["ema", "mine"]
 
 
-def test_a_param_group_matching_nothing_is_refused_when_the_model_is_planned():
-    from fsdp_research.build import planned_model
-    from fsdp_research.models import build_hf_config
+def test_a_param_group_matching_nothing_is_refused_once_the_model_is_planned():
+    from fsdp_research.model.architecture import build_hf_config
+    from fsdp_research.train.validation import checked_plan
 
     cfg = compose(["optim.param_groups=[{match: nothing_here, lr_scale: 2}]"])
     with pytest.raises(ConfigError, match=r"^optim.param_groups\[0\].match: 'nothing_here' matches no parameter"):
-        planned_model(cfg, build_hf_config(cfg.model))
+        checked_plan(cfg, 1, build_hf_config(cfg.model), torch.device("cpu"))
     cfg = compose(["optim.param_groups=[{match: '*norm*', lr: 1e-3}]"])
     with pytest.raises(ConfigError, match=r"^optim.param_groups\[0\].lr: .*; fix: use lr_scale"):
-        planned_model(cfg, build_hf_config(cfg.model))
+        checked_plan(cfg, 1, build_hf_config(cfg.model), torch.device("cpu"))
 
 
 # ---------------------------------------------------------------------------------------------- schedules
@@ -667,10 +667,10 @@ def _ema_logits(cfg, batch):
 
     import torch.distributed as dist
 
-    from fsdp_research.build import build_sharded_model
     from fsdp_research.callbacks.ema import EMA
-    from fsdp_research.distributed import init_distributed
-    from fsdp_research.models import build_hf_config
+    from fsdp_research.distributed.processes import init_distributed
+    from fsdp_research.model.architecture import build_hf_config
+    from fsdp_research.model.parallelize import build_sharded_model
     from tests.helpers.dist import full_state
 
     init_distributed(cfg.distributed, torch.device("cpu"))

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from fsdp_research.composition import compose
+from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST
 from tests.helpers.cli import read_metrics
 from tests.helpers.dist import ok, train_distributed

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from fsdp_research.composition import compose
-from fsdp_research.profiling import breakdown
-from fsdp_research.report import load_job
+from fsdp_research.jobs.compose import compose
+from fsdp_research.jobs.report import load_job
+from fsdp_research.metrics.profiling import breakdown
 from tests.conftest import FAST
 from tests.helpers.cli import read_metrics
 from tests.helpers.dist import ok, train_distributed

@@ -1,4 +1,4 @@
-"""What fsdp_research.recipes records and replays (issue 19's initialisation by shard), in one process: any rows
+"""What model.recorded_init records and replays (initialisation by shard), in one process: any rows
 replayed equal the same rows of the whole; the spread of torch's shape-dependent inits comes from the full
 shape; and every write it cannot replay exactly refuses, even where the code that made it swallowed the error."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_research.recipes import CHUNK, Recipe, Unsupported, recording, replay
+from fsdp_research.model.recorded_init import CHUNK, Recipe, Unsupported, recording, replay
 
 
 def _recorded(shape, write) -> Recipe:

@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from fsdp_research.scaling import verdict
+from fsdp_research.tools.scaling import verdict
 from tests.conftest import FAST, ROOT
 
 

@@ -4,9 +4,9 @@ forward are exactly that plan."""
 
 import pytest
 
-from fsdp_research.composition import compose
-from fsdp_research.config import Strategy
+from fsdp_research.config.schema import Strategy
 from fsdp_research.errors import ConfigError
+from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST
 from tests.helpers.dist import ok, train_distributed
 from tests.helpers.fsdp_units import observe_units, plan_for

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fsdp_research.composition import compose
+from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST
 from tests.helpers.cli import subprocess_env
 from tests.helpers.dist import full_state, run_distributed
@@ -59,11 +59,11 @@ def _real(out_dir: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
-    from fsdp_research.build import build_sharded_model
-    from fsdp_research.config import typed
-    from fsdp_research.distributed import init_distributed
-    from fsdp_research.models import build_hf_config
-    from fsdp_research.optim.build import build_optimizer
+    from fsdp_research.config.schema import typed
+    from fsdp_research.distributed.processes import init_distributed
+    from fsdp_research.model.architecture import build_hf_config
+    from fsdp_research.model.parallelize import build_sharded_model
+    from fsdp_research.optim.factory import build_optimizer
 
     cfg = compose(OVERRIDES)
     init_distributed(typed(cfg).distributed, torch.device("cpu"))
@@ -114,7 +114,7 @@ def runs(tmp_path_factory):
 def test_initialisation_is_the_same_at_any_world_size_and_alike_transformers(runs):
     from transformers import AutoModelForCausalLM
 
-    from fsdp_research.models import build_hf_config
+    from fsdp_research.model.architecture import build_hf_config
 
     _, eight, one, _ = runs
     assert eight["weights"].keys() == one["weights"].keys()

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from fsdp_research.composition import compose
-from fsdp_research.trainer import train
+from fsdp_research.jobs.compose import compose
+from fsdp_research.train.trainer import train
 from tests.conftest import FAST
 from tests.helpers.dist import run_distributed
 

@@ -13,12 +13,12 @@ import time
 import numpy as np
 import pytest
 
-from fsdp_research.composition import compose
 from fsdp_research.data import builder, parts
-from fsdp_research.data.builder import ensure_store
 from fsdp_research.data.pipeline import Build, build_data, open_stores, store_specs
 from fsdp_research.data.store import MANIFEST
+from fsdp_research.data.store_builder import ensure_store
 from fsdp_research.errors import DataError
+from fsdp_research.jobs.compose import compose
 from tests.conftest import ROOT
 from tests.helpers.corpora import DOCS, bpe_tokenizer, write
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fsdp_research.composition import compose
+from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST, ROOT
 from tests.helpers.cli import finish, start
 from tests.helpers.corpora import DOCS, bpe_tokenizer, write
@@ -69,7 +69,7 @@ def test_a_pretrained_model_trains_and_exports_with_its_own_tokenizer(model_dirs
 def test_doubtful_settings_are_warned():
     import torch
 
-    from fsdp_research.validation import doubts
+    from fsdp_research.train.validation import doubts
 
     cpu = torch.device("cpu")
     assert doubts(compose([]), cpu) == []
@@ -99,7 +99,7 @@ def test_a_model_from_its_config_takes_the_tokenizers_vocabulary(model_dirs):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fsdp_research.models import build_hf_config
+    from fsdp_research.model.architecture import build_hf_config
 
     own, _, _ = model_dirs
     assert compose(CUSTOM).model.config.vocab_size == 257

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig
 
-from fsdp_research.composition import compose
+from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST
 from tests.helpers.checkpointing import with_overrides
 from tests.helpers.dist import each_family, full_state, ok, run_distributed, train_distributed
@@ -47,9 +47,9 @@ def _logits(model, batch):
 def _family(family: str, initial: str, out: str, batch: torch.Tensor) -> dict:
     import torch.distributed as dist
 
-    from fsdp_research.build import build_sharded_model
-    from fsdp_research.models import build_hf_config
-    from fsdp_research.trainer import train
+    from fsdp_research.model.architecture import build_hf_config
+    from fsdp_research.model.parallelize import build_sharded_model
+    from fsdp_research.train.trainer import train
 
     world = dist.get_world_size()
     loaded_cfg = compose(FAST + pretrained(initial))
@@ -79,10 +79,10 @@ def _family(family: str, initial: str, out: str, batch: torch.Tensor) -> dict:
 
 
 def _init_only(families: list) -> dict:
-    from fsdp_research.build import build_sharded_model
-    from fsdp_research.config import typed
-    from fsdp_research.distributed import init_distributed
-    from fsdp_research.models import build_hf_config
+    from fsdp_research.config.schema import typed
+    from fsdp_research.distributed.processes import init_distributed
+    from fsdp_research.model.architecture import build_hf_config
+    from fsdp_research.model.parallelize import build_sharded_model
 
     init_distributed(typed(compose([])).distributed, torch.device("cpu"))
     built = {}
@@ -185,11 +185,11 @@ def _corrupted_load(initial: str) -> str:
     import torch.distributed as dist
     from transformers.distributed import sharding_utils
 
-    from fsdp_research.build import build_sharded_model
-    from fsdp_research.config import typed
-    from fsdp_research.distributed import init_distributed
+    from fsdp_research.config.schema import typed
+    from fsdp_research.distributed.processes import init_distributed
     from fsdp_research.errors import ConfigError
-    from fsdp_research.models import build_hf_config
+    from fsdp_research.model.architecture import build_hf_config
+    from fsdp_research.model.parallelize import build_sharded_model
 
     cfg = compose(FAST + pretrained(initial))
     init_distributed(typed(cfg).distributed, torch.device("cpu"))

@@ -9,7 +9,7 @@ import os
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_research.sharding import local_shard
+from fsdp_research.distributed.sharding import local_shard
 
 
 class EMA:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from fsdp_research.targets import kwargs_of, resolve
+from fsdp_research.config.targets import kwargs_of, resolve
 
 
 @dataclass(frozen=True)

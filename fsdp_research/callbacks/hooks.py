@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from fsdp_research.config.targets import build, check_call, kwargs_of, resolve
 from fsdp_research.errors import CallbackError, ConfigError
-from fsdp_research.targets import build, check_call, kwargs_of, resolve
 
 # The hooks, in the order a step calls them; each takes the run handle first.
 HOOKS = (

@@ -4,7 +4,6 @@ parse_intermixed_args: its flags and the Hydra overrides go in any order."""
 
 import importlib
 import sys
-from typing import NoReturn
 
 COMMANDS = {
     "plan": "memory and communication per rank of a config, without allocating the model",
@@ -29,11 +28,3 @@ def main(argv: list[str] | None = None) -> int:
     listing = "\n".join(f"  {name:<{width}}  {what}" for name, what in COMMANDS.items())
     print(f"usage: fsdp-research <command> [args...]\n\ncommands:\n{listing}")
     return 0 if argv else 2
-
-
-def run_moved(old_module: str, command: str) -> NoReturn:
-    """`python -m <old_module> args...`, the path of earlier versions: one note on stderr of where it went, then
-    `fsdp-research <command> args...` and its exit code."""
-    now = f"fsdp-research {command} (python -m fsdp_research {command})"
-    print(f"note: python -m {old_module} is now {now}", file=sys.stderr)
-    sys.exit(main([command, *sys.argv[1:]]))

@@ -10,17 +10,18 @@ from typing import Any
 
 from torch.multiprocessing import ProcessExitedException
 
-from fsdp_research.build import planned_model
 from fsdp_research.cli.common import checked_config, fail, split_launch
-from fsdp_research.composition import compose
-from fsdp_research.dimensions import dims
-from fsdp_research.distributed import device_for, planned_nodes
-from fsdp_research.doctor import CHECKS, diagnose, explain
+from fsdp_research.distributed.processes import device_for, planned_nodes
 from fsdp_research.errors import ConfigError
-from fsdp_research.launch import run_spawned
-from fsdp_research.planner.search import doctor_fit
-from fsdp_research.profiling import format_breakdown
-from fsdp_research.sinks import read_records
+from fsdp_research.jobs.compose import compose
+from fsdp_research.jobs.launch import run_spawned
+from fsdp_research.metrics.profiling import format_breakdown
+from fsdp_research.metrics.sinks import read_records
+from fsdp_research.model.dimensions import dims
+from fsdp_research.model.parallelize import planned_model
+from fsdp_research.planner.doctor import CHECKS, diagnose, explain
+from fsdp_research.planner.fit import doctor_fit
+from fsdp_research.train.validation import check_planned
 
 MEASURE_STEPS = 3
 
@@ -61,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg, hf_config, world_size = checked_config(overrides, launch.get("world_size", 0))
         nodes = launch.get("nodes") or planned_nodes()
         model, plan = planned_model(cfg, hf_config, values=False)
+        check_planned(cfg, model, plan, hf_config)
     except ConfigError as err:
         return fail(err)
     measured = None

@@ -7,10 +7,11 @@ from collections.abc import Sequence
 
 from omegaconf import OmegaConf
 
-from fsdp_research.checkpoint import verify
+from fsdp_research.checkpoint.dcp import verify
+from fsdp_research.checkpoint.hf_export import export_dtype, load_checkpoint_weights, write_hf_dir, write_state_dir
 from fsdp_research.cli.common import fail
+from fsdp_research.config.sizes import export_shard_size
 from fsdp_research.errors import ConfigError
-from fsdp_research.export import export_dtype, load_checkpoint_weights, parse_size, write_hf_dir, write_state_dir
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -33,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dtype:
         train_cfg.checkpoint.export_dtype = args.dtype
     try:
-        dtype, shard_size = export_dtype(train_cfg), parse_size(args.shard_size)
+        dtype, shard_size = export_dtype(train_cfg), export_shard_size(args.shard_size)
     except ConfigError as err:
         return fail(err)
     weights = load_checkpoint_weights(args.step_dir)

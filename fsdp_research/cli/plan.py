@@ -17,21 +17,21 @@ from omegaconf import DictConfig
 from torch.multiprocessing import ProcessExitedException
 
 from fsdp_research.cli.common import checked_config, fail, split_launch
-from fsdp_research.composition import compose
-from fsdp_research.config import DataConfig, Strategy
-from fsdp_research.distributed import device_for
+from fsdp_research.config.schema import DataConfig, Strategy
+from fsdp_research.config.sizes import parse_size
+from fsdp_research.distributed.precision import dtypes
+from fsdp_research.distributed.processes import device_for
 from fsdp_research.errors import ConfigError
-from fsdp_research.hardware import GPUS, LINKS, Device, gpu
-from fsdp_research.launch import run_spawned
+from fsdp_research.jobs.compose import compose
+from fsdp_research.jobs.launch import run_spawned
+from fsdp_research.metrics.hardware import GPUS, LINKS, Device, gpu
+from fsdp_research.metrics.sinks import read_records
 from fsdp_research.planner.budget import DEFAULT_HEADROOM, GIB, Budget, budget, parse_headroom
 from fsdp_research.planner.calibrate import calibrate_cpu, cpu_optimizer_rate
+from fsdp_research.planner.fit import Candidate, candidates, fit, unsearched
 from fsdp_research.planner.format import format_compare, format_fit, format_plan, format_time
-from fsdp_research.planner.search import Candidate, candidates, fit, unsearched
 from fsdp_research.planner.summary import ModelSummary, run_settings, summaries_by_sharding
 from fsdp_research.planner.timing import Hardware, gpu_hardware, step_time
-from fsdp_research.precision import dtypes
-from fsdp_research.sinks import read_records
-from fsdp_research.sizes import parse_size
 
 MEASURED = 3
 MEASURE_STEPS = 5

@@ -8,9 +8,17 @@ import argparse
 import os
 
 from fsdp_research.cli.common import fail
-from fsdp_research.report import differing_overrides, format_table, format_trials, load_job, load_trials, plot, plot_run
-from fsdp_research.sinks import METRICS
-from fsdp_research.sweep import job_dirs
+from fsdp_research.jobs.report import (
+    differing_overrides,
+    format_table,
+    format_trials,
+    load_job,
+    load_trials,
+    plot,
+    plot_run,
+)
+from fsdp_research.jobs.sweep import job_dirs
+from fsdp_research.metrics.sinks import METRICS
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,8 @@ import os
 import tempfile
 from collections.abc import Sequence
 
-from fsdp_research.composition import compose
-from fsdp_research.scaling import MEASURE, measure, plot, verdict
+from fsdp_research.jobs.compose import compose
+from fsdp_research.tools.scaling import MEASURE, measure, plot, verdict
 
 
 def main(argv: Sequence[str] | None = None) -> int:

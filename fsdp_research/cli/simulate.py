@@ -1,7 +1,7 @@
 """fsdp-research simulate <overrides...> world_size=N [rank=R] [--json PATH] [--scratch DIR]: rank R (default 0)
 of an N-rank job, run alone in this process on torch's fake process-group backend: the real sharding plan,
 shard sizes, initialisation, optimizer state, DCP save plan and export part, each phase's time and memory beside
-the planner's prediction (fsdp_research.simulate). Validates a large job's set-up on one machine before it is
+the planner's prediction (fsdp_research.tools.simulate). Validates a large job's set-up on one machine before it is
 paid for."""
 
 import argparse
@@ -16,11 +16,11 @@ from collections.abc import Sequence
 import torch.distributed as dist
 
 from fsdp_research.cli.common import checked_config, fail, split_launch
-from fsdp_research.composition import compose
-from fsdp_research.config import Strategy
-from fsdp_research.distributed import device_for
+from fsdp_research.config.schema import Strategy
+from fsdp_research.distributed.processes import device_for
 from fsdp_research.errors import ConfigError
-from fsdp_research.simulate import Phase, as_dict, simulate
+from fsdp_research.jobs.compose import compose
+from fsdp_research.tools.simulate import Phase, as_dict, simulate
 
 GIB = 2**30
 

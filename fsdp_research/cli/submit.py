@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from fsdp_research.cli.common import fail
 from fsdp_research.errors import SubmitError
-from fsdp_research.slurm import read_override_lines, submit
+from fsdp_research.jobs.slurm import read_override_lines, submit
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,12 +10,12 @@ import time
 from collections.abc import Sequence
 
 from fsdp_research.cli.common import fail
-from fsdp_research.composition import compose
 from fsdp_research.data.pipeline import Build, open_stores, store_root, store_specs
 from fsdp_research.data.store import verify
-from fsdp_research.distributed import cores_per_rank, launch_env
+from fsdp_research.distributed.processes import cores_per_rank, launch_env
 from fsdp_research.errors import ConfigError, DataError
-from fsdp_research.validation import check_sources
+from fsdp_research.jobs.compose import compose
+from fsdp_research.train.validation import check_sources
 
 
 def _bar(done: int, total: int, seconds: float) -> None:

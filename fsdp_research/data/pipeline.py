@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from fsdp_research.config import DataConfig, DataKind
-from fsdp_research.data.builder import Report, ensure_store
+from fsdp_research.config.schema import DataConfig, DataKind
 from fsdp_research.data.parts import default_paths, hub_parts, identity, plan_parts, scan
 from fsdp_research.data.sampling import StoreWindows, Stream, SyntheticWindows
 from fsdp_research.data.store import StoreSpec, TokenStore, store_spec
+from fsdp_research.data.store_builder import Report, ensure_store
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.errors import ConfigError
 

@@ -10,7 +10,7 @@ complete, so an interrupted build resumes where it stopped) and the store appear
 once its manifest (every file and its size) is written: a killed or failed build never leaves a store that a
 later run would read.
 
-How a store is built: fsdp_research.data.builder."""
+How a store is built: fsdp_research.data.store_builder."""
 
 import functools
 import hashlib

@@ -1,4 +1,4 @@
-"""A tokenization worker process, started by fsdp_research.data.store with the build dir, the tokenizer and the
+"""A tokenization worker process, started by fsdp_research.data.store_builder with the build dir, the tokenizer and the
 build's name as arguments: it builds each part it is sent (a JSON line [index, part] on stdin) and answers each with
 a line on stdout, until stdin closes; a part it cannot build is recorded in the build dir and ends it with exit
 code 2. It imports no torch: a worker starts in a fraction of a second."""
@@ -9,8 +9,8 @@ import sys
 import threading
 import time
 
-from fsdp_research.data.builder import build_parts
 from fsdp_research.data.parts import Part
+from fsdp_research.data.store_builder import build_parts
 from fsdp_research.errors import ConfigError, DataError
 
 

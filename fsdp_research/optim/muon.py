@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp_research.distributed.sharding import local_shard
 from fsdp_research.optim.muon_params import Layout, assembled, matrix_shapes, pieces
-from fsdp_research.sharding import local_shard
 
 # Keller Jordan's quintic coefficients, torch.optim.Muon's defaults.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 from transformers.pytorch_utils import Conv1D
 
+from fsdp_research.distributed.names import clean_name
 from fsdp_research.errors import ConfigError
-from fsdp_research.models import clean_name
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from fsdp_research.config import flat
+from fsdp_research.config.schema import flat
 from fsdp_research.optim.schedules import build_scheduler
 
 log = logging.getLogger("fsdp_research")

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import torch
 from omegaconf import DictConfig
 
-from fsdp_research.config import DecayShape, ScheduleName
+from fsdp_research.config.schema import DecayShape, ScheduleName
+from fsdp_research.config.targets import check_call, kwargs_of, named_in, resolve
 from fsdp_research.errors import ConfigError
-from fsdp_research.targets import check_call, kwargs_of, named_in, resolve
 
 # The group's keys that are not a target's keyword arguments.
 _OWN = ("name", "warmup_steps", "min_lr_ratio", "decay_ratio", "decay_shape")

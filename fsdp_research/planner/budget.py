@@ -1,11 +1,11 @@
 """What plan --fit and the doctor's fit check may fill of a device: the cap less a headroom (default 10% of it:
 fragmentation, the allocator's rounding, NCCL's and the CUDA libraries' buffers, what the planner does not count)
-and, on a GPU, the CUDA context (fsdp_research.hardware.CUDA_CONTEXT_GIB)."""
+and, on a GPU, the CUDA context (fsdp_research.metrics.hardware.CUDA_CONTEXT_GIB)."""
 
 from dataclasses import dataclass
 
 from fsdp_research.errors import ConfigError
-from fsdp_research.hardware import CUDA_CONTEXT_GIB
+from fsdp_research.metrics.hardware import CUDA_CONTEXT_GIB
 
 GIB = 2**30
 DEFAULT_HEADROOM = 0.1

@@ -11,8 +11,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from fsdp_research.config import DistributedConfig
-from fsdp_research.distributed import init_distributed, spawn
+from fsdp_research.config.schema import DistributedConfig
+from fsdp_research.distributed.processes import init_distributed, spawn
 from fsdp_research.planner.timing import Hardware
 
 

@@ -5,12 +5,12 @@ from dataclasses import replace
 
 from omegaconf import DictConfig
 
-from fsdp_research.config import Strategy
+from fsdp_research.config.schema import Strategy
 from fsdp_research.planner.activations import recompute_share
 from fsdp_research.planner.budget import Budget
+from fsdp_research.planner.fit import Candidate
 from fsdp_research.planner.memory import memory
 from fsdp_research.planner.resident import extra_groups
-from fsdp_research.planner.search import Candidate
 from fsdp_research.planner.summary import ModelSummary, Run
 from fsdp_research.planner.timing import Hardware, StepTime
 from fsdp_research.planner.traffic import traffic

@@ -8,7 +8,7 @@ group (world_size, or world_size / replicate for hsdp). tests/test_plan.py check
 tracker.
 
 State: parameters fp32 (FSDP2 pads each dim 0 to a multiple of n), gradients the same (FSDP2 keeps sharded
-gradients in the sharded parameter's dtype), the optimizer's state (AdamW 2 x fp32; fsdp_research.optim.state
+gradients in the sharded parameter's dtype), the optimizer's state (AdamW 2 x fp32; fsdp_research.optim.state_size
 knows others; Muon's matrices 1 x) (ddp is FSDP2 over a shard group of one rank).
 ddp_classic (torch's DDP) replicates all three, holds its gradients twice (param.grad and DDP's flat all-reduce
 buckets), and its autocast saves a compute-dtype copy of every weight.
@@ -39,7 +39,7 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from fsdp_research.config import Strategy
+from fsdp_research.config.schema import Strategy
 from fsdp_research.planner.activations import (
     FP32,
     block_activation_bytes,

@@ -13,7 +13,7 @@ B = b A + c A A (2 m^3), B X (2 m^2 k). The rounds wait for their slowest owner.
 
 from collections.abc import Sequence
 
-from fsdp_research.config import Strategy
+from fsdp_research.config.schema import Strategy
 from fsdp_research.planner.activations import FP32
 from fsdp_research.planner.summary import ModelSummary, Run, UnitSize
 

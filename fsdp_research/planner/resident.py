@@ -5,8 +5,8 @@ builds a DeviceMesh of the shard group viewed as [n/k, k]: two more groups per r
 at start-up with buffers of its own on the device; gloo's hold none)."""
 
 from fsdp_research.callbacks.footprint import PlannedRank
-from fsdp_research.config import Strategy
-from fsdp_research.hardware import NCCL_COMMUNICATOR_GIB
+from fsdp_research.config.schema import Strategy
+from fsdp_research.metrics.hardware import NCCL_COMMUNICATOR_GIB
 from fsdp_research.planner.activations import FP32
 from fsdp_research.planner.summary import ModelSummary, Run
 

@@ -11,19 +11,19 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from fsdp_research.build import planned_model
 from fsdp_research.callbacks.footprint import Declared, declared_state
-from fsdp_research.config import CheckpointMode, Strategy
-from fsdp_research.dimensions import dims
-from fsdp_research.layout import layout
-from fsdp_research.metrics import active_parameters, flops_per_token, matmul_parameters
-from fsdp_research.models import build_hf_config, input_embedding, output_layer
-from fsdp_research.optim.build import block_matrices
+from fsdp_research.config.schema import CheckpointMode, Strategy
+from fsdp_research.config.targets import kwargs_of, resolve
+from fsdp_research.distributed.precision import dtypes, kept_in_fp32, parse_dtype
+from fsdp_research.distributed.sharding import ShardingPlan, build_plan, owner
+from fsdp_research.distributed.step_layout import layout
+from fsdp_research.metrics.meters import active_parameters, flops_per_token, matmul_parameters
+from fsdp_research.model.architecture import build_hf_config, input_embedding, output_layer
+from fsdp_research.model.dimensions import dims
+from fsdp_research.model.parallelize import planned_model
+from fsdp_research.optim.factory import block_matrices
 from fsdp_research.optim.muon_params import describe, muon_split
-from fsdp_research.optim.state import state_copies
-from fsdp_research.precision import dtypes, kept_in_fp32, parse_dtype
-from fsdp_research.sharding import ShardingPlan, build_plan, owner
-from fsdp_research.targets import kwargs_of, resolve
+from fsdp_research.optim.state_size import state_copies
 
 
 @functools.cache

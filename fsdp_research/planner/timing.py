@@ -18,8 +18,8 @@ reshard_after_forward=k's groups of k stay within a node when they fit in one.""
 
 from dataclasses import dataclass
 
-from fsdp_research.config import Strategy
-from fsdp_research.hardware import (
+from fsdp_research.config.schema import Strategy
+from fsdp_research.metrics.hardware import (
     COMPUTE_EFFICIENCY,
     HOST_MEMORY_GBS,
     LINK_EFFICIENCY,

@@ -10,7 +10,7 @@ blocks' matrices in its ns_dtype per step, within the shard group.
 
 from dataclasses import dataclass
 
-from fsdp_research.config import Strategy
+from fsdp_research.config.schema import Strategy
 from fsdp_research.planner.activations import FP32
 from fsdp_research.planner.summary import ModelSummary, Run
 

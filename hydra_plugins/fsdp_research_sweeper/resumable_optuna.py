@@ -1,6 +1,6 @@
-"""hydra/sweeper=optuna (conf/hydra/sweeper/optuna.yaml): Hydra finds sweepers only in the hydra_plugins
-package, so the plugin lives here and the search itself in fsdp_research.search (Optuna is imported only when a
-search runs: it is the optional extra [sweep])."""
+"""hydra/sweeper=optuna (its node is stored in Hydra's ConfigStore by fsdp_research.jobs.compose): Hydra finds
+sweepers only in the hydra_plugins package, so the plugin lives here and the search itself in
+fsdp_research.jobs.optuna_search (Optuna is imported only when a search runs: it is the optional extra [sweep])."""
 
 from typing import Any
 
@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 
 class ResumableOptunaSweeper(Sweeper):
     def __init__(self, **settings: Any) -> None:
-        from fsdp_research.search import ResumableOptuna
+        from fsdp_research.jobs.optuna_search import ResumableOptuna
 
         self.search = ResumableOptuna(**settings)
 

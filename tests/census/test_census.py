@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_research.composition import compose
+from fsdp_research.jobs.compose import compose
 from tests.census.families import EXCLUDED, FAMILIES, check, tiny_config
 from tests.conftest import FAST, ROOT
 from tests.helpers.checkpointing import with_overrides
@@ -51,10 +51,10 @@ def _one(family: str, initial: str, out: str, batch: torch.Tensor) -> dict:
     """Everything one family is checked for, on this pool's ranks."""
     import torch.distributed as dist
 
-    from fsdp_research.build import build_sharded_model
-    from fsdp_research.export import export_model
-    from fsdp_research.models import build_hf_config
-    from fsdp_research.trainer import train
+    from fsdp_research.checkpoint.hf_export import export_model
+    from fsdp_research.model.architecture import build_hf_config
+    from fsdp_research.model.parallelize import build_sharded_model
+    from fsdp_research.train.trainer import train
 
     world = dist.get_world_size()
     record = {}
@@ -201,11 +201,11 @@ def test_readme_has_the_census_table(census):
 def _initialised_as_large(initials: dict) -> dict:
     """Every family's initialisation from its config on 1 rank with every parameter taken as a large one (only
     its mean and spread noted at construction, then torch's reset): the path real-size models take."""
-    import fsdp_research.models
-    from fsdp_research.build import build_sharded_model
-    from fsdp_research.models import build_hf_config
+    import fsdp_research.model.architecture
+    from fsdp_research.model.architecture import build_hf_config
+    from fsdp_research.model.parallelize import build_sharded_model
 
-    fsdp_research.models._KEPT_AS_BUILT = 0
+    fsdp_research.model.architecture._KEPT_AS_BUILT = 0
 
     def init(family: str, initial: str) -> dict:
         cfg = compose(FAST + pretrained(initial) + ["model.load_weights=false"])

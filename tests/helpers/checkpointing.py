@@ -15,11 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from fsdp_research.build import build_sharded_model
-from fsdp_research.checkpoint import checkpoints_in, verify
-from fsdp_research.config import typed
-from fsdp_research.distributed import device_for, init_distributed
-from fsdp_research.models import build_hf_config
+from fsdp_research.checkpoint.dcp import checkpoints_in, verify
+from fsdp_research.config.schema import typed
+from fsdp_research.distributed.processes import device_for, init_distributed
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.model.parallelize import build_sharded_model
 from tests.conftest import ROOT
 from tests.helpers.cli import read_metrics, subprocess_env
 from tests.helpers.dist import full_state, run_distributed

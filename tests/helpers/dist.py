@@ -15,9 +15,9 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from fsdp_research.distributed import spawn
-from fsdp_research.models import clean_name
-from fsdp_research.trainer import train
+from fsdp_research.distributed.names import clean_name
+from fsdp_research.distributed.processes import spawn
+from fsdp_research.train.trainer import train
 
 
 def _run_and_keep(fn: Callable, args: tuple, path: str) -> None:
@@ -83,9 +83,9 @@ def train_distributed(
 def each_family(one: Callable, initials: dict[str, str], *args: Any) -> dict[str, Any]:
     """On this process's rank (joining the group as the trainer does): one(family, initial, *args) for each family
     in turn; a family that raises gets {"error": its traceback}, and the others still run."""
-    from fsdp_research.composition import compose
-    from fsdp_research.config import typed
-    from fsdp_research.distributed import init_distributed
+    from fsdp_research.config.schema import typed
+    from fsdp_research.distributed.processes import init_distributed
+    from fsdp_research.jobs.compose import compose
 
     init_distributed(typed(compose([])).distributed, torch.device("cpu"))
     records = {}

@@ -10,9 +10,9 @@ from omegaconf import DictConfig
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from fsdp_research.build import planned_model
-from fsdp_research.models import build_hf_config
-from fsdp_research.sharding import ShardingPlan, owner
+from fsdp_research.distributed.sharding import ShardingPlan, owner
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.model.parallelize import planned_model
 from tests.helpers.dist import final_weights
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_research.models import clean_name
-from fsdp_research.sharding import local_shard
+from fsdp_research.distributed.names import clean_name
+from fsdp_research.distributed.sharding import local_shard
 
 
 def _checksum(model) -> float:

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from fsdp_research.config import typed
+from fsdp_research.config.schema import typed
 from fsdp_research.data.pipeline import store_root, store_specs
 from fsdp_research.data.sampling import Stream
 
@@ -156,7 +156,7 @@ def trained_from_initial(out, base: list[str], by_world: dict[int, dict[str, lis
     processes. Returns (base overrides that load it, its directory, {name: losses and final weights})."""
     from transformers import AutoConfig
 
-    from fsdp_research.composition import compose
+    from fsdp_research.jobs.compose import compose
     from tests.helpers.dist import train_distributed
 
     initial = save_initial(AutoConfig.for_model("llama", **compose(base).model.config), str(out / "initial"))

@@ -10,15 +10,15 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from fsdp_research.build import build_sharded_model
-from fsdp_research.config import typed
-from fsdp_research.distributed import init_distributed
-from fsdp_research.layout import layout
-from fsdp_research.losses import build_loss, train_loss
-from fsdp_research.models import build_hf_config
+from fsdp_research.config.schema import typed
+from fsdp_research.distributed.processes import init_distributed
+from fsdp_research.distributed.sharding import grad_sync
+from fsdp_research.distributed.step_layout import layout
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.model.parallelize import build_sharded_model
 from fsdp_research.optim import build_optimizer, clip_grad_norm
 from fsdp_research.planner.calibrate import measure_rates
-from fsdp_research.sharding import grad_sync
+from fsdp_research.train.losses import build_loss, train_loss
 from tests.helpers.dist import run_distributed
 
 

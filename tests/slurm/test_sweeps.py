@@ -12,7 +12,7 @@ import sys
 
 import yaml
 
-from fsdp_research.sinks import read_records
+from fsdp_research.metrics.sinks import read_records
 from tests.conftest import FAST, ROOT
 from tests.helpers.cli import finish, read_metrics, start
 from tests.slurm.cluster import wait_done

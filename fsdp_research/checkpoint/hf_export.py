@@ -1,0 +1,230 @@
+"""Weights out: one Hugging Face directory (config.json, model.safetensors, sharded with an index above a
+size, the tokenizer when one is used) that AutoModelForCausalLM.from_pretrained loads; for a model of one's own
+(model._target_), its state_dict as safetensors (model.safetensors, or shards and an index), the tokenizer beside.
+
+At the end of training no rank gathers the model: the full tensors of each group (a block, or a module outside the
+blocks) are gathered to the rank that owns it alone, one round of groups at a time; each rank writes its groups as
+the family's save_pretrained does into files of its own, and then its share of the final shards, consolidated
+from those files by byte copies (fsdp_research.checkpoint.consolidate). `fsdp-research export <step dir> <out dir>`
+converts any resume checkpoint offline, with no process group and no GPU."""
+
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_research.checkpoint.consolidate import INDEX, consolidate, write_index
+from fsdp_research.data.tokenizer import load_tokenizer
+from fsdp_research.distributed.names import clean_name
+from fsdp_research.distributed.precision import fp32_names, parse_dtype
+from fsdp_research.distributed.processes import control_group
+from fsdp_research.model.architecture import build_model
+
+log = logging.getLogger("fsdp_research")
+
+
+def export_dtype(cfg: DictConfig) -> torch.dtype:
+    """checkpoint.export_dtype, by default the training's compute dtype."""
+    return parse_dtype(cfg.checkpoint.export_dtype or cfg.precision.param_dtype, "checkpoint.export_dtype")
+
+
+Writer = Callable[[dict[str, torch.Tensor], str], None]
+
+
+def _hf_writer(hf_config, dtype: torch.dtype, shard_size: int) -> Writer:
+    """write(state, out_dir): full weights as the family's save_pretrained writes them: its on-disk key names and
+    layout (the reverse of its load-time conversions, experts one by one where the checkpoint format has them so),
+    tied weights once, sharded with an index above shard_size. state may be some of the model's weights (a family's
+    conversions between keys stay within a module)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    twin = build_model(hf_config)  # on the meta device: save_pretrained only needs the family's conventions
+    # save_pretrained writes on rank 0 alone where a process group exists; here every rank writes its own part.
+    twin.should_save_on_this_rank = lambda is_main_process: is_main_process
+    twin.config.dtype = dtype
+    tied = set(getattr(twin, "all_tied_weights_keys", None) or {})
+    # What from_pretrained keeps in fp32 at this dtype (router gates) is written in fp32, as its save_pretrained does.
+    fp32 = fp32_names(twin, dtype)
+
+    def cast(name: str, value: torch.Tensor) -> torch.Tensor:
+        return value.to(torch.float32 if fp32 and fp32.search(name) else dtype).contiguous()
+
+    def write(state: dict[str, torch.Tensor], out_dir: str) -> None:
+        tensors = {clean_name(k): cast(clean_name(k), v) for k, v in state.items() if clean_name(k) not in tied}
+        twin.save_pretrained(out_dir, state_dict=tensors, max_shard_size=shard_size)
+
+    return write
+
+
+def write_hf_dir(
+    state: dict[str, torch.Tensor],
+    hf_config,
+    out_dir: str,
+    dtype: torch.dtype,
+    shard_size: int,
+    tokenizer: str | None = None,
+) -> None:
+    """Write full weights as the family's save_pretrained writes them (see _hf_writer), and the tokenizer."""
+    _hf_writer(hf_config, dtype, shard_size)(state, out_dir)
+    if tokenizer:
+        load_tokenizer(tokenizer).save(out_dir)
+
+
+def _state_writer(dtype: torch.dtype, shard_size: int) -> Writer:
+    """write(state, out_dir) for a model of one's own: its state_dict (wrapper names stripped) in safetensors
+    files, every name with its own copy (tied weights too), so that model.load_state_dict(load_file(...)) takes
+    it whole."""
+    return lambda state, out_dir: _write_state(state, out_dir, dtype, shard_size)
+
+
+def write_state_dir(
+    state: dict[str, torch.Tensor], out_dir: str, dtype: torch.dtype, shard_size: int, tokenizer: str | None = None
+) -> None:
+    """A model of one's own: its state_dict in safetensors files (see _state_writer), the tokenizer beside."""
+    _write_state(state, out_dir, dtype, shard_size)
+    if tokenizer:
+        load_tokenizer(tokenizer).save(out_dir)
+
+
+def _write_state(state: dict[str, torch.Tensor], out_dir: str, dtype: torch.dtype, shard_size: int) -> None:
+    from huggingface_hub import save_torch_state_dict
+
+    tensors, seen = {}, set()
+    for name, value in state.items():
+        value = value.to(dtype) if value.is_floating_point() else value
+        key = (value.untyped_storage().data_ptr(), value.storage_offset())
+        tensors[clean_name(name)] = value.clone() if key in seen else value
+        seen.add(key)
+    os.makedirs(out_dir, exist_ok=True)
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.WARNING)  # not its "Model weights successfully saved" line: the run says where
+    try:
+        save_torch_state_dict(tensors, out_dir, max_shard_size=shard_size)
+    finally:
+        hub_log.setLevel(level)
+
+
+def _groups(model: torch.nn.Module, names: list[str]) -> list[list[str]]:
+    """The export's units of work: each FSDP unit's own weights (a block), and each module's outside the units,
+    in the state dict's order; one group of all where nothing is sharded (every rank holds the whole model)."""
+    units = sorted(
+        (clean_name(n) for n, m in model.named_modules() if n and isinstance(m, FSDPModule)), key=len, reverse=True
+    )
+    if not units:
+        return [names]
+    groups: dict[str, list[str]] = {}
+    for name in names:
+        clean = clean_name(name)
+        unit = next((u for u in units if clean.startswith(f"{u}.")), clean.rpartition(".")[0])
+        groups.setdefault(unit, []).append(name)
+    return list(groups.values())
+
+
+def _gather_to(value: torch.Tensor, owner: int) -> torch.Tensor | None:
+    """The full tensor on rank `owner`, None on the others (a collective). FSDP's layout (rows cut as torch.chunk
+    cuts them, over every rank) goes to the owner alone, each rank sending its rows, padded to a chunk; any other
+    layout (HSDP's two dimensions) is gathered by every rank."""
+    if not isinstance(value, DTensor):
+        return value if dist.get_rank() == owner else None
+    mesh, world = value.device_mesh, dist.get_world_size()
+    in_order = mesh.mesh.tolist() == list(range(world))  # the mesh's coordinate i is rank i: alike on every rank
+    if not in_order or value.placements != (Shard(0),) or value.dim() == 0 or value.shape[0] == 0:
+        full = value.full_tensor()
+        return full if dist.get_rank() == owner else None
+    rows = value.shape[0]
+    chunk = -(-rows // world)
+    local = value.to_local()
+    # On the group's device: a shard offloaded to the CPU goes to the accelerator for NCCL.
+    kind = mesh.device_type
+    device = torch.device(kind, torch.get_device_module(kind).current_device()) if kind != "cpu" else "cpu"
+    padded = torch.zeros((chunk, *value.shape[1:]), dtype=local.dtype, device=device)
+    padded[: local.shape[0]] = local
+    if dist.get_rank() != owner:
+        dist.gather(padded, None, dst=owner, group=mesh.get_group())
+        return None
+    full = padded.new_empty((chunk * world, *value.shape[1:]))  # each rank's rows land in place: no concatenation
+    dist.gather(padded, list(full.split(chunk)), dst=owner, group=mesh.get_group())
+    return full[:rows]
+
+
+def write_parts(model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtype, shard_size: int) -> None:
+    """This rank's part of an export (a collective, every rank calls it): group i of the model's weights is
+    gathered to rank i % world, which writes it into parts/<i>/, one round of world groups at a time."""
+    inner = getattr(model, "module", model)
+    state = get_model_state_dict(inner)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    write = _hf_writer(hf_config, dtype, shard_size) if hf_config is not None else _state_writer(dtype, shard_size)
+    groups = _groups(inner, list(state))
+    for first in range(0, len(groups), world):
+        mine: dict[str, torch.Tensor] = {}
+        for i in range(first, min(first + world, len(groups))):
+            for name in groups[i]:  # every rank takes part in each gather; the group's owner gets the tensor
+                full = _gather_to(state[name], i % world)
+                if full is not None:
+                    mine[name] = full.detach().cpu()
+        if mine:
+            write(mine, os.path.join(parts, f"{first + rank:06d}"))
+        del mine
+
+
+def export_model(
+    model: torch.nn.Module, hf_config, out_dir: str, dtype: torch.dtype, shard_size: int, tokenizer: str | None
+) -> None:
+    """Write the weights as a Hugging Face directory (hf_config None: a model of one's own) from every rank, none
+    holding more than a group at a time (a collective, every rank calls it): each rank's part into
+    <out_dir>.parts/ (write_parts), the shards consolidated from those files by every rank, the index, config and
+    tokenizer by rank 0."""
+    rank, world, group = dist.get_rank(), dist.get_world_size(), control_group()
+    parts = f"{os.path.normpath(out_dir)}.parts"
+    if rank == 0:
+        shutil.rmtree(parts, ignore_errors=True)
+        os.makedirs(out_dir, exist_ok=True)
+        for name in os.listdir(out_dir):  # an earlier export's weights (its shards may be other ones)
+            if name.endswith(".safetensors") or name == INDEX:
+                os.remove(os.path.join(out_dir, name))
+    dist.barrier(group=group)
+    write_parts(model, hf_config, parts, dtype, shard_size)
+    dist.barrier(group=group)
+    files = [
+        os.path.join(parts, d, f)
+        for d in sorted(os.listdir(parts))
+        for f in sorted(os.listdir(os.path.join(parts, d)))
+        if f.endswith(".safetensors")
+    ]
+    shards = consolidate(files, out_dir, shard_size, rank, world)
+    dist.barrier(group=group)
+    if rank == 0:
+        write_index(shards, out_dir)
+        first_part = os.path.join(parts, sorted(os.listdir(parts))[0])
+        for name in os.listdir(first_part):  # config.json, generation_config.json
+            if not name.endswith(".safetensors") and name != INDEX:
+                shutil.move(os.path.join(first_part, name), os.path.join(out_dir, name))
+        if tokenizer:
+            load_tokenizer(tokenizer).save(out_dir)
+        shutil.rmtree(parts)
+        log.info(f"exported the weights to {out_dir}")
+
+
+def load_checkpoint_weights(step_dir: str) -> dict[str, torch.Tensor]:
+    """The full model weights of a resume checkpoint, read in this process alone."""
+    metadata = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    state = {
+        k: torch.empty(tuple(v.size), dtype=v.properties.dtype)
+        for k, v in metadata.items()
+        if k.startswith("model.") and hasattr(v, "size")
+    }
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=step_dir, no_dist=True)
+    return {k[len("model.") :]: v for k, v in state.items()}

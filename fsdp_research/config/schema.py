@@ -1,0 +1,393 @@
+"""Config schemas. Each group's YAML in conf/<group>/ is merged onto these dataclasses, so a typo'd key,
+a wrong type or an unknown enum value fails at composition, before any process group or model exists.
+A leaf: imports nothing of ours (the Hydra wiring that registers these is fsdp_research.jobs.compose)."""
+
+import warnings
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+
+@dataclass
+class MoeConfig:
+    # Aux-loss-free balancing (DeepSeek-V3): after each step every router's expert bias (e_score_correction_bias)
+    # moves by this rate x sign(mean load - the expert's load), over the whole data-parallel batch; 0 turns it off.
+    bias_update_rate: float = 0.001
+
+
+@dataclass
+class ModelConfig:
+    name: str = "llama_tiny"
+    # Any model: a factory (class or function) returning an nn.Module whose forward(input_ids=...) returns something
+    # with .logits; its other keys here are the factory's keyword arguments, model.block_class names its block.
+    _target_: str | None = None
+    # A hub id or local directory: its config.json (and, for `pretrained`, its weights) are used.
+    name_or_path: str | None = None
+    # Used when name_or_path is unset: AutoConfig.for_model(model_type, **config).
+    model_type: str | None = None
+    config: dict[str, Any] = field(default_factory=dict)
+    load_weights: bool = False
+    # The repeating block class(es, comma-separated); default: the decoder's layers (architecture.block_class_name).
+    block_class: str | None = None
+    moe: MoeConfig = field(default_factory=MoeConfig)
+
+
+class Strategy(str, Enum):
+    blockwise = "blockwise"
+    reshard_all = "reshard_all"
+    no_reshard = "no_reshard"
+    root_only = "root_only"
+    per_linear = "per_linear"
+    ddp = "ddp"
+    ddp_classic = "ddp_classic"
+    hsdp = "hsdp"
+
+
+@dataclass
+class ShardingConfig:
+    strategy: Strategy = Strategy.blockwise
+    # hsdp: number of replica groups; each shards over world_size / replicate ranks.
+    replicate: int = 1
+    cpu_offload: bool = False
+    # null: the strategy's. true, false, or an int k (FSDP2 reshards to groups of k ranks after forward: the blocks'
+    # parameters stay sharded over k ranks, e.g. a node, until backward regathers them from there) for every block
+    # the strategy reshards (blockwise: all but the last).
+    reshard_after_forward: Any = None
+    # Block index -> reshard_after_forward (true, false or k), overriding the above for those blocks.
+    reshard_override: dict[int, Any] = field(default_factory=dict)
+    # Blocks all-gathered ahead: 0, FSDP2's implicit prefetch (the next block in backward); k, the next k blocks
+    # (set_modules_to_forward_prefetch / set_modules_to_backward_prefetch): more overlap, k blocks more memory.
+    prefetch_forward: int = 0
+    prefetch_backward: int = 0
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "bf16"
+    param_dtype: str = "bfloat16"
+    reduce_dtype: str = "float32"
+    # Dynamic loss scaling (fp16 only needs it: bf16 has fp32's exponent range).
+    loss_scaling: bool = False
+    init_scale: float = 65536.0
+    growth_interval: int = 200
+
+
+class CheckpointMode(str, Enum):
+    full = "full"
+    selective = "selective"
+
+
+@dataclass
+class ActivationCheckpointingConfig:
+    # 0: off; 1: every block; k: every k-th block (blocks 0, k, 2k, ...).
+    stride: int = 0
+    # full: a checkpointed block keeps its input only and recomputes its forward in backward; selective: it also
+    # keeps the outputs of save_ops (op level, torch.utils.checkpoint's selective checkpointing) and recomputes the
+    # rest: more memory than full, less recompute.
+    mode: CheckpointMode = CheckpointMode.full
+    # selective: torch operators (namespace.name, as in torch.ops) whose outputs are kept: matmuls, attention (SDPA's
+    # kernels), collectives, as torchtitan keeps them.
+    save_ops: list[str] = field(
+        default_factory=lambda: [
+            "aten.mm",
+            "aten._scaled_dot_product_efficient_attention",
+            "aten._scaled_dot_product_flash_attention",
+            "aten._scaled_dot_product_cudnn_attention",
+            "aten._scaled_dot_product_flash_attention_for_cpu",
+            "_c10d_functional.reduce_scatter_tensor",
+        ]
+    )
+    # selective: of the aten.mm outputs, keep the 1st, (1+n)-th, ... and recompute the others (torchtitan: 2).
+    mm_save_every: int = 2
+
+
+class DataKind(str, Enum):
+    local_text = "local_text"
+    hub = "hub"
+    synthetic = "synthetic"
+
+
+@dataclass
+class SourceConfig:
+    """One source of a mixture."""
+
+    paths: list[str] = field(default_factory=list)
+    text_field: str = "text"
+    # Its share of the samples: weights are normalized over the sources.
+    weight: float = 1.0
+
+
+@dataclass
+class DataConfig:
+    kind: DataKind = DataKind.local_text
+    # local_text: files, directories written by datasets.save_to_disk, or globs; by name: .txt/.md/... (one document
+    # per file), .jsonl/.json (also .gz/.zst), .parquet, .csv, .arrow. Empty: the running Python's stdlib sources.
+    paths: list[str] = field(default_factory=list)
+    # The field (column) that holds each record's text.
+    text_field: str = "text"
+    # A mixture (instead of paths): [{paths, text_field, weight}, ...], sampled by weight.
+    sources: list[SourceConfig] = field(default_factory=list)
+    seq_len: int = 128
+    # "auto" (the pretrained model's own tokenizer where its directory holds one, else byte), "byte" (no download),
+    # or a Hugging Face tokenizer: a local directory, or a name in the local cache.
+    tokenizer: str = "auto"
+    # hub: datasets.load_dataset(hub_name, hub_config, split=split, streaming=streaming).
+    hub_name: str | None = None
+    hub_config: str | None = None
+    split: str = "train"
+    streaming: bool = False
+    # With streaming, how many documents to take.
+    max_documents: int = 10000
+    # synthetic: how many random windows.
+    num_sequences: int = 4096
+    # >0: each source reads only its first N windows (the start of its token store; held-out ones included): a
+    # small slice, cycled epoch after epoch. The store is still built whole, once. 0: all of them.
+    max_windows: int = 0
+    # >0: step s trains on global batch s mod N, so the first N batches repeat (a function of the step alone: the
+    # same on every rank and on resume). A model that cannot drive the loss on one batch towards 0 has a bug.
+    overfit_batches: int = 0
+    # Fraction of each source's windows held out for eval.
+    eval_fraction: float = 0.05
+    # Hugging Face datasets' cache (hub).
+    cache_dir: str | None = None
+    # Token stores; null: $FSDP_RESEARCH_CACHE/token_stores, by default ~/.cache/fsdp_research/token_stores. All
+    # nodes of a job must see it.
+    store_dir: str | None = None
+    # Tokenization processes per rank when a store is built; 0: this rank's share of the node's cores.
+    build_workers: int = 0
+
+
+@dataclass
+class OptimConfig:
+    """The framework's keys; every other key of the group (betas, eps, momentum, ...) is a keyword argument of
+    `_target_`, which is called with the parameter groups (Hydra's _partial_ semantics)."""
+
+    _target_: str = "torch.optim.AdamW"
+    name: str = "adamw"
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    # Parameters left out of weight decay: bias (every *.bias), 1d (every vector: norm scales, biases),
+    # embedding (the embedding tables, and an output layer tied to them).
+    no_decay: list[str] = field(default_factory=lambda: ["bias", "1d"])
+    # [{match: <glob or regex>, lr_scale: x, weight_decay: y, <other group keys>}, ...]: in order, first match wins.
+    param_groups: list[dict[str, Any]] = field(default_factory=list)
+    # {_target_, kwargs}: the optimizer of every parameter that is not a 2-D weight matrix inside a repeating block
+    # (embeddings, output head, norms, biases); `_target_` then gets those matrices only (optim=muon).
+    others: dict[str, Any] | None = None
+    # Max global gradient norm; 0 turns clipping off (the norm is still measured).
+    grad_clip: float = 1.0
+    # Deprecated: schedule.warmup_steps and schedule.min_lr_ratio (still read, with a warning).
+    warmup_steps: int | None = None
+    min_lr_ratio: float | None = None
+
+
+class ScheduleName(str, Enum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+    wsd = "wsd"
+    inverse_sqrt = "inverse_sqrt"
+
+
+class DecayShape(str, Enum):
+    linear = "linear"
+    cosine = "cosine"
+    sqrt = "sqrt"
+
+
+@dataclass
+class ScheduleConfig:
+    """The learning rate multiplier of each step. `_target_`: a function (step, max_steps, **kwargs) -> multiplier,
+    or an LRScheduler class (called with the optimizer and the group's other keys)."""
+
+    # cosine, linear, constant, wsd, inverse_sqrt (ScheduleName); any name with _target_.
+    name: str = "cosine"
+    _target_: str | None = None
+    # Linear from 1/warmup_steps to 1 over the first warmup_steps steps (every named schedule).
+    warmup_steps: int = 10
+    # Where the decay ends, as a share of the peak (cosine, linear, wsd).
+    min_lr_ratio: float = 0.1
+    # wsd: the share of max_steps at the end spent decaying; before it, the rate stays at its peak.
+    decay_ratio: float = 0.2
+    decay_shape: DecayShape = DecayShape.linear
+
+
+@dataclass
+class LossConfig:
+    """The training loss. `_target_`: a function (logits, labels) -> scalar (the group's other keys are its keyword
+    arguments). Eval is always the plain cross-entropy."""
+
+    name: str = "cross_entropy"
+    _target_: str | None = None
+    # PaLM's auxiliary z-loss: this x mean(logsumexp(logits)^2), logged apart as z_loss.
+    z_loss: float = 0.0
+    label_smoothing: float = 0.0
+    # n > 1: the output projection and the cross-entropy over n chunks of the tokens, each recomputed in backward
+    # (a checkpointed loop): the [tokens x vocab] logits never exist whole, for one more output projection.
+    chunks: int = 1
+
+
+@dataclass
+class LoggerConfig:
+    kind: str = "wandb"
+    project: str = "fsdp_research"
+    group: str | None = None
+    name: str | None = None
+    tags: list[str] = field(default_factory=list)
+    # offline unless set: runs with no account; `wandb sync` uploads later.
+    mode: str = "offline"
+
+
+class Objective(str, Enum):
+    """What a sweep's job returns to the sweeper (Optuna's trial value), read from its metrics.jsonl."""
+
+    eval_loss = "eval_loss"  # the last eval's (needs trainer.eval_interval > 0)
+    loss = "loss"  # the last logged training loss
+    tokens_per_s = "tokens_per_s"  # the run's median throughput (the summary's)
+
+
+# Whether the sweeper minimizes or maximizes each objective.
+DIRECTIONS = {Objective.eval_loss: "minimize", Objective.loss: "minimize", Objective.tokens_per_s: "maximize"}
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300
+    global_batch_size: int = 16
+    micro_batch_size: int = 8
+    seed: int = 0
+    log_interval: int = 10
+    # 0 turns eval off.
+    eval_interval: int = 100
+    eval_batches: int = 4
+    compile: bool = False
+    # Gradient accumulation: skip the reduce-scatter on all but the last micro-batch, holding every unit's unsharded
+    # gradient between them (2-4 more bytes per parameter on every rank). Across replicas (hsdp, ddp) the all-reduce
+    # waits for the last micro-batch either way.
+    defer_grad_sync: bool = False
+    # Peak dense bf16 TFLOP/s of one device for MFU; null -> looked up from the GPU's name.
+    peak_tflops: float | None = None
+    # auto: cuda if available, else cpu.
+    device: str = "auto"
+    # Signals that mean: finish the step, save a resume checkpoint, exit. SIGTERM: what schedulers send before they
+    # kill; others (SLURM's warning before a time limit, sbatch --signal=USR2@<s>): the same, requeued under SLURM.
+    preemption_signal: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR2"])
+    # Seconds from SIGTERM to the scheduler's SIGKILL (torchrun's shutdown and SLURM's KillWait: 30): when the
+    # last save's time says the stop's save would end later, it is skipped and said (status.json, the log) ...
+    preemption_grace_s: float = 25.0
+    # ... unless this is set: then it is tried anyway.
+    save_past_grace: bool = False
+    # The ranks agree on signals and finished async saves every that many steps (one CPU all-reduce of four
+    # numbers, whose latency grows with the ranks): a signal stops the run at the first such step after it.
+    agree_every: int = 1
+    # >0: profile that many steps after a warm-up step (trace and time breakdown in <run dir>/profile/).
+    profile_steps: int = 0
+    # What this run returns to a sweeper (hydra/sweeper=optuna): the direction follows (see DIRECTIONS).
+    objective: Objective = Objective.eval_loss
+    # torch.autograd's anomaly mode, and every module's forward output, the loss and the gradients checked for
+    # inf/nan each step (a sync each): the first non-finite one fails the run, named. Off: no hook is installed.
+    detect_anomaly: bool = False
+
+
+@dataclass
+class DistributedConfig:
+    # auto: cuda:nccl,cpu:gloo on CUDA (CPU tensors, as with cpu_offload, go to gloo), gloo on CPU.
+    backend: str = "auto"
+    # >1: this app starts that many worker processes itself (no torchrun needed).
+    nproc_per_node: int = 1
+    timeout_s: int = 600
+
+
+@dataclass
+class CheckpointConfig:
+    # Save every `interval` steps (0: only at the end).
+    interval: int = 100
+    # false: no resume checkpoint at all, periodic, final or at a stop (a smoke test, a profile); resuming from an
+    # existing one still works.
+    save: bool = True
+    # Complete checkpoints kept; older ones are pruned once a newer one is complete (0 keeps all).
+    keep_last: int = 3
+    # auto: newest complete checkpoint in the run dir; never: start fresh; or a run dir / step dir.
+    resume: str = "auto"
+    # (checkpoint.async, a Python keyword, is added to the schema in schema(): dcp.async_save when true.)
+    # At the end, gather the full weights once and write a Hugging Face directory <run dir>/export/.
+    export: bool = True
+    # Split model.safetensors into shards above this size (bytes, or "500MB", "5GB").
+    export_shard_size: str = "5GB"
+    # null: the training param dtype.
+    export_dtype: str | None = None
+
+
+@dataclass
+class DoctorConfig:
+    # Measured shares above which the doctor reports a finding (fsdp_research/planner/doctor.py).
+    # Communication that no compute hides, as a share of the step time.
+    exposed_comm_share: float = 0.3
+    # A blocking checkpoint save, as a share of the training time between two saves.
+    checkpoint_share: float = 0.1
+    # The fit check: whether the running config is what `fsdp-research plan --fit` picks for the device's memory
+    # (a search of a few seconds on rank 0 at start-up). fit_gpu: the GPU (h100, a100, ... of metrics.hardware)
+    # whose memory it fills; null: the CUDA device training runs on (off on CPU). Predicted
+    # tokens/s above this config's by more than fit_margin: a finding.
+    fit: bool = True
+    fit_gpu: str | None = None
+    fit_margin: float = 0.05
+    # The share of the device's memory the fit check keeps free (as plan --fit's --headroom), beside the CUDA
+    # context: fragmentation, NCCL's buffers, what the planner does not count.
+    fit_headroom: float = 0.1
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    # name -> {_target_, kwargs}: objects with any of on_train_start, on_before_optimizer_step, on_step_end,
+    # on_eval, on_save, on_train_end (fsdp_research.callbacks).
+    callbacks: dict[str, Any] = field(default_factory=dict)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
+
+
+def schema() -> DictConfig:
+    """TrainConfig as a structured config, plus `checkpoint.async`, a key no dataclass field can be named."""
+    node = OmegaConf.structured(TrainConfig)
+    with open_dict(node.checkpoint):
+        node.checkpoint["async"] = False
+    # Free-form maps: `sharding.reshard_override={0:false}` and new `model.config.<key>=` need no `+`; the plug-in
+    # groups take their target's keyword arguments (checked against its signature before any compute).
+    free_form = (node.sharding.reshard_override, node.model.config, node.model, node.optim, node.schedule, node.loss)
+    for free in (*free_form, node.callbacks):
+        OmegaConf.set_struct(free, False)
+    return node
+
+
+def flat(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A plain container's leaves by dotted key (`optim.param_groups[0].lr_scale`)."""
+    if isinstance(node, dict):
+        dot = f"{prefix}." if prefix else ""
+        return {k: v for key, value in node.items() for k, v in flat(value, f"{dot}{key}").items()}
+    if isinstance(node, list):
+        return {k: v for i, value in enumerate(node) for k, v in flat(value, f"{prefix}[{i}]").items()}
+    return {prefix: node}
+
+
+def typed(cfg: Any) -> DictConfig:
+    """A config (DictConfig or plain dict) merged onto the schema, so values have their declared types. The
+    deprecated optim.warmup_steps / optim.min_lr_ratio move to the schedule group (with a warning)."""
+    cfg = OmegaConf.merge(schema(), cfg)
+    for key in ("warmup_steps", "min_lr_ratio"):
+        if cfg.optim[key] is not None:
+            warnings.warn(f"optim.{key} is deprecated: use schedule.{key}", FutureWarning, stacklevel=2)
+            cfg.schedule[key], cfg.optim[key] = cfg.optim[key], None
+    return cfg

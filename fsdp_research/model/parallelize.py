@@ -1,0 +1,60 @@
+"""The model as training runs it, in the order the recipe needs: on the meta device -> activation checkpointing
+-> compile -> the sharding plan applied with fully_shard (innermost first) -> this rank's shards materialized,
+initialised or read from a checkpoint -> torch's DDP for the classic baseline."""
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from fsdp_research.config.schema import Strategy
+from fsdp_research.distributed.activation_checkpointing import apply_activation_checkpointing
+from fsdp_research.distributed.compile import apply_compile
+from fsdp_research.distributed.precision import build_mp_policy, dtypes, kept_in_fp32
+from fsdp_research.distributed.sharding import ShardingPlan, apply_ddp, apply_fsdp, build_mesh, build_plan
+from fsdp_research.model.architecture import block_class_name, build_model, build_own_model, find_blocks, pretrained_dir
+from fsdp_research.model.initialization import init_weights, materialize
+from fsdp_research.model.pretrained import load_pretrained
+
+
+def planned_model(cfg: DictConfig, hf_config, values: bool = True) -> tuple[nn.Module, ShardingPlan]:
+    """The model on the meta device (hf_config None: a model of one's own, built by its factory), prepared in the
+    trainer's order (activation checkpointing, compile), and its sharding plan: nothing allocated, no process group
+    needed. Raises ConfigError for a block class the model does not have (the checks that need the planned model:
+    train.validation.checked_plan). values=False: shapes only, for the planner and the checks (see
+    architecture.build_model)."""
+    if hf_config is None:
+        model = build_own_model(cfg.model, cfg.trainer.seed)
+    else:
+        model = build_model(hf_config, cfg.trainer.seed, values)
+    blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
+    # Before sharding, so that FSDP shards the wrapped block; compile too, so FSDP's hooks stay outside it.
+    blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
+    apply_compile(blocks, cfg.trainer.compile)
+    return model, build_plan(model, blocks, cfg.sharding, kept_in_fp32(model, dtypes(cfg.precision)[0]))
+
+
+def shard_model(
+    model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device: torch.device, world_size: int
+) -> nn.Module:
+    """A planned model sharded, materialized and filled on this rank (a collective: every rank calls it)."""
+    apply_fsdp(
+        model, plan, build_mesh(cfg.sharding, device.type, world_size), build_mp_policy(cfg.precision), cfg.sharding
+    )
+    materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, device)
+    if cfg.model.load_weights:
+        load_pretrained(model, pretrained_dir(cfg.model.name_or_path))
+        # transformers puts loaded buffers (a router's expert bias) beside the parameters: the CPU under offload.
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != device:
+                    module._buffers[name] = buf.to(device)
+    else:
+        init_weights(model, plan.blocks, cfg.trainer.seed)
+    return apply_ddp(model, device) if plan.strategy is Strategy.ddp_classic else model
+
+
+def build_sharded_model(
+    cfg: DictConfig, hf_config, device: torch.device, world_size: int
+) -> tuple[nn.Module, ShardingPlan]:
+    model, plan = planned_model(cfg, hf_config)
+    return shard_model(model, plan, cfg, device, world_size), plan

@@ -1,0 +1,282 @@
+"""plan --fit: every combination of the knobs that decide memory and speed (sharding and hsdp replicas, reshard
+to k ranks, activation checkpointing, micro-batch, prefetch depth, cpu_offload, loss chunks) planned from one
+model build, those whose predicted peak fits the cap (less its headroom: planner.budget) ranked by predicted
+tokens/s."""
+
+import itertools
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from fsdp_research.config.schema import typed
+from fsdp_research.distributed.precision import dtypes
+from fsdp_research.errors import ConfigError
+from fsdp_research.metrics.hardware import gpu, gpu_named
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.planner.budget import Budget, budget
+from fsdp_research.planner.calibrate import cpu_optimizer_rate
+from fsdp_research.planner.memory import Memory, memory
+from fsdp_research.planner.summary import ModelSummary, Run, run_settings, summaries_by_sharding, summary_for
+from fsdp_research.planner.timing import Hardware, StepTime, gpu_hardware, step_time, tokens_per_second
+
+GIB = 2**30
+log = logging.getLogger("fsdp_research")
+# activation_checkpointing options: the group's option name, the summary's checkpointed blocks and selective mode.
+_CHECKPOINTING = {"none": (0, 0), "every_block": (1, 0), "every_2nd": (2, 0), "selective": (1, 2)}
+PREFETCH = (0, 1, 2)
+CHUNKS = (1, 8)
+# Config attributes of families that change their logits after the output layer: no chunks for them.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
+
+
+# The groups and keys a candidate sets: a base's own overrides of them, and of their keys, give way.
+SEARCHED = ("sharding", "activation_checkpointing", "trainer.micro_batch_size", "loss.chunks")
+
+
+def unsearched(overrides: list[str]) -> list[str]:
+    """The overrides of what --fit does not search (the model, the batch, the data, ...)."""
+
+    def searched(override: str) -> bool:
+        key = override.lstrip("+~").partition("=")[0]
+        return any(key == s or key.startswith(s + ".") for s in SEARCHED)
+
+    return [o for o in overrides if not searched(o)]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    # Each knob's value by its config key (the groups by option name: sharding=, activation_checkpointing=).
+    settings: dict[str, Any]
+    memory: Memory
+    time: StepTime
+    tokens_per_s: float
+
+    @property
+    def extras(self) -> int:
+        """Knobs turned away from their defaults: among equals, the plainer config first."""
+        s = self.settings
+        return (
+            bool(s["sharding.prefetch_forward"])
+            + s["sharding.cpu_offload"]
+            + (s["loss.chunks"] > 1)
+            + (s["sharding.reshard_after_forward"] is not None)
+        )
+
+    def keys(self) -> dict[str, Any]:
+        """The config keys that make it, spelled out (the groups' options as the keys they set)."""
+        s = self.settings
+        stride, selective = _CHECKPOINTING[s["activation_checkpointing"]]
+        keys = {
+            "sharding.strategy": s["sharding"],
+            "sharding.replicate": s["sharding.replicate"] or 1,
+            "sharding.reshard_after_forward": s["sharding.reshard_after_forward"],
+            "sharding.reshard_override": {},
+            "activation_checkpointing.stride": stride,
+            "activation_checkpointing.mode": "selective" if selective else "full",
+        }
+        if selective:
+            keys["activation_checkpointing.mm_save_every"] = selective
+        return {**keys, **{k: v for k, v in s.items() if "." in k and k not in keys and k != "sharding.replicate"}}
+
+    def changes(self, cfg: DictConfig) -> list[str]:
+        """The explicit keys where a config differs from it: what to add after its overrides, in any order."""
+        return [
+            f"{key}={_text(value)}"
+            for key, value in self.keys().items()
+            if (OmegaConf.to_container(found) if isinstance(found := OmegaConf.select(cfg, key), DictConfig) else found)
+            != value
+        ]
+
+    def overrides(self, base: DictConfig) -> list[str]:
+        """What makes it after the base config's overrides: the sharding and checkpointing options and the
+        micro-batch always, the other knobs where they differ from the base's."""
+        always = ("sharding", "sharding.replicate", "activation_checkpointing", "trainer.micro_batch_size")
+        return [
+            f"{key}={_text(value)}"
+            for key, value in self.settings.items()
+            if key in always and value is not None or key not in always and OmegaConf.select(base, key) != value
+        ]
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{}"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _shardings(world: int, per_node: int) -> Iterator[dict[str, Any]]:
+    """The sharding keys of every sharding worth searching at this world size."""
+    for strategy in ("blockwise", "reshard_all", "no_reshard"):
+        yield {"strategy": strategy}
+    for replicas in _divisors(world)[1:-1]:
+        yield {"strategy": "hsdp", "replicate": replicas}
+    for k in _divisors(world)[1:-1]:
+        if k <= per_node:
+            yield {"strategy": "blockwise", "reshard_after_forward": k}
+
+
+def _checkpointed(n_blocks: int, stride: int) -> tuple[bool, ...]:
+    return tuple(stride > 0 and i % stride == 0 for i in range(n_blocks))
+
+
+def _chunkable(cfg: DictConfig, hf_config) -> tuple[int, ...]:
+    transforms = any(getattr(hf_config, key, None) for key in _LOGIT_TRANSFORMS)
+    return (1,) if cfg.loss.get("_target_") or transforms else CHUNKS
+
+
+def _variants(
+    summary: ModelSummary, run: Run, per_rank: int, chunks: tuple[int, ...], offloads: tuple[bool, ...]
+) -> Iterator[tuple[ModelSummary, Run, dict[str, Any]]]:
+    for option, (stride, selective) in _CHECKPOINTING.items():
+        ckpt = replace(summary, checkpointed=_checkpointed(summary.n_blocks, stride), selective_every=selective)
+        for micro, depth, offload, chunk in itertools.product(
+            _divisors(per_rank), [d for d in PREFETCH if d < summary.n_blocks], offloads, chunks
+        ):
+            planned = replace(
+                run,
+                micro_batch=micro,
+                micro_steps=per_rank // micro,
+                prefetch_forward=depth,
+                prefetch_backward=depth,
+                cpu_offload=offload,
+                foreach=run.foreach and not offload,
+                loss_chunks=chunk,
+            )
+            settings = {
+                "activation_checkpointing": option,
+                "trainer.micro_batch_size": micro,
+                "sharding.prefetch_forward": depth,
+                "sharding.prefetch_backward": depth,
+                "sharding.cpu_offload": offload,
+                "loss.chunks": chunk,
+            }
+            yield ckpt, planned, settings
+
+
+def candidates(cfg: DictConfig, world_size: int, device_type: str, hw: Hardware) -> list[Candidate]:
+    """Every combination planned, fitting or not, fastest first (ties: the smaller peak)."""
+    plain = {"stride": 0, "mode": "full"}
+    base = typed(
+        OmegaConf.merge(
+            cfg, {"activation_checkpointing": plain, "sharding": {"prefetch_forward": 0, "prefetch_backward": 0}}
+        )
+    )
+    base.sharding.reshard_override = {}
+    hf_config = build_hf_config(base.model)
+    per_rank = base.trainer.global_batch_size // world_size
+    chunks = _chunkable(base, hf_config)
+    shardings = list(_shardings(world_size, hw.per_node))
+    variants = [
+        typed(
+            OmegaConf.merge(
+                base, {"sharding": {"replicate": 1, "reshard_after_forward": None, "cpu_offload": False, **keys}}
+            )
+        )
+        for keys in shardings
+    ]
+    found = []
+    # One model build for every sharding's plan.
+    for keys, variant, summary in zip(shardings, variants, summaries_by_sharding(variants)):
+        run = run_settings(variant, world_size, device_type)
+        named = {
+            "sharding": keys["strategy"],
+            "sharding.replicate": keys.get("replicate"),
+            "sharding.reshard_after_forward": keys.get("reshard_after_forward"),
+        }
+        # On a CPU the state is in host memory already: nothing to offload.
+        offloads = (False, True) if device_type == "cuda" else (False,)
+        for ckpt, planned, settings in _variants(summary, run, per_rank, chunks, offloads):
+            time = step_time(ckpt, planned, hw)
+            found.append(
+                Candidate({**named, **settings}, memory(ckpt, planned), time, tokens_per_second(planned, time))
+            )
+    return sorted(found, key=lambda c: (-c.tokens_per_s, c.memory.peak, c.extras))
+
+
+def fit(found: list[Candidate], room: Budget, base: DictConfig) -> list[Candidate]:
+    """Those whose peak fits the budget, fastest first, less those another listed one beats in speed and peak both;
+    ConfigError naming the smallest peak when none fits."""
+    fitting: list[Candidate] = []
+    for c in found:
+        # A config no faster than one listed (found is fastest first, the plainest first among equals) and no
+        # smaller: left out. What remains is each speed's smallest peak.
+        if c.memory.peak <= room.usable and all(k.memory.peak > c.memory.peak for k in fitting):
+            fitting.append(c)
+    if not fitting:
+        smallest = min(found, key=lambda c: c.memory.peak)
+        raise ConfigError(
+            "--fit",
+            f"no config fits {room} per rank; the smallest peak is {smallest.memory.peak / GIB:.2f} GiB "
+            f"({' '.join(smallest.overrides(base))})",
+            "a larger cap, more ranks (world_size=N), a smaller trainer.global_batch_size or data.seq_len",
+        )
+    return fitting
+
+
+@dataclass(frozen=True)
+class Advice:
+    """What --fit would pick for a device's memory, against the config as it is."""
+
+    best: Candidate
+    overrides: tuple[str, ...]
+    # The config as it is: its predicted tokens/s and peak.
+    tokens_per_s: float
+    peak: int
+    room: Budget
+    device: str
+
+
+def advise(cfg: DictConfig, world_size: int, hw: Hardware, room: Budget) -> Advice | None:
+    """--fit's pick for the budget, and the running config's predicted tokens/s; None when nothing fits."""
+    found = candidates(cfg, world_size, "cuda" if hw.overlap else "cpu", hw)
+    try:
+        best = fit(found, room, cfg)[0]
+    except ConfigError:
+        return None
+    summary, run = summary_for(cfg), run_settings(cfg, world_size, "cuda" if hw.overlap else "cpu")
+    this = tokens_per_second(run, step_time(summary, run, hw))
+    return Advice(best, tuple(best.changes(cfg)), this, memory(summary, run).peak, room, hw.name)
+
+
+def doctor_fit(cfg: DictConfig, world_size: int, device: torch.device) -> dict | None:
+    """What the doctor's fit check reads: --fit's pick for doctor.fit_gpu's memory, or the CUDA device's this
+    run trains on, less doctor.fit_headroom; None on CPU without doctor.fit_gpu, for a GPU not in the table, or
+    when nothing fits."""
+    if not cfg.doctor.fit:
+        return None
+    if cfg.doctor.fit_gpu:
+        chosen = gpu(cfg.doctor.fit_gpu)
+        cap = chosen.memory_gib
+    elif device.type == "cuda":
+        chosen = gpu_named(torch.cuda.get_device_name(device))
+        cap = torch.cuda.get_device_properties(device).total_memory / GIB
+    else:
+        return None
+    if chosen is None:
+        return None
+    link = "nvlink" if world_size <= chosen.per_node else "ib"
+    hw = gpu_hardware(chosen, dtypes(cfg.precision)[0].itemsize, link, cpu_optimizer_rate())
+    try:
+        advice = advise(cfg, world_size, hw, budget(cap, cfg.doctor.fit_headroom, gpu=True))
+    except Exception as err:  # advice, never a reason to stop: a config the planner cannot search
+        log.warning(f"doctor: the fit check could not plan this config ({type(err).__name__}: {err})")
+        return None
+    if advice is None:
+        return None
+    return {
+        "overrides": " ".join(advice.overrides),
+        "tokens_per_s": advice.best.tokens_per_s,
+        "this_tokens_per_s": advice.tokens_per_s,
+        "this_peak_gib": round(advice.peak / GIB, 2),
+        "cap_gib": round(cap, 1),
+        "usable_gib": round(advice.room.usable / GIB, 2),
+        "device": advice.device,
+    }

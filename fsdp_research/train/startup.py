@@ -1,0 +1,140 @@
+"""What a run sets up once beside the model: the data (token stores built where missing), the global RNG seeded
+per rank, the throughput/MFU meter with the start-up log line that describes the run, and what observes it (the
+sinks, status.json, the doctor's findings, the profiler), closed however the run ends."""
+
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from omegaconf import DictConfig, OmegaConf
+
+from fsdp_research.config.schema import DataKind
+from fsdp_research.data.pipeline import Build, Data, Prefetcher, build_data
+from fsdp_research.data.tokenizer import describe as describe_tokenizer
+from fsdp_research.distributed.precision import dtypes
+from fsdp_research.distributed.processes import cores_per_rank, members, on_rank0, planned_nodes
+from fsdp_research.distributed.sharding import ShardingPlan
+from fsdp_research.metrics.meters import Throughput, active_parameters
+from fsdp_research.metrics.profiling import StepProfiler
+from fsdp_research.metrics.sinks import Sinks, build_sinks
+from fsdp_research.model.architecture import dropout_in
+from fsdp_research.model.dimensions import ModelDims
+from fsdp_research.planner.doctor import diagnose, report
+from fsdp_research.planner.fit import doctor_fit
+from fsdp_research.train import rundir
+from fsdp_research.train.state import TrainState
+
+log = logging.getLogger("fsdp_research")
+
+
+def open_data(cfg: DictConfig, vocab_size: int) -> Data:
+    """The run's data. Where a token store is missing every rank builds its share with its share of the node's
+    cores (rank 0 logs the progress); opening existing stores takes milliseconds."""
+    rank, started = dist.get_rank(), time.perf_counter()
+
+    def progress(done: int, total: int, seconds: float) -> None:
+        log.info(f"tokenizing: {done}/{total} parts of the token store done after {seconds:.0f} s")
+
+    build = Build(
+        rank=rank,
+        world=dist.get_world_size(),
+        workers=cfg.data.build_workers or cores_per_rank(),
+        name=on_rank0(lambda: secrets.token_hex(8)),
+        report=progress if rank == 0 else None,
+        timeout_s=cfg.distributed.timeout_s,
+    )
+    if cfg.data.kind is not DataKind.synthetic:
+        log.info(describe_tokenizer(cfg.data.tokenizer, cfg.model))
+    data = build_data(cfg.data, vocab_size, cfg.trainer.seed, build)
+    log.info(f"data: {data.describe()}; ready in {time.perf_counter() - started:.2f} s")
+    return data
+
+
+def read_ahead(
+    data: Data, cfg: DictConfig, start: int, device: torch.device, resources: contextlib.ExitStack
+) -> Prefetcher:
+    """This rank's batches from step `start` on, read ahead on a thread (closed when the run ends)."""
+    t, rank, world = cfg.trainer, dist.get_rank(), dist.get_world_size()
+    batches = Prefetcher(
+        lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
+        start,
+        t.max_steps,
+        pin=device.type == "cuda",
+    )
+    close_on_exit(resources, batches.close)
+    return batches
+
+
+def throughput_of(
+    cfg: DictConfig, d: ModelDims, model: nn.Module, plan: ShardingPlan, device: torch.device, start: int
+) -> Throughput:
+    """Throughput and MFU (from the parameters a token is multiplied with: a mixture of experts' active ones, no
+    embedding lookups; against the device's peak in the compute dtype)."""
+    t, world = cfg.trainer, dist.get_world_size()
+    n_params, active = sum(p.numel() for p in model.parameters()), active_parameters(model, d)
+    moe = f" ({active / 1e6:.2f}M active per token)" if active != n_params else ""
+    log.info(
+        f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters{moe}, {len(plan.blocks)} blocks, "
+        f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
+        f"starting at step {start}"
+    )
+    if d.unknown:
+        log.info(f"MFU: no attention found in {', '.join(d.unknown)}: their parameters counted, not their mixing")
+    return Throughput.of(
+        model, d, t.global_batch_size, cfg.data.seq_len, world, dtypes(cfg.precision)[0], device, t.peak_tflops
+    )
+
+
+def seed_rng(model: nn.Module, seed: int, rank: int, world: int) -> None:
+    """The global RNG (dropout) seeded per rank from trainer.seed: the same command draws the same masks again
+    (a resume restores each rank's RNG state instead)."""
+    torch.manual_seed(seed * 1_000_003 + rank)
+    dropout = dropout_in(getattr(model, "module", model))  # under torch DDP, the model it wraps
+    if dropout and rank == 0:
+        log.info(
+            f"dropout is on ({', '.join(dropout[:4])}): each rank draws its own masks, so the losses repeat at "
+            f"this world size ({world}), not at another"
+        )
+
+
+def close_on_exit(resources: contextlib.ExitStack, close: Callable[[bool], Any]) -> None:
+    """close(failed) when the run ends, whether it returns or raises."""
+
+    def on_exit(exc_type, exc, tb) -> bool:
+        close(exc_type is not None)
+        return False
+
+    resources.push(on_exit)
+
+
+def observe(
+    cfg: DictConfig, run_dir: str, device: torch.device, plan: ShardingPlan, state: TrainState, resources
+) -> tuple[Sinks, StepProfiler]:
+    """The sinks (rank 0's console, metrics.jsonl, W&B), status.json, the doctor's start-up findings, and the
+    profiler; closed when the run ends."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    sinks = build_sinks(
+        cfg.logger,
+        run_dir,
+        rank,
+        cfg.trainer.max_steps,
+        OmegaConf.to_container(cfg, resolve=True),
+        state.wandb_run_id,
+        state.step,
+    )
+    close_on_exit(resources, sinks.finish)
+    # Saved with the next checkpoint by rank 0, the only rank with sinks.
+    state.wandb_run_id = sinks.wandb_run_id or state.wandb_run_id
+    if rank == 0:
+        rundir.write_status(run_dir, "running", ranks=members())
+        findings = diagnose(cfg, plan, world, planned_nodes(), fit=doctor_fit(cfg, world, device))
+        report(findings, sinks, state.step)
+    profiler = StepProfiler(cfg.trainer.profile_steps, run_dir, rank, device, sinks)
+    close_on_exit(resources, lambda failed: profiler.close())
+    return sinks, profiler

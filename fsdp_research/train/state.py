@@ -1,0 +1,53 @@
+"""What a run carries besides the model and the optimizer: the state a resume restores, and what train() returns."""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from fsdp_research.distributed.precision import LossScaler
+from fsdp_research.metrics.sinks import new_run_id
+
+
+@dataclass
+class TrainState:
+    """What a resume restores besides the model, the optimizer and each rank's RNG (the checkpointer's)."""
+
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: LossScaler
+    step: int = 0
+    tokens_seen: int = 0
+    wandb_run_id: str = field(default_factory=new_run_id)
+
+    def state_dict(self, world_size: int) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "wandb_run_id": self.wandb_run_id,
+            "world_size": world_size,
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.tokens_seen, self.wandb_run_id = state["step"], state["tokens_seen"], state["wandb_run_id"]
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+
+
+@dataclass
+class TrainResult:
+    model: nn.Module
+    losses: list[float] = field(default_factory=list)
+    # Stopped early by a signal, after saving a resume checkpoint: preemption's STOP or REQUEUE code.
+    stop: int = 0
+    # Why the stop saved no checkpoint: it would have ended past trainer.preemption_grace_s.
+    past_grace: str | None = None
+    # A signal this rank caught, even after the loop (then the run completes, and a sweep stops after it).
+    signal: str | None = None
+    summary: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def preempted(self) -> bool:
+        return bool(self.stop)
