@@ -35,7 +35,7 @@ step() {  # step <seconds> <title> <command...>
 }
 
 step 20 "device" "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(), torch.cuda.get_device_capability())"
-step 210 "CUDA tests" "$PY" -m pytest -x -q tests/test_gpu.py tests/test_flops.py
+step 210 "CUDA tests" "$PY" -m pytest -x -q tests/test_gpu.py tests/metrics/test_flops.py
 step 70 "overhead, llama_1b bf16" "$PY" bench/overhead.py --nproc 1 --steps 30 --repeats 1 \
     model=llama_1b precision=bf16 data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=8
 step 50 "against Accelerate's FSDP2 (needs accelerate installed)" "$PY" bench/peers.py --nproc 1 --steps 30 \

@@ -4,7 +4,7 @@ summary is built on the meta device, wrapped for activation checkpointing and pl
 Everything below is a pure function of a ModelSummary (each FSDP unit's parameter shapes, from the plan; the block
 shapes, from the HF config) and a Run (world size, dtypes, batch). Bytes per rank; e = compute bytes
 (precision.param_dtype), r = reduce bytes, h = hidden, i = intermediate, a = heads, V = vocab, n = the shard
-group (world_size, or world_size / replicate for hsdp). tests/test_plan.py checks it against torch's FSDP memory
+group (world_size, or world_size / replicate for hsdp). tests/planner/test_plan.py checks it against torch's FSDP memory
 tracker.
 
 State: parameters fp32 (FSDP2 pads each dim 0 to a multiple of n), gradients the same (FSDP2 keeps sharded

@@ -1,7 +1,7 @@
 """The single-process run every sharded run must reproduce, built from what we did not write: transformers'
 from_pretrained of the initial weights, torch.optim.AdamW, the schedule written out here, and each step's batch
 read from the token store's files with numpy (synthetic data: from its generator's definition). Only the order of
-the windows is taken from fsdp_research.data.sampling (its properties are tests/test_data.py's)."""
+the windows is taken from fsdp_research.data.sampling (its properties are tests/data/test_data.py's)."""
 
 import json
 import math

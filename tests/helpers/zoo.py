@@ -117,3 +117,10 @@ def assert_initialised_alike(ours: dict, model, again=None) -> None:
         assert abs(got.mean() - expected.mean()) < tolerance, f"{key}: mean {got.mean():.3g} vs {expected.mean():.3g}"
         zeroed = (expected == 0).reshape(-1, *got.shape).all(0)  # zero whatever the seed: padding rows
         assert (got[zeroed] == 0).all(), f"{key}: rows transformers zeroes are not zero"
+
+
+def tiny_llama():
+    """A tiny llama with real values, built in this process."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(hf_config("llama"))

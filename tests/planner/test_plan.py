@@ -384,7 +384,9 @@ def test_callbacks_declare_their_state(capsys):
     and on its own row; a user's callback is asked through its class (never built), with its config keys."""
     base = ["model=llama_7b", "trainer.global_batch_size=64"]
     plain, ema = compose(base), compose([*base, "callbacks=[ema]"])
-    mine = compose([*base, "+callbacks.mine._target_=tests.test_plan.DeclaresState", "+callbacks.mine.copies=2"])
+    mine = compose(
+        [*base, "+callbacks.mine._target_=tests.planner.test_plan.DeclaresState", "+callbacks.mine.copies=2"]
+    )
     peaks = [memory(summary_for(c), run_settings(c, 8, "cuda")) for c in (plain, ema, mine)]
     copy = 4 * summary_for(plain).n_params / 8
     assert peaks[1].callbacks == pytest.approx(copy, rel=0.01) and peaks[2].callbacks == 2 * peaks[1].callbacks

@@ -1,11 +1,10 @@
 """Bad data input (issue 9, section 5): each a ConfigError naming the key, the file and the line or row, and the fix;
 a full disk while building leaves no store and every earlier store as it was; an error one rank meets is raised on
-the ranks that wait for its part. (The same errors through the command line: tests/test_bad_input.py.)"""
+the ranks that wait for its part. (The same errors through the command line: tests/config/test_bad_input.py.)"""
 
 import json
 import os
 import shutil
-import subprocess
 import threading
 
 import numpy as np
@@ -21,6 +20,7 @@ from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.train.validation import check_config, check_sources
 from tests.helpers.corpora import bpe_tokenizer, write
+from tests.helpers.disk import small_disk
 
 
 def _data_cfg(tmp_path, paths, *overrides):
@@ -176,18 +176,6 @@ def _fill_up(tmp_path, disk):
 
 def test_a_full_disk_while_building_publishes_nothing_and_keeps_earlier_stores(tmp_path):
     disk = tmp_path / "small"
-    disk.mkdir()
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MIB}m", "tmpfs", str(disk)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-    except (OSError, subprocess.CalledProcessError) as err:
-        pytest.skip(f"cannot mount a small tmpfs to fill up: {getattr(err, 'stderr', '') or err}")
-    try:
+    with small_disk(str(disk), TMPFS_MIB):
         _fill_up(tmp_path, disk)
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
-        shutil.rmtree(disk, ignore_errors=True)
+    shutil.rmtree(disk, ignore_errors=True)

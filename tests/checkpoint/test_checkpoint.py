@@ -35,6 +35,7 @@ from tests.helpers.checkpointing import (
     train,
     with_overrides,
 )
+from tests.helpers.disk import small_disk
 
 STEPS, INTERVAL, KEEP, BATCH, SEQ_LEN = 16, 4, 3, 8, 64
 BASE = with_overrides(
@@ -195,7 +196,7 @@ def test_leftover_temporary_checkpoint_is_ignored(scenario):
 
 def test_wandb_run_id_survives_resume(scenario):
     """The resume continues the killed attempt's W&B run, or forks it where that had logged steps past the
-    checkpoint (tests/test_launch.py): either way the checkpoints carry the id of the run it logs to."""
+    checkpoint (tests/jobs/test_launch.py): either way the checkpoints carry the id of the run it logs to."""
     baseline, _, _, _, resumed = scenario("exact[accumulation+ac]")
     run_id = torch.load(os.path.join(resumed.run_dir, LAST, TRAINER_STATE), weights_only=False)["wandb_run_id"]
     offline = sorted(os.listdir(os.path.join(resumed.run_dir, "wandb")))
@@ -373,23 +374,10 @@ TMPFS_MIB = 17  # one llama_tiny checkpoint (~11.1 MiB) fits, a second does not
 
 def _fill_the_disk(work, hf_cache):
     """A run on a tmpfs too small for its second checkpoint; then, copied off it, a resume of what it left."""
-    mount = os.path.join(work, "small_disk")
-    os.makedirs(mount)
-    try:
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={TMPFS_MIB}m", "tmpfs", mount],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-    except (OSError, subprocess.CalledProcessError) as err:
-        pytest.skip(f"cannot mount a small tmpfs to fill up: {getattr(err, 'stderr', '') or err}")
-    try:
+    with small_disk(os.path.join(work, "small_disk"), TMPFS_MIB) as mount:
         # The job's own output stays off the full disk.
         run = train(os.path.join(mount, "run"), BASE, hf_cache, logs=os.path.join(work, "small_disk_run"))
         saved = _copy_run(run.run_dir, os.path.join(work, "disk_full"))
-    finally:
-        subprocess.run(["umount", mount], check=True)
     complete = verify(os.path.join(saved, f"checkpoints/step_{INTERVAL}"))
     return run, saved, complete, os.listdir(os.path.join(saved, "checkpoints")), train(saved, BASE, hf_cache)
 

@@ -2,7 +2,7 @@
 projections (q/k/v by the config's head counts, gate/up by halves, DeepSeek's latent kv) each orthogonalized alone,
 GPT-2's Conv1D weights (in, out) transposed, each logical matrix's lr adjusted by its own shape. The reference is
 written here from those rules (row indices from the config, torch's Newton-Schulz patched to float32 as in
-tests/test_muon.py), not from fsdp_research.optim.muon_params: one process stepping synthetic gradients, and
+tests/optim/test_muon.py), not from fsdp_research.optim.muon_params: one process stepping synthetic gradients, and
 2 ranks training each family through the trainer (one launch), to 1e-5 in fp32."""
 
 import copy
@@ -28,7 +28,7 @@ from tests.conftest import FAST
 from tests.helpers.dist import full_state, ok, run_distributed
 from tests.helpers.reference import decay_groups, factor_at, reference_run
 from tests.helpers.zoo import from_config, hf_config, initial_weights, pretrained
-from tests.test_muon import _ns_float32
+from tests.optim.test_muon import _ns_float32
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt2", "phi3")
 MUON = ["optim=muon", "optim.ns_dtype=float32"]

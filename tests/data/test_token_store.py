@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from fsdp_research.data import builder, parts
+from fsdp_research.data import parts, store_builder
 from fsdp_research.data.pipeline import Build, build_data, open_stores, store_specs
 from fsdp_research.data.store import MANIFEST
 from fsdp_research.data.store_builder import ensure_store
@@ -86,7 +86,7 @@ def test_the_key_is_source_tokenizer_and_field_not_seq_len(tmp_path):
 def _many_parts(tmp_path, monkeypatch):
     """A corpus of several files and a big JSON Lines file, cut into many parts (small parts for the test)."""
     monkeypatch.setattr(parts, "MIN_PART_BYTES", 2048)
-    monkeypatch.setattr(builder, "WORKER_BYTES", {"byte": 1, "other": 1})
+    monkeypatch.setattr(store_builder, "WORKER_BYTES", {"byte": 1, "other": 1})
     corpus = str(tmp_path / "corpus")
     return [write("txt", corpus), write("jsonl", corpus)]
 

@@ -1,0 +1,1 @@
+"""Callbacks in real runs."""

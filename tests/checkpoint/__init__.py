@@ -1,0 +1,1 @@
+"""Resume checkpoints, export, resume."""

@@ -1,0 +1,1 @@
+"""The config: schemas, composition, and bad input refused in one line."""

@@ -1,0 +1,1 @@
+"""Data: formats, token stores, sampling, the tokenizer."""

@@ -1,0 +1,1 @@
+"""Sharding plans, precision, the FSDP2 knobs, threads per rank."""

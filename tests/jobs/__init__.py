@@ -1,0 +1,1 @@
+"""Launch, reports, Optuna search."""

@@ -1,0 +1,1 @@
+"""Metrics: MFU, FLOPs, memory, profiling."""

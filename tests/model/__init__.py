@@ -1,0 +1,1 @@
+"""Models: the zoo, own models, initialisation by shard, MoE."""

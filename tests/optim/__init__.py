@@ -1,0 +1,1 @@
+"""Optimizers, parameter groups, schedules, Muon."""

@@ -1,0 +1,1 @@
+"""simulate and scaling."""

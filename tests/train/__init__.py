@@ -1,0 +1,1 @@
+"""The trainer: correctness against references, faults, eval, debugging, baselines, losses."""
