@@ -15,7 +15,7 @@ from fsdp_research.distributed.processes import launch_env
 from fsdp_research.errors import ConfigError
 from fsdp_research.train import rundir
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "conf")
 
 
 def _run_dir(resume: str, default: str) -> str:

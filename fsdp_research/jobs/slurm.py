@@ -14,7 +14,7 @@ from hydra.errors import OverrideParseException
 
 from fsdp_research.errors import SubmitError
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ARRAY_SCRIPT = os.path.join(REPO, "slurm", "array.sbatch")
 
 
