@@ -4,7 +4,8 @@ The floor: the trainer as a user runs it (`python train.py ...`, log every step)
 (bench/seed_loop.py under torchrun: from_pretrained, per-block fully_shard, AdamW, nothing else), whole processes
 alternated, on the issue's case (2 ranks, fp32, a 6-block llama of hidden 256 / vocab 4096 written with
 save_pretrained, 4 x 256 tokens per rank) and on the default job (`python train.py`); each run's median step
-time after FLOOR_WARMUP steps (a step the machine's neighbours slow down moves it little), the median over repeats.
+time after FLOOR_WARMUP steps (a step the machine's neighbours slow down moves it little); each repeat runs the two
+back to back, and the figure is the median of the repeats' ratios.
 
 Then in one set of worker processes: the trainer's steady-state step time against a bare loop of per-block
 fully_shard + AdamW (+ torch's clip_grad_norm_ where the config clips) and nothing else, same model, batch,
@@ -109,9 +110,9 @@ def seed_run(model_dir: str, cfg, steps: int) -> float:
 
 
 def floor(name: str, overrides: list[str], issue_model: bool, steps: int, repeats: int, out: str) -> None:
-    """The trainer against the seed's loop on one case, whole processes alternated; prints the medians and their
-    ratio. The issue's case trains the model both load; the default job builds its own, and the seed
-    loop loads one of its shapes."""
+    """The trainer against the seed's loop on one case, whole processes alternated; prints the medians and the
+    median of the repeats' ratios. The issue's case trains the model both load; the default job builds its own, and
+    the seed loop loads one of its shapes."""
     model_dir = os.path.join(out, f"{name}_model")
     if issue_model:
         write_model(ISSUE_MODEL, model_dir)
@@ -123,11 +124,14 @@ def floor(name: str, overrides: list[str], issue_model: bool, steps: int, repeat
     for r in range(repeats):
         trainer.append(trainer_run(overrides, steps, os.path.join(out, f"{name}_run{r}")))
         seed.append(seed_run(model_dir, cfg, steps))
-    ratio = statistics.median(trainer) / statistics.median(seed)
+    # Each repeat's pair runs back to back: its ratio cancels what the machine does on a longer time scale, and the
+    # median of the pairs' ratios is the figure (the ratio of the two medians beside it).
+    ratios = [t / s for t, s in zip(trainer, seed)]
     print(
         f"{name}: trainer {statistics.median(trainer) * 1e3:.1f} ms/step | seed loop "
-        f"{statistics.median(seed) * 1e3:.1f} ms/step | trainer / seed loop {ratio:.3f} (per repeat: "
-        f"{', '.join(f'{t / s:.3f}' for t, s in zip(trainer, seed))})",
+        f"{statistics.median(seed) * 1e3:.1f} ms/step | trainer / seed loop {statistics.median(ratios):.3f} "
+        f"(median of the repeats' ratios: {', '.join(f'{r:.3f}' for r in ratios)}; ratio of the medians "
+        f"{statistics.median(trainer) / statistics.median(seed):.3f})",
         flush=True,
     )
 

@@ -1,3 +1,3 @@
-"""Data: sources (readers per file format) -> tokenizer -> token store (built once, memory-mapped) -> sampling
+"""Data: sources (readers per file format) -> tokenizer -> token store (built once, read by position) -> sampling
 (windows by global sample index) -> pipeline (config to batches, read ahead). Light to import: tokenization
 workers start from fsdp_research.data.worker without torch."""
