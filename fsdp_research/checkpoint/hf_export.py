@@ -23,6 +23,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_research.checkpoint.consolidate import INDEX, consolidate, write_index
+from fsdp_research.config.sizes import export_shard_size
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.precision import fp32_names, parse_dtype
@@ -214,6 +215,13 @@ def export_model(
             load_tokenizer(tokenizer).save(out_dir)
         shutil.rmtree(parts)
         log.info(f"exported the weights to {out_dir}")
+
+
+def export_run(model: torch.nn.Module, cfg: DictConfig, hf_config, out_dir: str) -> None:
+    """A run's model as it is now, as its export is written (checkpoint.export_dtype and export_shard_size, the
+    data's tokenizer beside it; a collective: every rank calls it)."""
+    shard_size = export_shard_size(cfg.checkpoint.export_shard_size)
+    export_model(model, hf_config, out_dir, export_dtype(cfg), shard_size, cfg.data.tokenizer)
 
 
 def load_checkpoint_weights(step_dir: str) -> dict[str, torch.Tensor]:

@@ -10,17 +10,26 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_research.config.schema import typed
 from fsdp_research.distributed.precision import dtypes
+from fsdp_research.distributed.sharding import ShardingPlan
 from fsdp_research.errors import ConfigError
 from fsdp_research.metrics.hardware import gpu, gpu_named
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.planner.budget import Budget, budget
 from fsdp_research.planner.calibrate import cpu_optimizer_rate
 from fsdp_research.planner.memory import Memory, memory
-from fsdp_research.planner.summary import ModelSummary, Run, run_settings, summaries_by_sharding, summary_for
+from fsdp_research.planner.summary import (
+    ModelSummary,
+    Run,
+    run_settings,
+    summaries_by_sharding,
+    summarize,
+    summary_for,
+)
 from fsdp_research.planner.timing import Hardware, StepTime, gpu_hardware, step_time, tokens_per_second
 
 GIB = 2**30
@@ -161,8 +170,15 @@ def _variants(
             yield ckpt, planned, settings
 
 
-def candidates(cfg: DictConfig, world_size: int, device_type: str, hw: Hardware) -> list[Candidate]:
-    """Every combination planned, fitting or not, fastest first (ties: the smaller peak)."""
+def candidates(
+    cfg: DictConfig,
+    world_size: int,
+    device_type: str,
+    hw: Hardware,
+    planned: tuple[nn.Module, ShardingPlan] | None = None,
+) -> list[Candidate]:
+    """Every combination planned, fitting or not, fastest first (ties: the smaller peak); from `planned` (cfg's
+    model as planned, before sharding) where given, else from a model built here."""
     plain = {"stride": 0, "mode": "full"}
     base = typed(
         OmegaConf.merge(
@@ -184,7 +200,7 @@ def candidates(cfg: DictConfig, world_size: int, device_type: str, hw: Hardware)
     ]
     found = []
     # One model build for every sharding's plan.
-    for keys, variant, summary in zip(shardings, variants, summaries_by_sharding(variants)):
+    for keys, variant, summary in zip(shardings, variants, summaries_by_sharding(variants, planned)):
         run = run_settings(variant, world_size, device_type)
         named = {
             "sharding": keys["strategy"],
@@ -234,22 +250,28 @@ class Advice:
     device: str
 
 
-def advise(cfg: DictConfig, world_size: int, hw: Hardware, room: Budget) -> Advice | None:
-    """--fit's pick for the budget, and the running config's predicted tokens/s; None when nothing fits."""
-    found = candidates(cfg, world_size, "cuda" if hw.overlap else "cpu", hw)
+def advise(
+    cfg: DictConfig, world_size: int, hw: Hardware, room: Budget, planned: tuple[nn.Module, ShardingPlan] | None = None
+) -> Advice | None:
+    """--fit's pick for the budget, and the running config's predicted tokens/s; None when nothing fits. `planned`:
+    cfg's model as the trainer planned it (before sharding), which every summary then reads: no model built here."""
+    found = candidates(cfg, world_size, "cuda" if hw.overlap else "cpu", hw, planned)
     try:
         best = fit(found, room, cfg)[0]
     except ConfigError:
         return None
-    summary, run = summary_for(cfg), run_settings(cfg, world_size, "cuda" if hw.overlap else "cpu")
+    summary = summarize(cfg, *planned, build_hf_config(cfg.model)) if planned else summary_for(cfg)
+    run = run_settings(cfg, world_size, "cuda" if hw.overlap else "cpu")
     this = tokens_per_second(run, step_time(summary, run, hw))
     return Advice(best, tuple(best.changes(cfg)), this, memory(summary, run).peak, room, hw.name)
 
 
-def doctor_fit(cfg: DictConfig, world_size: int, device: torch.device) -> dict | None:
+def doctor_fit(
+    cfg: DictConfig, world_size: int, device: torch.device, planned: tuple[nn.Module, ShardingPlan] | None = None
+) -> dict | None:
     """What the doctor's fit check reads: --fit's pick for doctor.fit_gpu's memory, or the CUDA device's this
     run trains on, less doctor.fit_headroom; None on CPU without doctor.fit_gpu, for a GPU not in the table, or
-    when nothing fits."""
+    when nothing fits. `planned`: the run's model as planned, before sharding (see advise)."""
     if not cfg.doctor.fit:
         return None
     if cfg.doctor.fit_gpu:
@@ -265,7 +287,7 @@ def doctor_fit(cfg: DictConfig, world_size: int, device: torch.device) -> dict |
     link = "nvlink" if world_size <= chosen.per_node else "ib"
     hw = gpu_hardware(chosen, dtypes(cfg.precision)[0].itemsize, link, cpu_optimizer_rate())
     try:
-        advice = advise(cfg, world_size, hw, budget(cap, cfg.doctor.fit_headroom, gpu=True))
+        advice = advise(cfg, world_size, hw, budget(cap, cfg.doctor.fit_headroom, gpu=True), planned)
     except Exception as err:  # advice, never a reason to stop: a config the planner cannot search
         log.warning(f"doctor: the fit check could not plan this config ({type(err).__name__}: {err})")
         return None

@@ -282,11 +282,13 @@ def summary_for(cfg: DictConfig) -> ModelSummary:
     return summarize(cfg, model, plan, hf_config)
 
 
-def summaries_by_sharding(configs: list[DictConfig]) -> list[ModelSummary]:
+def summaries_by_sharding(
+    configs: list[DictConfig], planned: tuple[nn.Module, ShardingPlan] | None = None
+) -> list[ModelSummary]:
     """The summaries of configs that differ in their sharding only, from one model build (a large model's takes
-    most of the planner's time)."""
+    most of the planner's time), or from `planned`: a model already planned for one of them, before sharding."""
     hf_config = build_hf_config(configs[0].model)
-    model, first = planned_model(configs[0], hf_config, values=False)
+    model, first = planned or planned_model(configs[0], hf_config, values=False)
     blocks = [model.get_submodule(path) for path in first.blocks]
     fp32 = kept_in_fp32(model, dtypes(configs[0].precision)[0])
     return [summarize(cfg, model, build_plan(model, blocks, cfg.sharding, fp32), hf_config) for cfg in configs]

@@ -113,11 +113,23 @@ def close_on_exit(resources: contextlib.ExitStack, close: Callable[[bool], Any])
     resources.push(on_exit)
 
 
+def planned_fit(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, device: torch.device) -> dict | None:
+    """Rank 0's input to the doctor's fit check (planner.fit.doctor_fit), read from the model as the trainer
+    planned it: before sharding renames its classes, and without building it again."""
+    return doctor_fit(cfg, dist.get_world_size(), device, (model, plan)) if dist.get_rank() == 0 else None
+
+
 def observe(
-    cfg: DictConfig, run_dir: str, device: torch.device, plan: ShardingPlan, state: TrainState, resources
+    cfg: DictConfig,
+    run_dir: str,
+    device: torch.device,
+    plan: ShardingPlan,
+    state: TrainState,
+    resources,
+    fit: dict | None,
 ) -> tuple[Sinks, StepProfiler]:
-    """The sinks (rank 0's console, metrics.jsonl, W&B), status.json, the doctor's start-up findings, and the
-    profiler; closed when the run ends."""
+    """The sinks (rank 0's console, metrics.jsonl, W&B), status.json, the doctor's start-up findings (`fit`: see
+    planned_fit), and the profiler; closed when the run ends."""
     rank, world = dist.get_rank(), dist.get_world_size()
     sinks = build_sinks(
         cfg.logger,
@@ -133,7 +145,7 @@ def observe(
     state.wandb_run_id = sinks.wandb_run_id or state.wandb_run_id
     if rank == 0:
         rundir.write_status(run_dir, "running", ranks=members())
-        findings = diagnose(cfg, plan, world, planned_nodes(), fit=doctor_fit(cfg, world, device))
+        findings = diagnose(cfg, plan, world, planned_nodes(), fit=fit)
         report(findings, sinks, state.step)
     profiler = StepProfiler(cfg.trainer.profile_steps, run_dir, rank, device, sinks)
     close_on_exit(resources, lambda failed: profiler.close())

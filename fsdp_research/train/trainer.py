@@ -17,9 +17,8 @@ from omegaconf import DictConfig
 
 from fsdp_research.callbacks.hooks import Callbacks, RunHandle
 from fsdp_research.checkpoint.dcp import Checkpointer, config_files
-from fsdp_research.checkpoint.hf_export import export_dtype, export_model
+from fsdp_research.checkpoint.hf_export import export_run
 from fsdp_research.config.schema import Strategy, typed
-from fsdp_research.config.sizes import export_shard_size
 from fsdp_research.data.pipeline import Data, Prefetcher
 from fsdp_research.distributed.precision import LossScaler, autocast
 from fsdp_research.distributed.processes import broadcast_object, device_for, init_distributed, launch_env, on_rank0
@@ -38,7 +37,15 @@ from fsdp_research.train import overfit, rundir
 from fsdp_research.train.anomaly import AnomalyChecks, apply_anomaly_checks
 from fsdp_research.train.losses import LossFn, Router, build_loss, check_chunked, held_out_loss, router_of, train_loss
 from fsdp_research.train.preemption import NONE, STOP, Boundary, Signals, agree
-from fsdp_research.train.startup import close_on_exit, observe, open_data, read_ahead, seed_rng, throughput_of
+from fsdp_research.train.startup import (
+    close_on_exit,
+    observe,
+    open_data,
+    planned_fit,
+    read_ahead,
+    seed_rng,
+    throughput_of,
+)
 from fsdp_research.train.state import TrainResult, TrainState
 from fsdp_research.train.validation import checked_plan, doubts
 
@@ -125,7 +132,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     device, run_dir, hf_config, model, plan, resume_dir = _prepare(cfg, run_dir)
     rank, world, t = dist.get_rank(), dist.get_world_size(), cfg.trainer
     # Read before sharding, which renames the classes it wraps.
-    d = dims(model, plan.blocks)
+    d, fit = dims(model, plan.blocks), planned_fit(cfg, model, plan, device)
     model = shard_model(model, plan, cfg, device, world)
     check_chunked(model, cfg.loss, device)
     seed_rng(model, t.seed, rank, world)
@@ -149,7 +156,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         callbacks.load_state_dict(callback_state)
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
     throughput = throughput_of(cfg, d, model, plan, device, state.step)
-    sinks, profiler = observe(cfg, run_dir, device, plan, state, resources)
+    sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     batches = read_ahead(data, cfg, state.step, device, resources)
     amp = autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp_classic)
     run = Run(
@@ -180,7 +187,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         anomaly=checks,
     )
     handle.step = state.step
-    handle.bind(sinks.log, functools.partial(evaluate, run), functools.partial(_export, run))
+    handle.bind(sinks.log, functools.partial(evaluate, run), functools.partial(export_run, model, cfg, hf_config))
     return run
 
 
@@ -359,19 +366,6 @@ def _save(run: Run) -> None:
     run.callbacks.call("on_save", run.handle, step, os.path.join(run.checkpointer.root, f"step_{step}"))
 
 
-def _export(run: Run, out_dir: str) -> None:
-    """The model's weights as they are now, as a Hugging Face directory (a collective: every rank gathers)."""
-    cfg = run.cfg
-    export_model(
-        run.model,
-        run.hf_config,
-        out_dir,
-        export_dtype(cfg),
-        export_shard_size(cfg.checkpoint.export_shard_size),
-        cfg.data.tokenizer,
-    )
-
-
 def _finish(run: Run, result: TrainResult, wall_time_s: float) -> None:
     """After the loop: close the profile, publish the last save, export the weights (a
     collective: every rank gathers), and the summary: a log line and a {"step", "summary"} record."""
@@ -379,7 +373,7 @@ def _finish(run: Run, result: TrainResult, wall_time_s: float) -> None:
     run.profiler.close()
     run.checkpointer.wait()
     if cfg.checkpoint.export and not result.preempted:
-        _export(run, os.path.join(run.run_dir, "export"))
+        export_run(run.model, cfg, run.hf_config, os.path.join(run.run_dir, "export"))
     run.callbacks.call("on_train_end", run.handle, result)
     rates = sorted(run.rates)
     result.summary = {

@@ -11,6 +11,9 @@ import torch
 from fsdp_research.distributed.processes import planned_nodes
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.model.parallelize import planned_model
+from fsdp_research.planner import summary
 from fsdp_research.planner.doctor import CHECKS, diagnose
 from fsdp_research.planner.fit import doctor_fit
 from fsdp_research.train.validation import check_doctor
@@ -73,6 +76,23 @@ def _checks(overrides, world_size, nodes, measured):
 def test_check_fires_and_near_miss_does_not(check, fires, near_miss):
     assert check in _checks(*fires)
     assert check not in _checks(*near_miss)
+
+
+@pytest.mark.parametrize(
+    "extra", [[], ["activation_checkpointing=every_block"], ["activation_checkpointing=selective"]]
+)
+def test_the_fit_check_reads_the_model_the_trainer_planned(ac, monkeypatch):
+    """At start the trainer hands the doctor its model as planned (before sharding): the advice is the one a model
+    built for the purpose gives, and no model is built again."""
+    cfg = compose([*FIT_7B, "trainer.micro_batch_size=8", f"activation_checkpointing={ac}"])
+    built = doctor_fit(cfg, 8, torch.device("cpu"))
+    planned = planned_model(cfg, build_hf_config(cfg.model), values=False)
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the fit check built the model again")
+
+    monkeypatch.setattr(summary, "planned_model", no_build)
+    assert built is not None and doctor_fit(cfg, 8, torch.device("cpu"), planned) == built
 
 
 def test_every_check_is_tested():
