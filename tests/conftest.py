@@ -34,3 +34,15 @@ def _offline(tmp_path_factory):
         # Token stores of this session's own, not the user's.
         patch.setenv("FSDP_RESEARCH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
         yield
+
+
+def pytest_collection_modifyitems(items):
+    """The markers whole folders carry: tests/slurm (a real cluster, many launches) and tests/census (every family)
+    are slow; tests/slurm is distributed and slurm too."""
+    for item in items:
+        parts = item.nodeid.split("/")
+        if parts[1:2] == ["slurm"]:
+            item.add_marker(pytest.mark.slurm)
+            item.add_marker(pytest.mark.distributed)
+        if parts[1:2] in (["slurm"], ["census"]):
+            item.add_marker(pytest.mark.slow)

@@ -17,7 +17,11 @@ from fsdp_research.train.trainer import train
 from tests.conftest import FAST
 from tests.helpers.reference import reference_run, save_initial
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.distributed,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"),
+]
 BASE = FAST + [
     "trainer.max_steps=10",
     "trainer.global_batch_size=8",

@@ -17,6 +17,8 @@ from tests.conftest import FAST
 from tests.helpers.checkpointing import assert_bitwise_equal, checkpoint_tensors, train, with_overrides
 from tests.helpers.schedules import expected_multiplier
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 RUN = with_overrides(
     FAST,
     "distributed.nproc_per_node=2",

@@ -37,6 +37,8 @@ from tests.helpers.checkpointing import (
 )
 from tests.helpers.disk import small_disk
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 STEPS, INTERVAL, KEEP, BATCH, SEQ_LEN = 16, 4, 3, 8, 64
 BASE = with_overrides(
     FAST,

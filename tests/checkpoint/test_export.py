@@ -7,6 +7,7 @@ import gc
 import json
 import os
 
+import pytest
 import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
@@ -21,6 +22,8 @@ from fsdp_research.model.initialization import materialize
 from fsdp_research.model.parallelize import planned_model
 from tests.conftest import FAST
 from tests.helpers.dist import run_distributed
+
+pytestmark = pytest.mark.distributed
 
 # About 209M parameters (838 MiB in fp32): 15 blocks of 12.8M, an untied embedding and head of 8.4M each.
 MODEL_200M = [

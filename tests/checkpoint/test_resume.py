@@ -13,6 +13,8 @@ from tests.conftest import FAST, ROOT
 from tests.helpers.checkpointing import with_overrides
 from tests.helpers.cli import finish, read_metrics, start
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 REPORT = [sys.executable, "-m", "fsdp_research", "report"]
 FIRST = with_overrides(
     FAST,

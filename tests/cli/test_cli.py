@@ -13,6 +13,8 @@ from fsdp_research.cli import submit as submit_cli
 from tests.conftest import ROOT
 from tests.helpers.cli import subprocess_env
 
+pytestmark = pytest.mark.distributed
+
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))
 def test_every_command_parses_flags_among_overrides(command, monkeypatch, capsys):

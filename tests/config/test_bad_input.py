@@ -13,6 +13,8 @@ from tests.helpers.cli import finish, start
 from tests.helpers.corpora import bpe_tokenizer, write
 from tests.helpers.zoo import hf_config, initial_weights
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 SMALL = ["logger=none", "trainer.max_steps=2"]
 APP_ERRORS = {
     "batch": (

@@ -22,6 +22,8 @@ from fsdp_research.jobs.compose import compose
 from tests.conftest import ROOT
 from tests.helpers.corpora import DOCS, bpe_tokenizer, write
 
+pytestmark = pytest.mark.distributed
+
 FORMATS = ["txt", "md", "jsonl", "json", "jsonl.gz", "jsonl.zst", "parquet", "csv", "arrow", "saved"]
 
 

@@ -14,6 +14,8 @@ from tests.helpers.cli import finish, start
 from tests.helpers.corpora import DOCS, bpe_tokenizer, write
 from tests.helpers.zoo import hf_config, pretrained
 
+pytestmark = pytest.mark.distributed
+
 
 @pytest.fixture(scope="module")
 def model_dirs(tmp_path_factory):

@@ -15,6 +15,8 @@ from tests.helpers.dist import ok, train_distributed
 from tests.helpers.fsdp_units import precision_state
 from tests.helpers.reference import reference_run, save_initial
 
+pytestmark = pytest.mark.distributed
+
 STEPS = 12
 BASE = FAST + [f"trainer.max_steps={STEPS}", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"]
 # Overflows in fp16 for the first few steps (the gradients exceed 65504 until the scale is below ~1e5).

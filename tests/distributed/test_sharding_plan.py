@@ -11,6 +11,8 @@ from tests.conftest import FAST
 from tests.helpers.dist import ok, train_distributed
 from tests.helpers.fsdp_units import observe_units, plan_for
 
+pytestmark = pytest.mark.distributed
+
 BLOCKS = [f"model.layers.{i}" for i in range(4)]  # llama_tiny
 LINEARS = [
     f"{block}.{linear}"

@@ -14,7 +14,10 @@ from fsdp_research.train.trainer import train
 from tests.conftest import FAST
 from tests.helpers.dist import run_distributed
 
-pytestmark = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores for a thread team")
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores for a thread team"),
+]
 
 
 def _switches() -> int:

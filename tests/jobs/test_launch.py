@@ -13,6 +13,8 @@ from tests.conftest import FAST
 from tests.helpers.cli import default_run_dirs, finish, read_metrics, start
 from tests.helpers.wandb_history import exit_codes, history
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 STEPS, EVAL_INTERVAL, SEQ_LEN, BATCH = 4, 2, 64, 8
 OVERRIDES = FAST + [  # later overrides win
     f"trainer.max_steps={STEPS}",

@@ -5,7 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
+
+pytestmark = pytest.mark.distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

@@ -16,6 +16,8 @@ from tests.conftest import FAST
 from tests.helpers.cli import read_metrics
 from tests.helpers.faults import Launch
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 STEPS = 6
 # A resume checkpoint every 2 steps: a job killed during step 5 resumes from step 4.
 SHORT = [*FAST, f"trainer.max_steps={STEPS}", "checkpoint.interval=2", "checkpoint.export=true"]

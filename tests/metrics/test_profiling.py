@@ -16,6 +16,8 @@ from tests.helpers.cli import read_metrics
 from tests.helpers.dist import ok, train_distributed
 from tests.helpers.wandb_history import history, summary
 
+pytestmark = pytest.mark.distributed
+
 
 def _span(name, ts, dur, cat="cpu_op", tid=1):
     return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": tid}

@@ -19,6 +19,8 @@ from tests.conftest import FAST, ROOT
 from tests.helpers.checkpointing import assert_bitwise_equal, checkpoint_tensors, with_overrides
 from tests.helpers.cli import read_metrics, subprocess_env
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 EXAMPLE = os.path.join(ROOT, "examples", "my_project")
 OWN = ["model=tiny_gpt", "optim=lion", "schedule=step_decay", "loss=capped"]
 BASE = with_overrides(FAST, "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "checkpoint.interval=4")

@@ -18,6 +18,8 @@ from tests.helpers.dist import ok, train_distributed
 from tests.helpers.reference import batches
 from tests.helpers.zoo import MOE, from_config, hf_config, initial_weights, pretrained
 
+pytestmark = pytest.mark.distributed
+
 ONE_STEP = with_overrides(FAST, "trainer.max_steps=1", "trainer.global_batch_size=4", "trainer.micro_batch_size=4")
 
 
@@ -114,6 +116,7 @@ def balanced(tmp_path_factory):
     return cfg, initial, runs, out
 
 
+@pytest.mark.slow
 def test_expert_bias_moves_towards_balance_identically_at_any_world_size(balanced):
     from safetensors.torch import load_file
 

@@ -23,6 +23,8 @@ from tests.helpers.dist import each_family, full_state, ok, run_distributed, tra
 from tests.helpers.reference import reference_run, save_initial
 from tests.helpers.zoo import FAMILIES, assert_initialised_alike, from_config, hf_config, initial_weights, pretrained
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 STEPS = 5
 TRAIN = with_overrides(
     FAST,

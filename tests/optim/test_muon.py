@@ -14,6 +14,8 @@ from tests.conftest import FAST
 from tests.helpers.dist import ok
 from tests.helpers.reference import decay_groups, reference_run, trained_from_initial
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 # 342 rows: 86, 86, 86, 84 on 4 ranks.
 BASE = FAST + [
     "optim=muon",

@@ -30,6 +30,8 @@ from tests.helpers.reference import decay_groups, factor_at, reference_run
 from tests.helpers.zoo import from_config, hf_config, initial_weights, pretrained
 from tests.optim.test_muon import _ns_float32
 
+pytestmark = pytest.mark.distributed
+
 FAMILIES = ("qwen3_moe", "deepseek_v3", "gpt2", "phi3")
 MUON = ["optim=muon", "optim.ns_dtype=float32"]
 

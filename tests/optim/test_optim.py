@@ -11,6 +11,8 @@ from fsdp_research.optim import check_optim, param_groups
 from tests.helpers.reference import decay_groups
 from tests.helpers.zoo import hf_config
 
+pytestmark = pytest.mark.distributed
+
 
 def groups_of(model, o):
     return param_groups(model, o.weight_decay, o.no_decay)

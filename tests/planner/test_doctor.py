@@ -20,6 +20,8 @@ from fsdp_research.train.validation import check_doctor
 from tests.conftest import ROOT
 from tests.helpers.fsdp_units import plan_for
 
+pytestmark = pytest.mark.distributed
+
 MULTI_NODE = ["trainer.global_batch_size=128"]  # divisible by micro batch 8 x 16 ranks
 FIT_7B = ["model=llama_7b", "trainer.global_batch_size=64", "data.seq_len=4096", "doctor.fit_gpu=h100"]
 FIT_7B_PICK = ["sharding=reshard_all", "activation_checkpointing=none", "trainer.micro_batch_size=2"]

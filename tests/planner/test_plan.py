@@ -53,6 +53,8 @@ from tests.helpers.dist import run_distributed
 from tests.helpers.memory import measure_step_memory
 from tests.helpers.timing import measure_step_times, prepared
 
+pytestmark = pytest.mark.distributed
+
 MID = ["model=llama_mid"]
 CASES = {
     "llama_tiny": [],
@@ -129,6 +131,7 @@ def _predicted(cfg, world: int):
     return predicted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [*CASES, *CASES_4])
 def test_prediction_within_10_percent_of_the_tracker(name, measured):
     predicted = _predicted(_config(name), 4 if name in CASES_4 else WORLD)
@@ -228,6 +231,7 @@ def timed():
     return configs, measure_step_times(configs, WORLD, 3, (512, 512, 1376))
 
 
+@pytest.mark.slow
 def test_time_model_orders_configs_as_measured(timed):
     configs, measured = timed
     hw = cpu_hardware(measured["rates"])
@@ -306,6 +310,7 @@ def test_fit_bad_flags(flags, key, capsys):
     assert err.startswith(f"error: {key}: ") and err.count("\n") == 1
 
 
+@pytest.mark.slow
 def test_fit_measure_ranks_by_measured_speed(capsys, tmp_path, monkeypatch):
     """On this machine: CPU rates calibrated on 2 processes, the top 3 trained a few steps each on 2 processes,
     listed by measured tokens/s; `best:` is the measured fastest."""
@@ -362,6 +367,7 @@ RESIDENT_4 = {
 }
 
 
+@pytest.mark.slow
 def test_resident_state_as_measured():
     """On 4 CPU ranks: EMA's averaged copy (its weights' storages) within 10% of what the planner counts, and
     reshard_after_forward=2 adds the process groups the planner counts (a DeviceMesh of two groups per unit: 14

@@ -4,8 +4,12 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from fsdp_research.tools.scaling import verdict
 from tests.conftest import FAST, ROOT
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
 def test_verdict_abandons_a_sharding_slower_than_ddp():

@@ -25,6 +25,8 @@ from tests.helpers.cli import subprocess_env
 from tests.helpers.dist import full_state, run_distributed
 from tests.helpers.zoo import assert_initialised_alike
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 VOCAB, HIDDEN = 5000, 64  # 320,000 elements: two chunks of recipes.CHUNK (262,144) rows
 MODEL = [
     "model=llama_tiny",

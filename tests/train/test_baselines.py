@@ -9,6 +9,8 @@ from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST
 from tests.helpers.dist import final_weights, ok, train_distributed
 
+pytestmark = pytest.mark.distributed
+
 BASE = FAST + ["trainer.max_steps=6", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"]
 BF16 = ["precision=bf16"]
 RUNS = {

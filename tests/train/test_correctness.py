@@ -13,6 +13,8 @@ from tests.conftest import FAST
 from tests.helpers.dist import ok
 from tests.helpers.reference import reference_run, trained_from_initial
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 BASE = FAST + ["trainer.max_steps=10", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"]
 SHARDINGS = ["blockwise", "reshard_all", "no_reshard", "root_only", "per_linear", "ddp", "ddp_classic", "hsdp"]
 RUNS = {

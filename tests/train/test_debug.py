@@ -25,6 +25,8 @@ from fsdp_research.train.validation import check_data, check_trainer
 from tests.conftest import FAST
 from tests.helpers.cli import Finished, finish, read_metrics, start
 
+pytestmark = pytest.mark.distributed
+
 PRESETS = ("fast", "overfit", "profile", "anomaly", "limit")
 # fp32, short windows of a few stdlib files; W&B, steps, eval and checkpoints are the presets' own.
 BASE = [o for o in FAST if o.startswith(("precision=", "data."))]

@@ -18,6 +18,8 @@ from tests.helpers.cli import finish, start
 from tests.helpers.corpora import DOCS, bpe_tokenizer, write
 from tests.helpers.dist import ok, train_distributed
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 WORLDS = (1, 2, 4)
 STEPS, LOG, EVAL = 6, 3, 2
 EVAL_SAMPLES = 3 * 2  # eval_batches x micro_batch_size: not a multiple of 4 ranks, so some ranks pad

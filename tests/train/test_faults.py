@@ -32,6 +32,8 @@ from tests.helpers.checkpointing import complete_steps, with_overrides
 from tests.helpers.cli import TRAIN, read_metrics, subprocess_env
 from tests.helpers.faults import Launch
 
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
 STEPS, INTERVAL = 24, 6
 BASE = with_overrides(
     FAST,
