@@ -80,9 +80,7 @@ def test_check_fires_and_near_miss_does_not(check, fires, near_miss):
     assert check not in _checks(*near_miss)
 
 
-@pytest.mark.parametrize(
-    "extra", [[], ["activation_checkpointing=every_block"], ["activation_checkpointing=selective"]]
-)
+@pytest.mark.parametrize("ac", ["none", "every_block", "selective"])
 def test_the_fit_check_reads_the_model_the_trainer_planned(ac, monkeypatch):
     """At start the trainer hands the doctor its model as planned (before sharding): the advice is the one a model
     built for the purpose gives, and no model is built again."""
