@@ -1,4 +1,4 @@
-"""The data path against its goals (issue 9), side by side in one run on this machine:
+"""The data path against its goals, side by side in one run on this machine:
 
 - tokenization rate (MB of text per second) of a token store build, against the floor: the same tokenizer's own
   batch encode of the same text in memory on the same number of processes (byte tokenizer and a BPE);

@@ -1,4 +1,4 @@
-"""What each fault costs (issue 11): steps lost (done before the fault, not kept by a checkpoint) and the time
+"""What each fault costs: steps lost (done before the fault, not kept by a checkpoint) and the time
 from the fault to the first step trained again, for real faults on 2 ranks of llama_tiny (checkpoint.interval=10):
 - SIGKILL of one worker under torchrun --max-restarts 1 (torchrun restarts the group, which resumes by itself);
 - SIGTERM to a self-spawned job (it saves at the step it stops at; the time is to its exit, then of a relaunch);

@@ -1,4 +1,4 @@
-"""The measured saving of each FSDP2 knob (issue 18) on the mid-size llama (model=llama_mid, 24M parameters), each
+"""The measured saving of each FSDP2 knob on the mid-size llama (model=llama_mid, 24M parameters), each
 against the plain config (blockwise sharding, no activation checkpointing, whole logits) on the same ranks in the
 same run: peak memory per rank of one training step (forward, backward, clipping, AdamW), as torch's FSDP memory
 tracker counts it (parameters, gradients, optimizer state, activations, temporaries; the max over ranks), and the

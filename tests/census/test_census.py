@@ -1,4 +1,4 @@
-"""The census (issue 16): every decoder-only text family transformers lists as a causal LM, built tiny from its own
+"""The census: every decoder-only text family transformers lists as a causal LM, built tiny from its own
 config (tests/census/families.py), as a new user would use it. A family transformers itself cannot build, save,
 load and run is listed with the reason and not counted. For every other one, from the initial weights transformers
 made and save_pretrained wrote:

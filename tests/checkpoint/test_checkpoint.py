@@ -1,4 +1,4 @@
-"""Checkpoints that never lose a run (issue 3). Real processes through the real CLI, a real SIGKILL of the whole
+"""Checkpoints that never lose a run. Real processes through the real CLI, a real SIGKILL of the whole
 job, a real full disk (tmpfs); nothing is mocked. One uninterrupted 2-rank run, the baseline, is shared by most
 tests: each test that resumes from it works on a copy of its run dir. The scenarios after the baseline start
 together on a few threads (each mostly waits on its subprocesses); a test waits for the one it reads."""

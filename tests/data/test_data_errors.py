@@ -1,4 +1,4 @@
-"""Bad data input (issue 9, section 5): each a ConfigError naming the key, the file and the line or row, and the fix;
+"""Bad data input: each a ConfigError naming the key, the file and the line or row, and the fix;
 a full disk while building leaves no store and every earlier store as it was; an error one rank meets is raised on
 the ranks that wait for its part. (The same errors through the command line: tests/config/test_bad_input.py.)"""
 

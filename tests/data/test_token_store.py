@@ -1,4 +1,4 @@
-"""The token store (issue 9): every format a researcher has, read as documents (the text field, not the JSON
+"""The token store: every format a researcher has, read as documents (the text field, not the JSON
 syntax) and tokenized as the tokenizer itself tokenizes them; one store per source, tokenizer and end-of-document
 handling, reused at another sequence length; the same store however many workers or ranks built it; and a build
 that is killed publishes nothing and resumes where it stopped."""

@@ -1,4 +1,4 @@
-"""Sweeps that search and resume (issue 20), as a user runs them: `python train.py -m ...` in a process of its own
+"""Sweeps that search and resume, as a user runs them: `python train.py -m ...` in a process of its own
 (the local launcher runs the jobs in it), Optuna's study read back through Optuna, a real SIGKILL of the launcher
 and its job and a real SIGTERM, then the same command run again with hydra.sweep.dir=<its dir>."""
 

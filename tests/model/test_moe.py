@@ -1,4 +1,4 @@
-"""Mixtures of experts (issue 10, section 4): the router's load-balancing loss enters the training loss when the
+"""Mixtures of experts: the router's load-balancing loss enters the training loss when the
 config asks for it (output_router_logits, router_aux_loss_coef), by transformers' own aux loss; it is logged with the
 share of tokens the least and most loaded expert got; MFU counts active parameters; the planner and the doctor
 say how many experts a token passes through."""

@@ -1,4 +1,4 @@
-"""The Hugging Face zoo (issue 10): for every family of tests/helpers/zoo.py, on 2 real ranks, from initial weights
+"""The Hugging Face zoo: for every family of tests/helpers/zoo.py, on 2 real ranks, from initial weights
 that transformers made and save_pretrained wrote:
 - weights in: the sharded model's logits are from_pretrained's;
 - 5 steps: losses and weights are those of the independent single-process reference (tests/helpers/reference.py);

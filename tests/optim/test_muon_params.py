@@ -1,4 +1,4 @@
-"""Muon on the matrices it is meant for (issue 28): expert tensors one matrix per expert, routers to AdamW, fused
+"""Muon on the matrices it is meant for: expert tensors one matrix per expert, routers to AdamW, fused
 projections (q/k/v by the config's head counts, gate/up by halves, DeepSeek's latent kv) each orthogonalized alone,
 GPT-2's Conv1D weights (in, out) transposed, each logical matrix's lr adjusted by its own shape. The reference is
 written here from those rules (row indices from the config, torch's Newton-Schulz patched to float32 as in

@@ -67,7 +67,7 @@ CASES = {
     "mid-reshard_all-every_2nd": MID + ["sharding=reshard_all", "activation_checkpointing=every_2nd"],
     # Muon's one momentum per matrix beside AdamW's two moments for the rest.
     "mid-muon": MID + ["optim=muon"],
-    # The knobs of issue 18: op-level checkpointing, explicit prefetch, the loss in chunks (a vocabulary where the
+    # The knobs: op-level checkpointing, explicit prefetch, the loss in chunks (a vocabulary where the
     # logits weigh: 16k x 1024 tokens of fp32 log-probabilities are 64 MiB a rank).
     "mid-selective": MID + ["activation_checkpointing=selective"],
     "mid-selective-every_2nd-mm3": MID
@@ -326,7 +326,7 @@ def test_fit_measure_ranks_by_measured_speed(capsys, tmp_path, monkeypatch):
     assert len(list((tmp_path / "outputs" / "plan").glob("*/*/[0-2]"))) == 3
 
 
-# What a run spends beyond the model's state and compute (issue 28, item 5).
+# What a run spends beyond the model's state and compute.
 
 
 class DeclaresState:

@@ -1,4 +1,4 @@
-"""More than one node on a real SLURM (issue 11, section 6): `bash slurm/local_cluster.sh start --nodes 2` runs two
+"""More than one node on a real SLURM: `bash slurm/local_cluster.sh start --nodes 2` runs two
 slurmd daemons on this machine (node1, node2). slurm/train.sbatch trains one rank per node (rank and master address
 from SLURM, the doctor sees 2 nodes); HSDP on 2 nodes x 2 tasks puts the replicas across the nodes and the shards
 within each (fp32 parity with one process); and a node lost mid-run (its slurmd and its tasks killed) has the job

@@ -1,4 +1,4 @@
-"""At scale without the scale (issue 19): initialisation that costs a shard, and `fsdp-research simulate`.
+"""At scale without the scale: initialisation that costs a shard, and `fsdp-research simulate`.
 
 One real 8-rank gloo run and one 1-rank run of a llama whose embedding and head span two initialisation chunks
 (split inside rank 6's rows) give: the full initial weights equal bitwise at 1 and 8 ranks, alike transformers'

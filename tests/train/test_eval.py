@@ -1,4 +1,4 @@
-"""Eval that means the same thing everywhere (issue 9, section 4), on a researcher's corpus (JSON Lines) with a
+"""Eval that means the same thing everywhere, on a researcher's corpus (JSON Lines) with a
 local BPE tokenizer: fp32 train and eval losses equal at 1, 2 and 4 ranks; eval every trainer.eval_interval
 steps as its own record, whether or not the step is a log step; the tokenizer travels into the export. Then a
 store built ahead with `fsdp-research tokenize`, and a build that takes longer than distributed.timeout_s."""

@@ -1,4 +1,4 @@
-"""Every single fault resumes by itself (issue 11), with real processes and real signals: a worker SIGKILLed under
+"""Every single fault resumes by itself, with real processes and real signals: a worker SIGKILLed under
 torchrun --max-restarts (the restarted group finds its run and ends bitwise where an uninterrupted run ends);
 SIGTERM (finish the step, agree, save, `preempted`, exit 143; resumes exactly); a second SIGTERM during the save;
 SIGINT (prompt, `interrupted`, 130); a rank that dies (the others stop, status.json names it, checkpoints intact),
