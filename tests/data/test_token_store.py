@@ -128,6 +128,23 @@ def test_a_lone_builder_takes_the_other_ranks_parts(tmp_path, monkeypatch):
     assert not [p for p in os.listdir(alone.path) if p.startswith("claims-")]
 
 
+def test_a_store_another_job_publishes_while_this_one_builds_is_opened(tmp_path, monkeypatch):
+    """Two jobs building the same store at once (a sweep's first jobs): the other one builds every part in the
+    shared build dir and publishes it while this one is still at its parts; this one opens the published store."""
+    paths = _many_parts(tmp_path, monkeypatch)
+    [spec] = store_specs(_cfg(tmp_path, paths))
+    root, build_parts = str(tmp_path / "stores"), store_builder._run_workers
+
+    def the_other_job_finishes_first(*args, **kwargs):
+        monkeypatch.setattr(store_builder, "_run_workers", build_parts)
+        ensure_store(spec, root, 0, 1, 1, "other", timeout_s=60)
+
+    monkeypatch.setattr(store_builder, "_run_workers", the_other_job_finishes_first)
+    store = ensure_store(spec, root, 0, 1, 1, "this", timeout_s=60)
+    serial = open_stores(_cfg(tmp_path / "serial", paths))[0]
+    np.testing.assert_array_equal(store.tokens(0, store.n_tokens), serial.tokens(0, serial.n_tokens))
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_builder_that_died_without_a_word_fails_the_waiters(tmp_path, monkeypatch, rank):
     """A builder took part 1 and died before it could record an error (its claim is all that is left): once no
