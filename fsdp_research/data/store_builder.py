@@ -288,39 +288,24 @@ def ensure_store(
         if rank == 0:
             log.warning(f"token store {path}: {problem}; rebuilding it")
     build_dir = os.path.join(root, f".build-{spec.fingerprint}")
+    progress = _Progress(len(spec.parts), report, every_s)
     try:
-        _build(
-            spec, build_dir, path, rank, world, workers, build, _Progress(len(spec.parts), report, every_s), timeout_s
-        )
+        os.makedirs(build_dir, exist_ok=True)
+        mine = [(i, p) for i, p in enumerate(spec.parts) if i % world == rank and _done(build_dir, i) is None]
+        jobs = _claimed(build_dir, build, rank, world, spec.parts)
+        with _heartbeat(build_dir, build, rank, min(5.0, timeout_s / 4)):
+            _run_workers(jobs, mine, build_dir, spec, build, workers, lambda: progress.update(build_dir))
+        if rank == 0:
+            _wait(build_dir, build, timeout_s, progress, lambda: _done_count(build_dir) == len(spec.parts))
+            _publish(build_dir, path, spec)
+        else:
+            _wait(build_dir, build, timeout_s, progress, lambda: verify(path, spec.fingerprint) is None)
     except (OSError, DataError):
         # Another job building the same store (a sweep's first jobs start together) published it first: its build
         # dir, this job's too, became the store while this one built or waited.
         if verify(path, spec.fingerprint) is not None:
             raise
     return TokenStore(path)
-
-
-def _build(
-    spec: StoreSpec,
-    build_dir: str,
-    path: str,
-    rank: int,
-    world: int,
-    workers: int,
-    build: str,
-    progress: _Progress,
-    timeout_s: float,
-) -> None:
-    os.makedirs(build_dir, exist_ok=True)
-    mine = [(i, p) for i, p in enumerate(spec.parts) if i % world == rank and _done(build_dir, i) is None]
-    jobs = _claimed(build_dir, build, rank, world, spec.parts)
-    with _heartbeat(build_dir, build, rank, min(5.0, timeout_s / 4)):
-        _run_workers(jobs, mine, build_dir, spec, build, workers, lambda: progress.update(build_dir))
-    if rank == 0:
-        _wait(build_dir, build, timeout_s, progress, lambda: _done_count(build_dir) == len(spec.parts))
-        _publish(build_dir, path, spec)
-    else:
-        _wait(build_dir, build, timeout_s, progress, lambda: verify(path, spec.fingerprint) is None)
 
 
 # However the build dir's time stamp behaves (coarse on some file systems), the waiters look in full this often.

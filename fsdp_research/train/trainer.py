@@ -158,7 +158,6 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     throughput = throughput_of(cfg, d, model, plan, device, state.step)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     batches = read_ahead(data, cfg, state.step, device, resources)
-    amp = autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp_classic)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -172,7 +171,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         state=state,
         data=data,
         batches=batches,
-        amp=amp,
+        amp=autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp_classic),
         loss_fn=build_loss(cfg.loss),
         router=router_of(hf_config, d.experts, d.experts_per_token),
         callbacks=callbacks,
