@@ -84,19 +84,27 @@ def check_callbacks(cfg: Mapping[str, Any]) -> None:
 
 
 class Callbacks:
-    """The run's callbacks, by name, in the config's order."""
+    """The run's callbacks, by name: the trainer's built-in ones (the profiler, the MoE bias balancer: the same
+    hooks), then the config's, in its order."""
 
     def __init__(self, cfg: Mapping[str, Any]):
         self.items = {name: build(node, f"callbacks.{name}._target_") for name, node in cfg.items()}
+        self.builtins: dict[str, Any] = {}
+
+    def add_builtin(self, name: str, callback: Any) -> None:
+        """A concern of the trainer's own, called before the config's callbacks at each hook."""
+        self.builtins[name] = callback
 
     def __bool__(self) -> bool:
+        """Whether the config has callbacks: they see the step's mean loss and norm, read to the host (a sync the
+        built-in ones do without)."""
         return bool(self.items)
 
     def has(self, hook: str) -> bool:
-        return any(hasattr(cb, hook) for cb in self.items.values())
+        return any(hasattr(cb, hook) for cb in (*self.builtins.values(), *self.items.values()))
 
     def call(self, hook: str, run: RunHandle, *args: Any) -> None:
-        for name, callback in self.items.items():
+        for name, callback in (*self.builtins.items(), *self.items.items()):
             fn = getattr(callback, hook, None)
             if fn is None:
                 continue
@@ -104,8 +112,9 @@ class Callbacks:
                 fn(run, *args)
             except Exception as err:
                 text = str(err).strip().splitlines()
+                kind = "built-in" if name in self.builtins else "callback"
                 raise CallbackError(
-                    f"callback {name!r} ({type(callback).__name__}.{hook}) raised {type(err).__name__}"
+                    f"{kind} {name!r} ({type(callback).__name__}.{hook}) raised {type(err).__name__}"
                     + (f": {text[0]}" if text else "")
                 ) from err
 

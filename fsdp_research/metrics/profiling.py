@@ -148,6 +148,10 @@ class StepProfiler:
             if self._traced:
                 self.close()
 
+    def on_step_end(self, run, step: int, metrics: dict) -> None:
+        """A built-in callback of the trainer's: the step boundary, before any eval or save of the step."""
+        self.step(step)
+
     def close(self) -> None:
         """Stops the profiler; a window cut short by the end of training reports the steps it has."""
         if self._profiler is None:

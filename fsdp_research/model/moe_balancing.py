@@ -37,7 +37,7 @@ class _Router:
 class BiasBalancer:
     """Counts the tokens each biased router sends to each expert in training forwards (a recomputation under
     activation checkpointing counts every token twice, which leaves the sign of the update as it is), and
-    updates the biases after the optimizer step."""
+    updates the biases after the optimizer step (at on_step_end: a built-in callback of the trainer's)."""
 
     def __init__(self, model: nn.Module, rate: float):
         self.rate, self.routers, self._hooks, self._warned = rate, [], [], False
@@ -100,6 +100,9 @@ class BiasBalancer:
             bias = router.owner._buffers[BIAS]
             bias += change.to(bias.dtype)
             router.loads.zero_()
+
+    def on_step_end(self, run, step: int, metrics: dict) -> None:
+        self.step(apply=not metrics["skipped"])
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -73,7 +73,6 @@ class Run:
     router: Router | None
     callbacks: Callbacks
     handle: RunHandle
-    balancer: BiasBalancer
     checkpointer: Checkpointer
     sinks: Sinks
     profiler: StepProfiler
@@ -142,6 +141,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     callbacks.call("setup", handle)
     balancer = BiasBalancer(model, cfg.model.moe.bias_update_rate)
     close_on_exit(resources, lambda failed: balancer.close())
+    callbacks.add_builtin("moe_balancer", balancer)
     state = TrainState(scheduler, LossScaler(cfg.precision))
     checks = resources.enter_context(apply_anomaly_checks(model, state, t.detect_anomaly))
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
@@ -157,6 +157,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
     throughput = throughput_of(cfg, d, model, plan, device, state.step)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
+    callbacks.add_builtin("profiler", profiler)
     batches = read_ahead(data, cfg, state.step, device, resources)
     run = Run(
         cfg=cfg,
@@ -176,7 +177,6 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         router=router_of(hf_config, d.experts, d.experts_per_token),
         callbacks=callbacks,
         handle=handle,
-        balancer=balancer,
         checkpointer=checkpointer,
         sinks=sinks,
         profiler=profiler,
@@ -227,7 +227,6 @@ def train_step(run: Run, step: int) -> StepResult:
         norm, mean_loss, skipped = _clip(run, step, loss_sum)
         if finite and not skipped:
             run.optimizer.step()
-        run.balancer.step(apply=finite and not skipped)
         scaler.update(finite)
         run.optimizer.zero_grad(set_to_none=True)
     lr = run.state.scheduler.get_last_lr()[0]
@@ -272,9 +271,11 @@ def _loop(run: Run, result: TrainResult) -> None:
             last_logged = done
             run.throughput.start()
             run.peak.reset()
+        metrics = {**logged, "lr": out.lr, "skipped": out.skipped}
         if callbacks:
-            metrics = {"loss": out.mean_loss, "grad_norm": out.grad_norm.item(), "lr": out.lr, "skipped": out.skipped}
-            callbacks.call("on_step_end", handle, done, {**logged, **metrics})
+            metrics.update(loss=out.mean_loss, grad_norm=out.grad_norm.item())
+        # The MoE bias balancer, the profiler (the step's boundary: before its eval and save), the config's.
+        callbacks.call("on_step_end", handle, done, metrics)
         if t.eval_interval and (done % t.eval_interval == 0 or done == t.max_steps):
             with run.throughput.paused():
                 metrics = {"step": done, **evaluate(run)}
@@ -282,9 +283,6 @@ def _loop(run: Run, result: TrainResult) -> None:
                 callbacks.call("on_eval", handle, done, metrics)
         # Any rank's stop request is every rank's.
         stopped_by_callback = bool(callbacks) and callbacks.agree(handle)[1]
-        # Before the checkpoint, so that the run's final save stays out of the profiled window (the summary
-        # times saves on their own).
-        run.profiler.step(done)
         boundary = _at_boundary(run, done)
         result.stop = boundary.stop
         # The grace is SIGTERM's: a warning signal (SLURM's --signal=USR2@<s>) comes well before the kill.
