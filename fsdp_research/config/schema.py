@@ -107,6 +107,19 @@ class DataKind(str, Enum):
     local_text = "local_text"
     hub = "hub"
     synthetic = "synthetic"
+    chat = "chat"
+
+
+class LossOn(str, Enum):
+    assistant = "assistant"
+    last_assistant = "last_assistant"
+    all = "all"
+
+
+class Truncation(str, Enum):
+    drop = "drop"
+    truncate = "truncate"
+    error = "error"
 
 
 @dataclass
@@ -157,6 +170,23 @@ class DataConfig:
     store_dir: str | None = None
     # Tokenization processes per rank when a store is built; 0: this rank's share of the node's cores.
     build_workers: int = 0
+    # chat: each record's conversation ([{role, content}, ...]), rendered with the tokenizer's chat template (or the
+    # Jinja file chat_template names); or prompt/completion pairs of text (both fields set: TRL's format).
+    messages_field: str = "messages"
+    prompt_field: str | None = None
+    completion_field: str | None = None
+    chat_template: str | None = None
+    # The targets: every assistant message (its end-of-turn token included, its role header not), the last one, or
+    # every token.
+    loss_on: LossOn = LossOn.assistant
+    # A conversation longer than seq_len: dropped (counted in the log), cut to seq_len, or an error.
+    truncation: Truncation = Truncation.drop
+    # chat: whole conversations packed into each window (never split); false: one per window, padded.
+    packing: bool = True
+    # Each packed document attends to itself only, its positions from 0 (null: true for chat).
+    document_masking: bool | None = None
+    # Eval files in the training data's format, evaluated whole (every document once) instead of held-out windows.
+    eval_paths: list[str] = field(default_factory=list)
 
 
 @dataclass

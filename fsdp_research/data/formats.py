@@ -314,3 +314,35 @@ def row_groups(path: str) -> list[int]:
 
     meta = pq.ParquetFile(path).metadata
     return [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
+
+
+def read_records(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Whole records (a chat's list of messages is no text field), each with where it is ("line 3", "row 7"):
+    JSON Lines, JSON, Parquet, a saved dataset."""
+    fmt = file_format(path)
+    if fmt in ("jsonl", "json"):
+        with _open_binary(path) as f:
+            data = f.read()
+        if fmt == "json" and data.lstrip().startswith(b"["):
+            try:
+                records = json.loads(data)
+            except ValueError as err:
+                raise _bad_file(path, "(the whole file)", f"not JSON ({err})") from None
+            yield from ((f"record {i}", r) for i, r in enumerate(records))
+            return
+        for i, line in enumerate(data.split(b"\n")):
+            if line.strip():
+                try:
+                    yield f"line {i + 1}", json.loads(line)
+                except ValueError as err:
+                    raise _bad_file(path, f"line {i + 1}", f"not JSON ({err})") from None
+        return
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(path).to_pylist()
+    elif fmt == "saved":
+        rows = _load_saved(path)
+    else:
+        raise ConfigError("data.paths", f"{path} is {fmt}, which holds no records", "use JSON Lines, JSON or Parquet")
+    yield from ((f"row {i}", row) for i, row in enumerate(rows))

@@ -1,25 +1,34 @@
 """From the data config to batches: the sources (local files, a mixture of them, a hub dataset, or synthetic
 tokens) -> their token stores (built once, opened by every rank) -> a Stream of windows by global sample index
--> this rank's slice of each step's global batch, read ahead in a background thread."""
+-> this rank's slice of each step's global batch, read ahead in a background thread. Conversations (data=chat) are
+tokenized by every rank and packed in memory (fsdp_research.data.chat, .packing); data.eval_paths, evaluated
+whole, the same way as the training data."""
 
 import functools
 import os
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from fsdp_research.config.schema import DataConfig, DataKind
+from fsdp_research.data.chat import chat_tokenizer, documents
+from fsdp_research.data.packing import PackedWindows, pack
 from fsdp_research.data.parts import default_paths, hub_parts, identity, plan_parts, scan
 from fsdp_research.data.sampling import StoreWindows, Stream, SyntheticWindows
 from fsdp_research.data.store import StoreSpec, TokenStore, store_spec
 from fsdp_research.data.store_builder import Report, ensure_store
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.errors import ConfigError
+
+
+def packed(cfg: DataConfig) -> bool:
+    """Whether the samples are packed documents with targets (fsdp_research.data.packing), not token windows."""
+    return cfg.kind is DataKind.chat
 
 
 def store_root(cfg: DataConfig) -> str:
@@ -62,12 +71,13 @@ def store_specs(cfg: DataConfig) -> list[StoreSpec]:
         }
         parts = functools.partial(hub_parts, hub, cfg.text_field)
         return [store_spec(parts, {k: v for k, v in hub.items() if k != "cache_dir"}, cfg.text_field, cfg.tokenizer)]
-    specs = []
-    for source in sources(cfg):
-        files = scan(source.paths, source.key)
-        parts = functools.partial(plan_parts, files, source.text_field)  # planned only where the store is built
-        specs.append(store_spec(parts, identity(files), source.text_field, cfg.tokenizer))
-    return specs
+    return [_local_spec(source.paths, source.key, source.text_field, cfg.tokenizer) for source in sources(cfg)]
+
+
+def _local_spec(paths: Sequence[str], key: str, text_field: str, tokenizer: str) -> StoreSpec:
+    files = scan(paths, key)
+    parts = functools.partial(plan_parts, files, text_field)  # planned only where the store is built
+    return store_spec(parts, identity(files), text_field, tokenizer)
 
 
 @dataclass(frozen=True)
@@ -87,12 +97,11 @@ class Build:
 
 def open_stores(cfg: DataConfig, build: Build = Build()) -> list[TokenStore]:
     """Every source's store, built first where there is none (see fsdp_research.data.store)."""
-    root = store_root(cfg)
-    b = build
-    return [
-        ensure_store(spec, root, b.rank, b.world, b.workers, b.name, b.report, b.every_s, b.timeout_s)
-        for spec in store_specs(cfg)
-    ]
+    return [_ensure(spec, store_root(cfg), build) for spec in store_specs(cfg)]
+
+
+def _ensure(spec: StoreSpec, root: str, b: Build) -> TokenStore:
+    return ensure_store(spec, root, b.rank, b.world, b.workers, b.name, b.report, b.every_s, b.timeout_s)
 
 
 def _check_size(windows, cfg: DataConfig, key: str) -> None:
@@ -113,8 +122,13 @@ class Data:
     seq_len: int
     # data.overfit_batches: >0, the global batches of steps 0 .. N-1 over and over.
     overfit_batches: int = 0
+    # data.eval_paths' windows, each evaluated once (instead of held-out windows).
+    eval_windows: StoreWindows | PackedWindows | None = None
 
     def batch(self, index: np.ndarray, held_out: bool = False) -> torch.Tensor:
+        """Samples by index: [n, seq_len + 1] tokens, or packed [n, 3, seq_len] (fsdp_research.data.packing)."""
+        if held_out and self.eval_windows is not None:
+            return torch.from_numpy(self.eval_windows.read(index).astype(np.int64))
         samples = self.stream.held_out(index) if held_out else self.stream.train(index)
         return torch.from_numpy(samples)
 
@@ -131,17 +145,40 @@ class Data:
     def describe(self) -> str:
         out = []
         for windows, split in zip(self.stream.windows, self.stream.splits):
-            store = getattr(windows, "store", None)
-            where = (
-                f"token store {store.path} ({store.n_tokens:,} tokens, {store.n_documents:,} documents)"
-                if store
-                else "synthetic tokens"
-            )
             out.append(
                 f"{split.train:,} training + {split.held_out:,} held-out windows of {windows.length} tokens "
-                f"from {where}"
+                f"from {_describe(windows)}"
             )
+        if self.eval_windows is not None:
+            out.append(f"eval: {self.eval_windows.count:,} windows from {_describe(self.eval_windows)}")
         return "; ".join(out)
+
+
+def _describe(windows) -> str:
+    store = getattr(windows, "store", None)
+    if store:
+        return f"token store {store.path} ({store.n_tokens:,} tokens, {store.n_documents:,} documents)"
+    return windows.describe() if isinstance(windows, PackedWindows) else "synthetic tokens"
+
+
+def chat_windows(cfg: DataConfig, paths: list[str], key: str) -> PackedWindows:
+    """The conversations of `paths`, packed (data.packing, data.document_masking: on unless false)."""
+    docs = documents(cfg, paths, key, cfg.seq_len)
+    if not docs:
+        raise ConfigError(key, f"{list(paths)} holds no document of at most data.seq_len tokens", "raise data.seq_len")
+    tok = chat_tokenizer(cfg)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    samples = pack(docs, cfg.seq_len, pad, cfg.packing, cfg.document_masking is not False)
+    return PackedWindows(samples, f"{len(docs):,} conversations of {key}")
+
+
+def _eval_windows(cfg: DataConfig, build: Build) -> StoreWindows | PackedWindows | None:
+    if not cfg.eval_paths:
+        return None
+    if cfg.kind is DataKind.chat:
+        return chat_windows(cfg, cfg.eval_paths, "data.eval_paths")
+    spec = _local_spec(cfg.eval_paths, "data.eval_paths", cfg.text_field, cfg.tokenizer)
+    return StoreWindows(_ensure(spec, store_root(cfg), build), cfg.seq_len + 1)
 
 
 def build_data(cfg: DataConfig, vocab_size: int, seed: int, build: Build = Build()) -> Data:
@@ -150,6 +187,8 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int, build: Build = Build
     if cfg.kind is DataKind.synthetic:
         count = min(cfg.num_sequences, cfg.max_windows or cfg.num_sequences)
         windows, weights, keys = [SyntheticWindows(count, length, vocab_size, seed)], [1.0], ["data"]
+    elif cfg.kind is DataKind.chat:
+        windows, weights, keys = [chat_windows(cfg, list(cfg.paths), "data.paths")], [1.0], ["data.paths"]
     else:
         stores = open_stores(cfg, build)
         windows = [StoreWindows(store, length, cfg.max_windows) for store in stores]
@@ -158,7 +197,9 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int, build: Build = Build
     for w, key, weight in zip(windows, keys, weights):
         if weight > 0:
             _check_size(w, cfg, key)
-    return Data(Stream(windows, weights, seed, cfg.eval_fraction), cfg.seq_len, cfg.overfit_batches)
+    # Eval files replace the held-out windows: every training window trains.
+    stream = Stream(windows, weights, seed, 0.0 if cfg.eval_paths else cfg.eval_fraction)
+    return Data(stream, cfg.seq_len, cfg.overfit_batches, _eval_windows(cfg, build))
 
 
 def check_tokenizer(cfg: DataConfig, model_vocab: int) -> None:

@@ -163,9 +163,11 @@ class Stream:
         self.train_mixture = Mixture(weights, key(seed, 4))
         self.eval_mixture = Mixture(weights, key(seed, 5))
         self.length = self.windows[0].length
+        # A window of tokens, or a packed sample ([3, seq_len]: fsdp_research.data.packing).
+        self.shape = getattr(self.windows[0], "shape", (self.length,))
 
     def _read(self, source: np.ndarray, window: np.ndarray) -> np.ndarray:
-        out = np.empty((len(source), self.length), np.int64)
+        out = np.empty((len(source), *self.shape), np.int64)
         for s in np.unique(source).tolist():
             chosen = source == s
             out[chosen] = self.windows[s].read(window[chosen])

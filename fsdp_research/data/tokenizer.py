@@ -37,6 +37,11 @@ class Tokenizer:
         self.fingerprint = hashlib.sha256(f"{type(self._hf).__name__}\n{text}".encode()).hexdigest()
 
     @property
+    def hf(self):
+        """The Hugging Face tokenizer (None for `byte`)."""
+        return self._hf
+
+    @property
     def dtype(self) -> np.dtype:
         """The token store's dtype: uint16 while the vocabulary fits, else uint32."""
         return np.dtype(np.uint16 if self.vocab_size <= 2**16 else np.uint32)

@@ -148,11 +148,11 @@ def _check_before_spawning(cfg: DictConfig, run_dir: str) -> None:
         raise
 
 
-def _name_sweep_job(cfg: DictConfig) -> None:
+def _name_sweep_job(logger_cfg: DictConfig) -> None:
     """In a sweep, W&B groups the jobs by sweep and names each by its overrides, unless set."""
     hydra = HydraConfig.get()
-    cfg.logger.group = cfg.logger.group or os.path.relpath(hydra.sweep.dir, "outputs/multirun").replace("/", "_")
-    cfg.logger.name = cfg.logger.name or hydra.job.override_dirname or f"job{hydra.job.num}"
+    logger_cfg.group = logger_cfg.group or os.path.relpath(hydra.sweep.dir, "outputs/multirun").replace("/", "_")
+    logger_cfg.name = logger_cfg.name or hydra.job.override_dirname or f"job{hydra.job.num}"
 
 
 def _run(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
@@ -168,11 +168,11 @@ def _run(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     return run_worker(OmegaConf.to_container(cfg, resolve=True), run_dir)
 
 
-def _result(cfg: DictConfig, run_dir: str) -> float | None:
+def _result(trainer_cfg: DictConfig, run_dir: str) -> float | None:
     """What the job returns to the sweeper: its trainer.objective, on rank 0 only (one trial per job, not per
     rank); None for a run that logged none."""
     env = launch_env()
-    return objective(run_dir, cfg.trainer.objective) if env is None or env.rank == 0 else None
+    return objective(run_dir, trainer_cfg.objective) if env is None or env.rank == 0 else None
 
 
 def _in_launcher() -> bool:
@@ -200,11 +200,11 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
     cfg = typed(cfg)
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     if multirun:
-        _name_sweep_job(cfg)
+        _name_sweep_job(cfg.logger)
     run_dir = rundir.resolve(cfg.checkpoint.resume, output_dir)
     if multirun and rundir.read_status(run_dir).get("status") == "completed":
         print(f"job {HydraConfig.get().job.num} completed earlier: not run again")
-        return _result(cfg, run_dir)
+        return _result(cfg.trainer, run_dir)
     try:
         resolve_tokenizer(cfg)  # a tokenizer that does not load is bad input, said as such
         rundir.check_restart(cfg.checkpoint.resume)
@@ -248,12 +248,12 @@ def _after(cfg: DictConfig, run_dir: str, outcome: dict[str, Any], multirun: boo
     if multirun and not _in_launcher():
         # Under SLURM: a job a signal stopped returns no objective; its status.json says preempted, and the
         # sweep run again resumes it.
-        return None if preempted else _result(cfg, run_dir)
+        return None if preempted else _result(cfg.trainer, run_dir)
     if not (preempted or (multirun and outcome.get("signal"))):
         env = launch_env()
         if not multirun and (env is None or env.rank == 0):
             print("\n".join(rundir.written(run_dir)), flush=True)
-        return _result(cfg, run_dir)
+        return _result(cfg.trainer, run_dir)
     if multirun:
         _stop_sweep(outcome.get("signal") or "signal", run_dir)
     env = launch_env()

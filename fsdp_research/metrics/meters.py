@@ -61,13 +61,14 @@ def loss_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     the share of the routed tokens that the least and the most loaded expert got (1 / experts when balanced), each
     where the run computes it. A collective (every rank has the same keys: they depend on the config and the
     family only); nothing for a dense model with the plain loss."""
+    # Packed documents: the step's targets, already summed over ranks.
+    out = {"targets": round(stats["targets"].item())} if "targets" in stats else {}
     means = [k for k in MEAN_LOSSES if k in stats]
     parts = [stats[k].reshape(-1).float() for k in (*means, "expert_tokens") if k in stats]
     if not parts:
-        return {}
+        return out
     values = torch.cat(parts)
     dist.all_reduce(values)
-    out = {}
     for key in means:
         out[key], values = values[0].item() / dist.get_world_size(), values[1:]
     if "expert_tokens" in stats:

@@ -136,9 +136,9 @@ def _checkpointed(n_blocks: int, stride: int) -> tuple[bool, ...]:
     return tuple(stride > 0 and i % stride == 0 for i in range(n_blocks))
 
 
-def _chunkable(cfg: DictConfig, hf_config) -> tuple[int, ...]:
+def _chunkable(loss_cfg: DictConfig, hf_config) -> tuple[int, ...]:
     transforms = any(getattr(hf_config, key, None) for key in _LOGIT_TRANSFORMS)
-    return (1,) if cfg.loss.get("_target_") or transforms else CHUNKS
+    return (1,) if loss_cfg.get("_target_") or transforms else CHUNKS
 
 
 def _variants(
@@ -188,7 +188,7 @@ def candidates(
     base.sharding.reshard_override = {}
     hf_config = build_hf_config(base.model)
     per_rank = base.trainer.global_batch_size // world_size
-    chunks = _chunkable(base, hf_config)
+    chunks = _chunkable(base.loss, hf_config)
     shardings = list(_shardings(world_size, hw.per_node))
     variants = [
         typed(

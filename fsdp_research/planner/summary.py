@@ -189,7 +189,7 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         root=units[-1],
         root_in_block=tuple(root_in_block),
         input_embedding=0 if tied else embedding.numel(),
-        **_optimizer(cfg, model, plan),
+        **_optimizer(cfg.optim, model, plan),
         **_checkpointing(cfg.activation_checkpointing),
         flops_per_token=flops_per_token(d, matmul_parameters(model, d), cfg.data.seq_len),
         head_flops_per_token=2.0 * d.hidden * d.vocab if output is not None else 0.0,
@@ -230,9 +230,8 @@ def _newton_schulz(o: DictConfig) -> dict:
     )
 
 
-def _optimizer(cfg: DictConfig, model: nn.Module, plan: ShardingPlan) -> dict:
+def _optimizer(o: DictConfig, model: nn.Module, plan: ShardingPlan) -> dict:
     """The optimizer's state per parameter: optim._target_'s, with optim.others for all but the whole matrices."""
-    o = cfg.optim
     main = state_copies(o._target_, kwargs_of(o))
     total = sum(p.numel() for p in model.parameters())
     if o.others is None:

@@ -26,8 +26,7 @@ from fsdp_research.model.parallelize import planned_model
 from fsdp_research.optim.factory import build_optimizer
 from fsdp_research.planner.memory import memory
 from fsdp_research.planner.summary import run_settings, summarize
-from fsdp_research.train.losses import check_chunked
-from fsdp_research.train.validation import check_planned
+from fsdp_research.train.validation import check_built, check_planned
 
 # A forward and backward is run where its FLOPs (6 per parameter per token, embedding and head included) stay
 # under this: some ten seconds on a CPU core.
@@ -146,7 +145,7 @@ def set_up_shard(cfg: DictConfig, hf_config, device: torch.device, phases: list[
         init_weights(model, plan.blocks, cfg.trainer.seed)
         phase.tensors = {"params": local_bytes(model.parameters())}
         phase.predicted = {"params": mem.sharded_params}
-    check_chunked(model, cfg.loss, device)  # the trainer's check at start
+    check_built(cfg, model, device)  # the trainer's check at start
     return model, plan, mem
 
 

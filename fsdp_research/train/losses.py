@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from fsdp_research.config.schema import LossConfig
 from fsdp_research.config.targets import check_call, kwargs_of, named_in, resolve
+from fsdp_research.data.packing import IGNORE, INPUTS, LABELS, POSITIONS
 from fsdp_research.data.pipeline import Data
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import output_layer
@@ -34,7 +35,17 @@ def _target_kwargs(cfg, target) -> dict:
     return {**own, **kwargs_of(cfg, _OWN)}
 
 
-def check_loss(cfg) -> None:
+def check_loss(cfg, packed: bool = False) -> None:
+    """packed: the data is packed documents (data=chat), whose loss is plain cross_entropy's sum over targets."""
+    if packed:
+        used = {"_target_": bool(cfg.get("_target_")), "z_loss": cfg.z_loss != 0, "chunks": cfg.chunks != 1}
+        given = [key for key, on in used.items() if on]
+        if given:
+            raise ConfigError(
+                f"loss.{given[0]}",
+                "is not yet taken with packed documents (data=chat), whose loss is cross_entropy's sum over targets",
+                f"drop the loss.{given[0]} override",
+            )
     if cfg.chunks < 1:
         raise ConfigError("loss.chunks", f"{cfg.chunks} is below 1", "use 1 (whole logits) or n chunks, e.g. 8")
     if cfg.chunks > 1 and cfg.get("_target_"):
@@ -103,6 +114,13 @@ def _cross_entropy(logits, labels, z_loss: float, label_smoothing: float):
     return ce / labels.numel() + z, {"z_loss": z.detach()}
 
 
+def _summed_cross_entropy(logits, labels, label_smoothing: float):
+    """Packed samples: the sum over the targets (labels other than IGNORE); the trainer divides by the step's
+    targets over every micro-batch and rank (transformers' num_items_in_batch)."""
+    ce = F.cross_entropy(logits.float(), labels, ignore_index=IGNORE, reduction="sum", label_smoothing=label_smoothing)
+    return ce, {}
+
+
 def _user_loss(fn: Callable, logits, labels):
     return fn(logits, labels), {}
 
@@ -138,7 +156,10 @@ class ChunkedCrossEntropy:
         return ce / labels.numel() + z, {"z_loss": z.detach()}
 
 
-def build_loss(cfg) -> LossFn | ChunkedCrossEntropy:
+def build_loss(cfg, packed: bool = False) -> LossFn | ChunkedCrossEntropy:
+    """packed: the samples are packed documents (fsdp_research.data.packing), whose loss is a sum."""
+    if packed:
+        return functools.partial(_summed_cross_entropy, label_smoothing=cfg.label_smoothing)
     if cfg.get("_target_"):
         target = resolve(cfg._target_, "loss._target_")
         return functools.partial(_user_loss, functools.partial(target, **_target_kwargs(cfg, target)))
@@ -254,14 +275,35 @@ def _expert_tokens(router_logits, router: Router) -> torch.Tensor | None:
     return torch.bincount(chosen, minlength=router.experts).float()
 
 
-def train_loss(model: nn.Module, batch: torch.Tensor, amp, loss_fn: LossFn | None = None, router: Router | None = None):
-    """(loss, to log) of a batch of seq_len + 1 tokens: the configured next-token loss (and its parts to log), plus
-    the router's weighted load-balancing loss; for a mixture of experts, its aux loss and the tokens routed to each
-    expert (summed over its MoE layers) to log, where the family computes them (a router trained without an aux
-    loss has none)."""
+def packed_weight(batch: torch.Tensor, micro_steps: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Packed samples: (what each micro-batch's summed loss is weighted by, the step's targets). The step's loss
+    (the trainer divides by micro_steps, FSDP averages the gradients over ranks) is then the mean over the step's
+    targets on every micro-batch and rank: the weight is world x micro_steps / the targets (a collective). (None,
+    None) for windows of tokens."""
+    if batch.dim() != 3:
+        return None, None
+    targets = target_count(batch).sum().float()
+    dist.all_reduce(targets)
+    # No target in the whole step (all padding): a zero loss, not a division by zero.
+    return dist.get_world_size() * micro_steps / targets.clamp(min=1), targets
+
+
+def train_loss(
+    model: nn.Module,
+    batch: torch.Tensor,
+    amp,
+    loss_fn: LossFn | None = None,
+    router: Router | None = None,
+    weight: torch.Tensor | None = None,
+):
+    """(loss, to log) of a batch of seq_len + 1 tokens, or of packed samples (their summed loss times `weight`:
+    see packed_weight): the configured next-token loss (and its parts to log), plus the router's weighted
+    load-balancing loss; for a mixture of experts, its aux loss and the tokens routed to each expert (summed over
+    its MoE layers) to log, where the family computes them (a router trained without an aux loss has none)."""
     chunked = isinstance(loss_fn, ChunkedCrossEntropy)
+    inputs, labels, kwargs = model_inputs(batch)
     with amp, head_bypassed(model) if chunked else contextlib.nullcontext((None, None)) as (head, seen):
-        out = model(input_ids=batch[:, :-1], **({"output_router_logits": True} if router else {}))
+        out = model(input_ids=inputs, **kwargs, **({"output_router_logits": True} if router else {}))
         logits = getattr(out, "logits", None)
         if logits is None:
             raise ConfigError(
@@ -269,11 +311,12 @@ def train_loss(model: nn.Module, batch: torch.Tensor, amp, loss_fn: LossFn | Non
                 f"the model's forward returned a {type(out).__name__} without .logits",
                 "return an object with .logits (e.g. transformers' CausalLMOutput)",
             )
-        labels = batch[:, 1:].flatten()
         if chunked:
             loss, stats = loss_fn(bypassed_hidden(logits, seen).flatten(0, 1), labels, head)
     if not chunked:
         loss, stats = (loss_fn or _plain)(logits.flatten(0, 1), labels)
+    if weight is not None:
+        loss = loss * weight
     if router is None:
         return loss, stats
     aux = getattr(out, "aux_loss", None)
@@ -287,16 +330,31 @@ def train_loss(model: nn.Module, batch: torch.Tensor, amp, loss_fn: LossFn | Non
     return loss, stats
 
 
+def model_inputs(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(input ids, flat labels, other forward arguments) of windows of seq_len + 1 tokens, or of packed samples
+    ([n, 3, seq_len]: their position ids restart at each document)."""
+    if batch.dim() == 3:
+        return batch[:, INPUTS], batch[:, LABELS].flatten(), {"position_ids": batch[:, POSITIONS]}
+    return batch[:, :-1], batch[:, 1:].flatten(), {}
+
+
+def target_count(batch: torch.Tensor) -> torch.Tensor:
+    """The batch's targets, per sample (a window of tokens: all of its seq_len)."""
+    if batch.dim() == 3:
+        return (batch[:, LABELS] != IGNORE).sum(1)
+    return torch.full((len(batch),), batch.shape[1] - 1, device=batch.device)
+
+
 def token_losses(model: nn.Module, batch: torch.Tensor, amp, chunks: int = 1) -> torch.Tensor:
-    """Each target token's cross-entropy, [batch, seq_len]; with chunks > 1 (no grad: eval) the logits of 1/chunks
-    of the tokens at a time, as loss.chunks trains."""
-    labels = batch[:, 1:].flatten()
+    """Each position's cross-entropy, [batch, seq_len] (0 where it is no target); with chunks > 1 (no grad: eval)
+    the logits of 1/chunks of the tokens at a time, as loss.chunks trains."""
+    inputs, labels, kwargs = model_inputs(batch)
     if chunks == 1:
         with amp:
-            logits = model(input_ids=batch[:, :-1]).logits
+            logits = model(input_ids=inputs, **kwargs).logits
         return F.cross_entropy(logits.float().flatten(0, 1), labels, reduction="none").view(len(batch), -1)
     with amp, head_bypassed(model) as (head, seen):
-        hidden = bypassed_hidden(model(input_ids=batch[:, :-1]).logits, seen).flatten(0, 1)
+        hidden = bypassed_hidden(model(input_ids=inputs, **kwargs).logits, seen).flatten(0, 1)
         parts = [
             F.cross_entropy(F.linear(h, head.weight, head.bias).float(), y, reduction="none")
             for h, y in zip(hidden.chunk(chunks), labels.chunk(chunks))
@@ -321,7 +379,7 @@ def held_out_loss(
         batch = data.batch(index[a : a + micro_batch], held_out=True).to(device)
         w = weight[a : a + micro_batch]
         per_sample = token_losses(model, batch, amp, chunks).sum(1)
-        sums += torch.stack([(per_sample * w).sum(), w.sum() * (batch.shape[1] - 1)]).double()
+        sums += torch.stack([(per_sample * w).sum(), (target_count(batch) * w).sum()]).double()
     model.train()
     dist.all_reduce(sums)
     return {"eval_loss": (sums[0] / sums[1]).item(), "eval_tokens": int(sums[1].item())}

@@ -57,10 +57,11 @@ def open_data(cfg: DictConfig, vocab_size: int) -> Data:
 
 
 def read_ahead(
-    data: Data, cfg: DictConfig, start: int, device: torch.device, resources: contextlib.ExitStack
+    data: Data, t: DictConfig, start: int, device: torch.device, resources: contextlib.ExitStack
 ) -> Prefetcher:
-    """This rank's batches from step `start` on, read ahead on a thread (closed when the run ends)."""
-    t, rank, world = cfg.trainer, dist.get_rank(), dist.get_world_size()
+    """This rank's batches from step `start` on (trainer section `t`), read ahead on a thread (closed when the run
+    ends)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     batches = Prefetcher(
         lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
         start,

@@ -19,7 +19,7 @@ from fsdp_research.callbacks.hooks import Callbacks, RunHandle
 from fsdp_research.checkpoint.dcp import Checkpointer, config_files
 from fsdp_research.checkpoint.hf_export import export_run
 from fsdp_research.config.schema import Strategy, typed
-from fsdp_research.data.pipeline import Data, Prefetcher
+from fsdp_research.data.pipeline import Data, Prefetcher, packed
 from fsdp_research.distributed.precision import LossScaler, autocast
 from fsdp_research.distributed.processes import broadcast_object, device_for, init_distributed, launch_env, on_rank0
 from fsdp_research.distributed.sharding import ShardingPlan, grad_sync
@@ -35,7 +35,15 @@ from fsdp_research.optim import build_optimizer, clip_, clip_grad_norm, configur
 from fsdp_research.optim.resume import continue_schedule
 from fsdp_research.train import overfit, rundir
 from fsdp_research.train.anomaly import AnomalyChecks, apply_anomaly_checks
-from fsdp_research.train.losses import LossFn, Router, build_loss, check_chunked, held_out_loss, router_of, train_loss
+from fsdp_research.train.losses import (
+    LossFn,
+    Router,
+    build_loss,
+    held_out_loss,
+    packed_weight,
+    router_of,
+    train_loss,
+)
 from fsdp_research.train.preemption import NONE, STOP, Boundary, Signals, agree
 from fsdp_research.train.startup import (
     close_on_exit,
@@ -47,7 +55,7 @@ from fsdp_research.train.startup import (
     throughput_of,
 )
 from fsdp_research.train.state import TrainResult, TrainState
-from fsdp_research.train.validation import checked_plan, doubts
+from fsdp_research.train.validation import check_built, checked_plan, doubts
 
 log = logging.getLogger("fsdp_research")
 
@@ -133,7 +141,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     # Read before sharding, which renames the classes it wraps.
     d, fit = dims(model, plan.blocks), planned_fit(cfg, model, plan, device)
     model = shard_model(model, plan, cfg, device, world)
-    check_chunked(model, cfg.loss, device)
+    check_built(cfg, model, device)
     seed_rng(model, t.seed, rank, world)
     optimizer, scheduler = build_optimizer(model, cfg, plan.blocks)
     callbacks = Callbacks(cfg.callbacks)
@@ -158,7 +166,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     throughput = throughput_of(cfg, d, model, plan, device, state.step)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)
-    batches = read_ahead(data, cfg, state.step, device, resources)
+    batches = read_ahead(data, t, state.step, device, resources)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -173,7 +181,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         data=data,
         batches=batches,
         amp=autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp_classic),
-        loss_fn=build_loss(cfg.loss),
+        loss_fn=build_loss(cfg.loss, packed=packed(cfg.data)),
         router=router_of(hf_config, d.experts, d.experts_per_token),
         callbacks=callbacks,
         handle=handle,
@@ -210,10 +218,13 @@ def train_step(run: Run, step: int) -> StepResult:
         batch = run.batches.get(step).to(run.device, non_blocking=True)
     loss_sum = torch.zeros((), device=run.device)
     totals: dict[str, torch.Tensor] = {}
+    weight, targets = packed_weight(batch, micro_steps)
+    if targets is not None:
+        totals["targets"] = targets
     for i, micro in enumerate(batch.split(t.micro_batch_size)):
         with grad_sync(run.model, i == micro_steps - 1, t.defer_grad_sync):
             with region("forward"):
-                loss, stats = train_loss(run.model, micro, run.amp, run.loss_fn, run.router)
+                loss, stats = train_loss(run.model, micro, run.amp, run.loss_fn, run.router, weight)
                 run.anomaly.check_loss(loss)
                 loss = loss / micro_steps
             with region("backward"):
@@ -342,11 +353,11 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> dic
 
 
 def evaluate(run: Run) -> dict[str, float]:
-    t = run.cfg.trainer
+    t, whole = run.cfg.trainer, run.data.eval_windows
     return held_out_loss(
         run.model,
         run.data,
-        t.eval_batches * t.micro_batch_size,
+        t.eval_batches * t.micro_batch_size if whole is None else whole.count,
         t.micro_batch_size,
         run.device,
         run.amp,

@@ -22,8 +22,9 @@ from fsdp_research.config.schema import (
 )
 from fsdp_research.config.sizes import export_shard_size
 from fsdp_research.config.targets import resolve
+from fsdp_research.data.chat import check_chat
 from fsdp_research.data.parts import first_file, probe
-from fsdp_research.data.pipeline import check_tokenizer, sources
+from fsdp_research.data.pipeline import check_tokenizer, packed, sources
 from fsdp_research.data.tokenizer import check_model_tokenizer
 from fsdp_research.distributed.activation_checkpointing import resolve_op
 from fsdp_research.distributed.names import clean_name
@@ -35,12 +36,13 @@ from fsdp_research.errors import ConfigError
 from fsdp_research.metrics.hardware import GPUS
 from fsdp_research.model.architecture import pretrained_dir
 from fsdp_research.model.dimensions import dims, max_positions
+from fsdp_research.model.document_masking import check_document_masking
 from fsdp_research.model.parallelize import planned_model
 from fsdp_research.model.pretrained import check_weights
 from fsdp_research.optim import check_optim
 from fsdp_research.optim.groups import check_patterns
 from fsdp_research.planner.budget import parse_headroom
-from fsdp_research.train.losses import check_loss
+from fsdp_research.train.losses import check_chunked, check_loss
 
 
 def check_trainer(t: TrainerConfig, world_size: int) -> None:
@@ -113,7 +115,11 @@ def check_data(cfg: DataConfig, t: TrainerConfig, hf_config) -> None:
         raise ConfigError(
             "data.overfit_batches", f"{cfg.overfit_batches} is negative", "use 0 (off) or the batches to repeat: 1"
         )
-    if t.eval_interval and cfg.eval_fraction <= 0:
+    if cfg.kind is DataKind.chat:
+        check_chat(cfg)
+    elif cfg.eval_paths:
+        probe(first_file(cfg.eval_paths, "data.eval_paths"), cfg.text_field)
+    if t.eval_interval and cfg.eval_fraction <= 0 and not cfg.eval_paths:
         raise ConfigError(
             "trainer.eval_interval",
             "eval needs held-out data but data.eval_fraction is 0",
@@ -260,7 +266,7 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     check_activation_checkpointing(cfg.activation_checkpointing)
     check_optim(cfg.optim, cfg.schedule)
     check_optimizer_sharding(cfg, world_size)
-    check_loss(cfg.loss)
+    check_loss(cfg.loss, packed(cfg.data))
     check_callbacks(cfg.callbacks)
     check_checkpoint(cfg.checkpoint)
     check_doctor(cfg.doctor)
@@ -273,6 +279,14 @@ def check_planned(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_conf
         check_data_fits(cfg.data, dims(model, plan.blocks).vocab, None)
     names = [clean_name(n) for n, _ in model.named_parameters()]
     check_patterns(OmegaConf.to_container(cfg.optim.param_groups, resolve=True), names)
+
+
+def check_built(cfg: DictConfig, model: nn.Module, device: torch.device) -> None:
+    """What needs the sharded model's forward (a collective: every rank calls it): the chunked loss's output layer,
+    packed documents kept apart."""
+    check_chunked(model, cfg.loss, device)
+    if packed(cfg.data) and cfg.data.packing and cfg.data.document_masking is not False:
+        check_document_masking(model, device)
 
 
 def checked_plan(

@@ -1,0 +1,184 @@
+"""Conversations and prompt/completion pairs as training documents: each record's token ids and which of them are
+targets (data.loss_on), rendered with the tokenizer's own chat template. The assistant's tokens are the template's
+`{% generation %}` blocks where it marks them (transformers' return_assistant_tokens_mask), else found by rendering
+the conversation turn by turn: the text each assistant message adds after the generation prompt."""
+
+import copy
+import logging
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from fsdp_research.config.schema import DataConfig, LossOn, Truncation
+from fsdp_research.data.formats import read_records
+from fsdp_research.data.parts import first_file, resolve_files
+from fsdp_research.data.tokenizer import load_tokenizer
+from fsdp_research.errors import ConfigError
+
+log = logging.getLogger("fsdp_research")
+
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass(frozen=True)
+class Document:
+    ids: np.ndarray  # int64 token ids
+    targets: np.ndarray  # bool: token j is trained on (predicted from the tokens before it)
+
+
+def chat_tokenizer(cfg: DataConfig):
+    """The Hugging Face tokenizer with the template the data is rendered with (data.chat_template's file, else its
+    own)."""
+    tok = load_tokenizer(cfg.tokenizer).hf
+    if tok is None:
+        raise ConfigError(
+            "data.tokenizer", "data=chat needs a Hugging Face tokenizer, not `byte`", "name one with a chat template"
+        )
+    if cfg.chat_template:
+        tok = copy.copy(tok)  # load_tokenizer's is shared: its own template stays
+        try:
+            with open(cfg.chat_template) as f:
+                tok.chat_template = f.read()
+        except OSError as err:
+            raise ConfigError(
+                "data.chat_template", f"cannot read {cfg.chat_template}: {err}", "name a Jinja file"
+            ) from None
+    elif not cfg.prompt_field and not tok.chat_template:
+        raise ConfigError(
+            "data.tokenizer",
+            f"{cfg.tokenizer!r} has no chat template",
+            "use a tokenizer that has one, or set data.chat_template to a Jinja file",
+        )
+    return tok
+
+
+def _char_targets(tok, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+    """The text's tokens (as apply_chat_template tokenizes a rendered chat) and which overlap a span of chars."""
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    targets = np.zeros(len(enc["input_ids"]), bool)
+    for j, (start, end) in enumerate(enc["offset_mapping"]):
+        targets[j] = any(start < b and end > a for a, b in spans)
+    return np.asarray(enc["input_ids"], np.int64), targets
+
+
+def _assistant_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the chars of each assistant message (what it adds after the generation
+    prompt: its content and end of turn)."""
+    text = tok.apply_chat_template(messages, tokenize=False)
+    spans = []
+    for k, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prompt = tok.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True) if k else ""
+        upto = tok.apply_chat_template(messages[: k + 1], tokenize=False)
+        if not (text.startswith(upto) and upto.startswith(prompt)):
+            raise ConfigError(
+                "data.chat_template",
+                "the template renders a conversation's start differently from the whole, so the assistant's tokens "
+                "cannot be found turn by turn",
+                "mark them with {% generation %} ... {% endgeneration %} in the template",
+            )
+        spans.append((len(prompt), len(upto)))
+    return text, spans
+
+
+def _chat_document(tok, messages: list[dict], loss_on: LossOn) -> Document:
+    if loss_on is LossOn.all:
+        ids = np.asarray(tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"], np.int64)
+        return Document(ids, np.ones(len(ids), bool))
+    if _GENERATION.search(tok.chat_template):
+        out = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids, targets = np.asarray(out["input_ids"], np.int64), np.asarray(out["assistant_masks"], bool)
+    else:
+        text, spans = _assistant_spans(tok, messages)
+        ids, targets = _char_targets(tok, text, spans)
+    if loss_on is LossOn.last_assistant and targets.any():
+        # The last run of targets: the last assistant message (a header's tokens part one from the next).
+        starts = np.flatnonzero(targets & ~np.r_[False, targets[:-1]])
+        targets[: starts[-1]] = False
+    return Document(ids, targets)
+
+
+def _prompt_completion(tok, prompt: str, completion: str, loss_on: LossOn) -> Document:
+    """As TRL tokenizes a pair: the prompt alone, the pair, the completion's tokens those past the prompt's; and
+    the end-of-sequence token, a target."""
+    prompt_ids = tok(prompt)["input_ids"]
+    ids = np.asarray([*tok(prompt + completion)["input_ids"], tok.eos_token_id], np.int64)
+    targets = np.arange(len(ids)) >= (0 if loss_on is LossOn.all else len(prompt_ids))
+    return Document(ids, targets)
+
+
+def _field(record: Any, key: str, name: str, path: str, where: str) -> Any:
+    if not isinstance(record, dict) or name not in record:
+        fields = ", ".join(sorted(map(str, record))) if isinstance(record, dict) else type(record).__name__
+        raise ConfigError(key, f"{path} {where} has no field {name!r} (its fields: {fields})", "set it to one of them")
+    return record[name]
+
+
+def _documents_of(tok, cfg: DataConfig, path: str) -> Iterator[Document]:
+    for where, record in read_records(path):
+        try:
+            if cfg.prompt_field or cfg.completion_field:
+                prompt = _field(record, "data.prompt_field", cfg.prompt_field, path, where)
+                completion = _field(record, "data.completion_field", cfg.completion_field, path, where)
+                if not isinstance(prompt, str) or not isinstance(completion, str):
+                    raise ConfigError(
+                        "data.prompt_field", f"{path} {where}: prompt and completion must be text", "fix that record"
+                    )
+                yield _prompt_completion(tok, prompt, completion, cfg.loss_on)
+            else:
+                messages = _field(record, "data.messages_field", cfg.messages_field, path, where)
+                yield _chat_document(tok, messages, cfg.loss_on)
+        except ConfigError:
+            raise
+        except Exception as err:  # the template's own complaint (a role it rejects, a malformed message)
+            text = str(err).strip().splitlines()
+            raise ConfigError(
+                "data.paths",
+                f"{path} {where}: the chat template rejects it ({text[0] if text else err!r})",
+                "fix that record, or the template",
+            ) from None
+
+
+def check_chat(cfg: DataConfig) -> None:
+    """data=chat before any compute: the tokenizer and its template, the first record of the first file (its
+    fields, its roles) rendered, as the eval files' first."""
+    if cfg.sources:
+        raise ConfigError("data.sources", "data=chat reads data.paths, not a mixture", "give data.paths")
+    if bool(cfg.prompt_field) != bool(cfg.completion_field):
+        raise ConfigError(
+            "data.prompt_field", "prompt/completion pairs need both fields", "set data.completion_field too"
+        )
+    tok = chat_tokenizer(cfg)
+    for path in (
+        first_file(cfg.paths, "data.paths"),
+        *([first_file(cfg.eval_paths, "data.eval_paths")] if cfg.eval_paths else []),
+    ):
+        next(_documents_of(tok, cfg, path), None)
+
+
+def documents(cfg: DataConfig, paths: list[str], key: str, seq_len: int) -> list[Document]:
+    """Every record of the files `paths` names, in order, each a document of at most seq_len tokens
+    (data.truncation)."""
+    tok = chat_tokenizer(cfg)
+    out, dropped = [], 0
+    for path in resolve_files(paths, key):
+        for doc in _documents_of(tok, cfg, path):
+            if len(doc.ids) > seq_len:
+                if cfg.truncation is Truncation.error:
+                    raise ConfigError(
+                        "data.truncation",
+                        f"a document of {path} has {len(doc.ids)} tokens, more than data.seq_len={seq_len}",
+                        "raise data.seq_len, or set data.truncation=drop or truncate",
+                    )
+                if cfg.truncation is Truncation.drop:
+                    dropped += 1
+                    continue
+                doc = Document(doc.ids[:seq_len], doc.targets[:seq_len])
+            out.append(doc)
+    if dropped:
+        log.info(f"data: {dropped} of {dropped + len(out)} documents longer than data.seq_len={seq_len} dropped")
+    return out

@@ -1,0 +1,43 @@
+"""Whether a model keeps packed documents apart: transformers' packed-sequence path (position ids restarting at
+each document) is its mask functions', which a family with attention of its own may not call. Checked once at the
+start on the built model, as training will run it, before a step trains on documents that see each other."""
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel
+
+from fsdp_research.errors import ConfigError
+
+
+@torch.no_grad()
+def check_document_masking(model: nn.Module, device: torch.device) -> None:
+    """The logits of one document [a, b] packed after two different documents (lengths 3 and 1, the rest padding,
+    positions restarting at each) must be the same: not if the second document sees the first, or its positions
+    run on from it. A collective under FSDP: every rank calls it. Raises ConfigError."""
+    inner = model.module if isinstance(model, DistributedDataParallel) else model
+    tokens = torch.tensor([[3, 4, 5, 1, 2, 6], [7, 1, 2, 6, 6, 6]], device=device)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 0, 1, 0, 1, 2]], device=device)
+    was_training = inner.training
+    inner.eval()
+    # Eager: a compiled block would be compiled for this shape first, and recompiled for the batch's.
+    with torch.compiler.set_stance("force_eager"):
+        try:
+            logits = inner(input_ids=tokens, position_ids=positions).logits.float()
+        except TypeError as err:  # a model of one's own
+            raise ConfigError(
+                "data.document_masking", f"the model's forward takes no position_ids ({err})", "set it to false"
+            ) from None
+    inner.train(was_training)
+    # Units that keep their parameters gathered after forward (the root, the last block): sharded again.
+    for module in inner.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+    first, second = logits[0, 3:5], logits[1, 1:3]
+    if (first - second).abs().max() > 1e-3 * (1 + first.abs().max()):
+        raise ConfigError(
+            "data.document_masking",
+            f"{type(inner).__name__} lets packed documents see each other (its attention ignores the position ids' "
+            "restarts)",
+            "set data.document_masking=false, or data.packing=false",
+        )

@@ -1,0 +1,133 @@
+"""Chat data (data=chat) against transformers: the assistant's tokens found turn by turn are those transformers'
+return_assistant_tokens_mask marks under the same template with {% generation %} marks; a packed document's loss is
+transformers' loss of the document fed alone (its own labels, its own positions); packing on or off gives the same
+loss over the targets; bad input is one line before any compute."""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fsdp_research.data.chat import documents
+from fsdp_research.data.packing import IGNORE, LABELS, pack
+from fsdp_research.errors import ConfigError
+from fsdp_research.jobs.compose import compose
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.model.document_masking import check_document_masking
+from fsdp_research.train.losses import token_losses
+from fsdp_research.train.validation import check_config
+from tests.helpers.chats import CHATML, CHATML_MARKED, CONVERSATIONS, chat_tokenizer, write_chats
+from tests.helpers.zoo import hf_config, pretrained
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("chat")
+    tok = chat_tokenizer(str(tmp / "model"), CHATML)
+    marked = chat_tokenizer(str(tmp / "marked"), CHATML_MARKED)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("llama", vocab_size=len(AutoTokenizer.from_pretrained(tok))))
+    model.save_pretrained(tok)
+    # As the trainer runs it: transformers' packed-sequence path is taken without a cache.
+    model.config.use_cache = False
+    return tok, marked, write_chats(str(tmp / "chats.jsonl")), model.eval()
+
+
+def _cfg(setup, *overrides):
+    tok, _, path, _ = setup
+    return compose([*pretrained(tok), "data=chat", f"data.paths=[{path}]", *overrides])
+
+
+@pytest.mark.parametrize("loss_on", ["assistant", "last_assistant", "all"])
+def test_targets_are_transformers_assistant_masks(setup, loss_on):
+    _, marked, path, _ = setup
+    docs = documents(_cfg(setup, f"data.loss_on={loss_on}").data, [path], "data.paths", 1024)
+    tok = AutoTokenizer.from_pretrained(marked)
+    for doc, messages in zip(docs, CONVERSATIONS, strict=True):
+        ref = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        mask = np.asarray(ref["assistant_masks"], bool)
+        if loss_on == "last_assistant":  # the last assistant message: its content starts after the last header
+            last = tok.apply_chat_template(messages[:-1], add_generation_prompt=True, return_dict=True)["input_ids"]
+            mask[: len(last)] = False
+        assert doc.ids.tolist() == ref["input_ids"]
+        assert doc.targets.tolist() == (mask.tolist() if loss_on != "all" else [True] * len(mask))
+        decoded = tok.decode(doc.ids[doc.targets])
+        assert messages[-1]["content"] in decoded and ("assistant\n" in decoded) == (loss_on == "all")
+
+
+def test_prompt_completion_pairs_train_on_the_completion(setup, tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "What is x + 1?", "completion": " It is 3."}) + "\n")
+    cfg = _cfg(setup, "data.prompt_field=prompt", "data.completion_field=completion")
+    [doc] = documents(cfg.data, [str(path)], "data.paths", 1024)
+    tok = AutoTokenizer.from_pretrained(setup[0])
+    assert tok.decode(doc.ids[doc.targets]) == " It is 3." + tok.eos_token
+    assert tok.decode(doc.ids[~doc.targets]) == "What is x + 1?"
+
+
+def _alone(model, doc) -> float:
+    """transformers' summed loss of one document fed alone (labels: the targets, shifted by the model)."""
+    labels = torch.where(torch.from_numpy(doc.targets), torch.from_numpy(doc.ids), IGNORE)
+    out = model(input_ids=torch.from_numpy(doc.ids)[None], labels=labels[None])
+    return out.loss.item() * int(doc.targets[1:].sum())
+
+
+@pytest.mark.parametrize("packing", [True, False])
+def test_a_packed_document_loses_what_it_loses_alone(setup, packing):
+    model = setup[3]
+    docs = documents(_cfg(setup).data, [setup[2]], "data.paths", 1024) * 2
+    samples = torch.from_numpy(pack(docs, 256, 0, packing=packing, masking=True))
+    assert len(samples) == (2 if packing else len(docs))
+    with torch.no_grad():
+        ours = token_losses(model, samples, torch.autocast("cpu", enabled=False)).sum().item()
+        reference = sum(_alone(model, doc) for doc in docs)
+        assert (samples[:, LABELS] != IGNORE).sum() == sum(int(d.targets[1:].sum()) for d in docs)
+        assert ours == pytest.approx(reference, rel=1e-5)
+        # Without document masking the later documents see the earlier ones: another loss.
+        unmasked = torch.from_numpy(pack(docs, 256, 0, packing=True, masking=False))
+        seen = token_losses(model, unmasked, torch.autocast("cpu", enabled=False)).sum().item()
+        assert abs(seen - reference) > 100 * max(abs(ours - reference), 1e-7 * reference)
+
+
+def test_a_model_that_keeps_documents_apart_passes_the_start_check(setup):
+    check_document_masking(setup[3], torch.device("cpu"))
+
+
+def test_long_conversations_are_dropped_cut_or_refused(setup):
+    docs = documents(_cfg(setup).data, [setup[2]], "data.paths", 1024)
+    limit = max(len(d.ids) for d in docs) - 1
+    assert len(documents(_cfg(setup).data, [setup[2]], "data.paths", limit)) == len(docs) - 1
+    cut = documents(_cfg(setup, "data.truncation=truncate").data, [setup[2]], "data.paths", limit)
+    assert max(len(d.ids) for d in cut) == limit
+    with pytest.raises(ConfigError, match="data.truncation"):
+        documents(_cfg(setup, "data.truncation=error").data, [setup[2]], "data.paths", limit)
+
+
+def _refused(cfg) -> str:
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg, 1, build_hf_config(cfg.model), torch.device("cpu"))
+    return str(err.value)
+
+
+def test_bad_chat_input_is_one_line(setup, tmp_path):
+    no_field = tmp_path / "x.jsonl"
+    no_field.write_text(json.dumps({"conversation": []}) + "\n")
+    assert "data.messages_field" in _refused(
+        compose(["data=chat", f"data.paths=[{no_field}]", f"data.tokenizer={setup[0]}"])
+    )
+    rejects = tmp_path / "rejects.jinja"
+    rejects.write_text("{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system') }}"
+                       "{% endif %}{{ m['content'] }}{% endfor %}")  # fmt: skip
+    assert re.search(
+        "line 1: the chat template rejects it .*no system", _refused(_cfg(setup, f"data.chat_template={rejects}"))
+    )
+    assert "data.tokenizer" in _refused(compose(["data=chat", f"data.paths=[{setup[2]}]"]))  # byte
+    bare = tmp_path / "bare"
+    tok = AutoTokenizer.from_pretrained(setup[0])
+    tok.chat_template = None
+    tok.save_pretrained(bare)
+    assert "no chat template" in _refused(compose(["data=chat", f"data.paths=[{setup[2]}]", f"data.tokenizer={bare}"]))
+    assert "loss.z_loss" in _refused(_cfg(setup, "loss.z_loss=1e-4"))
