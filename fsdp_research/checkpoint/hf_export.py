@@ -29,6 +29,8 @@ from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.precision import fp32_names, parse_dtype
 from fsdp_research.distributed.processes import control_group
 from fsdp_research.model.architecture import build_model
+from fsdp_research.model.lora import enabled as lora_enabled
+from fsdp_research.model.lora import export_adapter, merged
 
 log = logging.getLogger("fsdp_research")
 
@@ -219,9 +221,16 @@ def export_model(
 
 def export_run(model: torch.nn.Module, cfg: DictConfig, hf_config, out_dir: str) -> None:
     """A run's model as it is now, as its export is written (checkpoint.export_dtype and export_shard_size, the
-    data's tokenizer beside it; a collective: every rank calls it)."""
+    data's tokenizer beside it; a collective: every rank calls it). With LoRA: the adapters in PEFT's format in
+    <out_dir>/adapter, and the model with them merged (checkpoint.export_merged)."""
     shard_size = export_shard_size(cfg.checkpoint.export_shard_size)
-    export_model(model, hf_config, out_dir, export_dtype(cfg), shard_size, cfg.data.tokenizer)
+    if not lora_enabled(cfg.model.lora):
+        export_model(model, hf_config, out_dir, export_dtype(cfg), shard_size, cfg.data.tokenizer)
+        return
+    if cfg.checkpoint.export_merged:
+        with merged(model):
+            export_model(model, hf_config, out_dir, export_dtype(cfg), shard_size, cfg.data.tokenizer)
+    export_adapter(model, cfg.model, os.path.join(out_dir, "adapter"))
 
 
 def load_checkpoint_weights(step_dir: str) -> dict[str, torch.Tensor]:

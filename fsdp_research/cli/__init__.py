@@ -9,6 +9,7 @@ COMMANDS = {
     "plan": "memory and communication per rank of a config, without allocating the model",
     "doctor": "check a config against the causes of slow FSDP (--measure: from a short profiled run)",
     "export": "convert a resume checkpoint into a Hugging Face directory, offline",
+    "generate": "continue prompts with a run's export (merged, or the base with its LoRA adapter)",
     "report": "one row per job of a sweep, and a PNG of its curves",
     "scaling": "samples/s at 1..N devices for a sharding and for DDP, and the abandon verdict",
     "simulate": "one rank of an N-rank job on the fake process group: each set-up phase's time and memory",

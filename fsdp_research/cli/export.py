@@ -37,6 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtype, shard_size = export_dtype(train_cfg), export_shard_size(args.shard_size)
     except ConfigError as err:
         return fail(err)
+    if train_cfg.model.get("lora", {}).get("r") is not None:
+        return fail(
+            f"{args.step_dir}: a LoRA run's checkpoint holds its adapters only, not a model; its export (the adapter "
+            "and the merged model) is written at the end of the run"
+        )
     weights = load_checkpoint_weights(args.step_dir)
     if os.path.exists(os.path.join(args.step_dir, "config.json")):
         write_hf_dir(

@@ -11,6 +11,19 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 
 @dataclass
+class LoraSettings:
+    """model.lora: PEFT's LoRA on the pretrained weights (the base frozen), on once r is set."""
+
+    # The adapters' rank; null: no LoRA, every weight trains.
+    r: int | None = None
+    alpha: float = 16.0
+    dropout: float = 0.0
+    # Module names (a list), a regex (a string), or "all-linear" (every Linear but the output layer).
+    target_modules: Any = "all-linear"
+    modules_to_save: list[str] = field(default_factory=list)
+
+
+@dataclass
 class MoeConfig:
     # Aux-loss-free balancing (DeepSeek-V3): after each step every router's expert bias (e_score_correction_bias)
     # moves by this rate x sign(mean load - the expert's load), over the whole data-parallel batch; 0 turns it off.
@@ -32,6 +45,7 @@ class ModelConfig:
     # The repeating block class(es, comma-separated); default: the decoder's layers (architecture.block_class_name).
     block_class: str | None = None
     moe: MoeConfig = field(default_factory=MoeConfig)
+    lora: LoraSettings = field(default_factory=LoraSettings)
 
 
 class Strategy(str, Enum):
@@ -292,6 +306,10 @@ class TrainerConfig:
     # 0 turns eval off.
     eval_interval: int = 100
     eval_batches: int = 4
+    # At each eval, each prompt (a list, or a text file of one per line; rendered with the chat template for
+    # data=chat) continued greedily for sample_tokens tokens: logged to the console, metrics.jsonl and W&B.
+    sample_prompts: Any = None
+    sample_tokens: int = 32
     compile: bool = False
     # Gradient accumulation: skip the reduce-scatter on all but the last micro-batch, holding every unit's unsharded
     # gradient between them (2-4 more bytes per parameter on every rank). Across replicas (hsdp, ddp) the all-reduce
@@ -344,6 +362,8 @@ class CheckpointConfig:
     # (checkpoint.async, a Python keyword, is added to the schema in schema(): dcp.async_save when true.)
     # At the end, gather the full weights once and write a Hugging Face directory <run dir>/export/.
     export: bool = True
+    # With model.lora: the adapters merged into the base as the export (besides <export>/adapter, PEFT's format).
+    export_merged: bool = True
     # Split model.safetensors into shards above this size (bytes, or "500MB", "5GB").
     export_shard_size: str = "5GB"
     # null: the training param dtype.

@@ -36,6 +36,17 @@ class Tokenizer:
         text = backend.to_str() if backend is not None else repr(sorted(self._hf.get_vocab().items()))
         self.fingerprint = hashlib.sha256(f"{type(self._hf).__name__}\n{text}".encode()).hexdigest()
 
+    def prompt_ids(self, text: str) -> list[int]:
+        """A prompt's token ids: no end-of-document token (the model continues it)."""
+        if self._hf is None:
+            return list(text.encode("utf-8"))
+        return self._hf(text, add_special_tokens=False)["input_ids"]
+
+    def decode(self, ids: list[int]) -> str:
+        if self._hf is None:
+            return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+        return self._hf.decode(ids, skip_special_tokens=True)
+
     @property
     def hf(self):
         """The Hugging Face tokenizer (None for `byte`)."""

@@ -68,6 +68,10 @@ class Console:
         sys.stdout.write(f"\r[{bar:<30}] {step}/{self.max_steps} ETA {eta:4.0f}s | {text}{end}")
         sys.stdout.flush()
 
+    def samples(self, step: int, rows: list[dict[str, str]]) -> None:
+        for row in rows:
+            log.info(f"step {step}/{self.max_steps} | sample {row['prompt']!r} -> {row['completion']!r}")
+
 
 def read_records(run_dir: str) -> list[dict[str, Any]]:
     """Every record of <run dir>/metrics.jsonl: the per-step metrics and the one-off records ({"step", "doctor"},
@@ -113,6 +117,9 @@ class JsonlSink:
 
     def note(self, step: int, key: str, value: Any) -> None:
         self.log({"step": step, key: value})
+
+    def samples(self, step: int, rows: list[dict[str, str]]) -> None:
+        self.note(step, "samples", rows)
 
     def finish(self, failed: bool = False) -> None:
         self.file.close()
@@ -171,6 +178,14 @@ class WandbSink:
         # The summary, not the history: one record per run, and the history stays one row per logged step.
         self.run.summary[key] = value
 
+    def samples(self, step: int, rows: list[dict[str, str]]) -> None:
+        import wandb
+
+        table = wandb.Table(
+            columns=["step", "prompt", "completion"], data=[[step, r["prompt"], r["completion"]] for r in rows]
+        )
+        self.run.log({"samples": table}, step=step)
+
     def finish(self, failed: bool = False) -> None:
         # A run that raised is marked failed in W&B, not left running.
         self.run.finish(exit_code=1 if failed else 0)
@@ -190,6 +205,12 @@ class Sinks:
     def log(self, metrics: dict[str, Any]) -> None:
         for sink in self.sinks:
             sink.log(metrics)
+
+    def samples(self, step: int, rows: list[dict[str, str]]) -> None:
+        """trainer.sample_prompts' continuations: console lines, a metrics.jsonl record, a W&B table."""
+        for sink in self.sinks:
+            if hasattr(sink, "samples"):
+                sink.samples(step, rows)
 
     def note(self, step: int, key: str, value: Any) -> None:
         """A one-off record (the doctor's findings, a profile): a metrics.jsonl line {"step": step, key: value}

@@ -16,7 +16,7 @@ from fsdp_research.errors import ConfigError
 from fsdp_research.model.recorded_init import Recipe, Recorder, Unsupported, recording
 
 # model's own keys: with model._target_ the others are the factory's keyword arguments.
-OWN_KEYS = ("name", "name_or_path", "model_type", "config", "load_weights", "block_class", "moe")
+OWN_KEYS = ("name", "name_or_path", "model_type", "config", "load_weights", "block_class", "moe", "lora")
 
 log = logging.getLogger("fsdp_research")
 

@@ -13,6 +13,8 @@ from fsdp_research.distributed.precision import build_mp_policy, dtypes, kept_in
 from fsdp_research.distributed.sharding import ShardingPlan, apply_ddp, apply_fsdp, build_mesh, build_plan
 from fsdp_research.model.architecture import block_class_name, build_model, build_own_model, find_blocks, pretrained_dir
 from fsdp_research.model.initialization import init_weights, materialize
+from fsdp_research.model.lora import apply_lora, base_view, init_adapters
+from fsdp_research.model.lora import enabled as lora_enabled
 from fsdp_research.model.pretrained import load_pretrained
 
 
@@ -26,6 +28,8 @@ def planned_model(cfg: DictConfig, hf_config, values: bool = True) -> tuple[nn.M
         model = build_own_model(cfg.model, cfg.trainer.seed)
     else:
         model = build_model(hf_config, cfg.trainer.seed, values)
+    if lora_enabled(cfg.model.lora):
+        apply_lora(model, cfg.model.lora)
     blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
     # Before sharding, so that FSDP shards the wrapped block; compile too, so FSDP's hooks stay outside it.
     blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
@@ -42,7 +46,9 @@ def shard_model(
     )
     materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, device)
     if cfg.model.load_weights:
-        load_pretrained(model, pretrained_dir(cfg.model.name_or_path))
+        with base_view(model):  # the checkpoint's names: the adapted layers' base layers in their places
+            load_pretrained(model, pretrained_dir(cfg.model.name_or_path))
+        init_adapters(model, cfg.trainer.seed)
         # transformers puts loaded buffers (a router's expert bias) beside the parameters: the CPU under offload.
         for module in model.modules():
             for name, buf in module._buffers.items():

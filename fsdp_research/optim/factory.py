@@ -115,7 +115,8 @@ def build_optimizer(model: nn.Module, train_cfg: DictConfig, block_paths: Sequen
     parameters; block_paths: the repeating blocks (with optim.others, their matrices get optim._target_)."""
     cfg = train_cfg.optim
     model = getattr(model, "module", model)  # under torch's DDP, the model it wraps (the same parameters)
-    named = [(clean_name(n), p) for n, p in model.named_parameters()]
+    # Frozen ones (LoRA's base) have no optimizer state.
+    named = [(clean_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
     entries = OmegaConf.to_container(cfg.param_groups, resolve=True) if cfg.param_groups else []
     check_patterns(entries, [n for n, _ in named])
     if cfg.others is None:

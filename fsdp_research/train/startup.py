@@ -80,6 +80,9 @@ def throughput_of(
     t, world = cfg.trainer, dist.get_world_size()
     n_params, active = sum(p.numel() for p in model.parameters()), active_parameters(model, d)
     moe = f" ({active / 1e6:.2f}M active per token)" if active != n_params else ""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    if trainable != n_params:  # LoRA
+        moe += f", {trainable / 1e6:.3f}M of them trainable ({trainable / n_params:.2%})"
     log.info(
         f"model {cfg.model.name}: {n_params / 1e6:.2f}M parameters{moe}, {len(plan.blocks)} blocks, "
         f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from fsdp_research.distributed.precision import LossScaler
+from fsdp_research.errors import ConfigError
 from fsdp_research.metrics.sinks import new_run_id
 
 
@@ -19,6 +20,8 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     wandb_run_id: str = field(default_factory=new_run_id)
+    # LoRA: what identifies the frozen base the adapters train on (fsdp_research.model.lora.base_identity).
+    base_weights: str | None = None
 
     def state_dict(self, world_size: int) -> dict[str, Any]:
         return {
@@ -28,9 +31,18 @@ class TrainState:
             "world_size": world_size,
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
+            "base_weights": self.base_weights,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("base_weights") != self.base_weights:
+            raise ConfigError(
+                "model.name_or_path",
+                "is not the base the checkpoint's adapters trained on"
+                if self.base_weights and state.get("base_weights")
+                else "the checkpoint is of a run with LoRA and this one without, or the other way round",
+                "resume with the run's own model settings",
+            )
         self.step, self.tokens_seen, self.wandb_run_id = state["step"], state["tokens_seen"], state["wandb_run_id"]
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])

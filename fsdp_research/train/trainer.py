@@ -29,6 +29,7 @@ from fsdp_research.metrics.profiling import StepProfiler, region
 from fsdp_research.metrics.sinks import Sinks, setup_logging
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.dimensions import dims
+from fsdp_research.model.lora import base_identity
 from fsdp_research.model.moe_balancing import BiasBalancer
 from fsdp_research.model.parallelize import shard_model
 from fsdp_research.optim import build_optimizer, clip_, clip_grad_norm, configured_keys, grad_norm
@@ -45,6 +46,7 @@ from fsdp_research.train.losses import (
     train_loss,
 )
 from fsdp_research.train.preemption import NONE, STOP, Boundary, Signals, agree
+from fsdp_research.train.samples import take_samples
 from fsdp_research.train.startup import (
     close_on_exit,
     observe,
@@ -150,7 +152,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     balancer = BiasBalancer(model, cfg.model.moe.bias_update_rate)
     close_on_exit(resources, lambda failed: balancer.close())
     callbacks.add_builtin("moe_balancer", balancer)
-    state = TrainState(scheduler, LossScaler(cfg.precision))
+    state = TrainState(scheduler, LossScaler(cfg.precision), base_weights=base_identity(cfg.model))
     checks = resources.enter_context(apply_anomaly_checks(model, state, t.detect_anomaly))
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
     close_on_exit(resources, checkpointer.close)
@@ -291,6 +293,7 @@ def _loop(run: Run, result: TrainResult) -> None:
             with run.throughput.paused():
                 metrics = {"step": done, **evaluate(run)}
                 run.sinks.log(metrics)
+                run.sinks.samples(done, take_samples(run.model, run.cfg, run.device, run.amp))
                 callbacks.call("on_eval", handle, done, metrics)
         # Any rank's stop request is every rank's.
         stopped_by_callback = bool(callbacks) and callbacks.agree(handle)[1]

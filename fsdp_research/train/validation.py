@@ -37,12 +37,14 @@ from fsdp_research.metrics.hardware import GPUS
 from fsdp_research.model.architecture import pretrained_dir
 from fsdp_research.model.dimensions import dims, max_positions
 from fsdp_research.model.document_masking import check_document_masking
+from fsdp_research.model.lora import check_lora
 from fsdp_research.model.parallelize import planned_model
 from fsdp_research.model.pretrained import check_weights
 from fsdp_research.optim import check_optim
 from fsdp_research.optim.groups import check_patterns
 from fsdp_research.planner.budget import parse_headroom
 from fsdp_research.train.losses import check_chunked, check_loss
+from fsdp_research.train.samples import check_samples
 
 
 def check_trainer(t: TrainerConfig, world_size: int) -> None:
@@ -250,6 +252,7 @@ def check_model(cfg: ModelConfig, hf_config) -> None:
         )
     if cfg.load_weights:
         check_weights(hf_config, pretrained_dir(cfg.name_or_path))
+    check_lora(cfg.lora, cfg.load_weights)
 
 
 def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.device) -> None:
@@ -269,6 +272,7 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     check_loss(cfg.loss, packed(cfg.data))
     check_callbacks(cfg.callbacks)
     check_checkpoint(cfg.checkpoint)
+    check_samples(cfg)
     check_doctor(cfg.doctor)
 
 

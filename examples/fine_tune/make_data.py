@@ -1,0 +1,67 @@
+"""A tiny fine-tuning setup made here, offline: chats in JSON Lines (train and eval), a byte-level BPE tokenizer with
+ChatML's turn tokens and chat template, and a small llama beside it written with save_pretrained (random weights:
+it stands in for the pretrained model you would name). Usage: python examples/fine_tune/make_data.py <out dir>"""
+
+import json
+import os
+import random
+import sys
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def chats(n: int, seed: int) -> list[dict]:
+    """Sums asked and answered: a task a small model learns in a few hundred steps."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, 20), rng.randint(0, 20)
+        out.append(
+            {
+                "messages": [
+                    {"role": "system", "content": "Answer with the number."},
+                    {"role": "user", "content": f"What is {a} + {b}?"},
+                    {"role": "assistant", "content": str(a + b)},
+                ]
+            }
+        )
+    return out
+
+
+def main(out: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    train, evals = chats(2000, 0), chats(100, 1)
+    for name, rows in (("train", train), ("eval", evals)):
+        with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    texts = [m["content"] for row in train for m in row["messages"]]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=512, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    model_dir = os.path.join(out, "model")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = TEMPLATE
+    fast.save_pretrained(model_dir)
+    config = AutoConfig.for_model(
+        "llama", vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
+    print(f"wrote {out}/train.jsonl, {out}/eval.jsonl and {model_dir} (tokenizer with a chat template, llama)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "examples/fine_tune/out")

@@ -1,0 +1,65 @@
+"""fsdp-research generate <export dir | run dir> --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N] [--adapter]:
+a run's export continued by transformers' generate (greedy), in this process alone: the merged model, or with
+--adapter (or where no merged model was written) the base with the LoRA adapter through PEFT. A chat model's
+prompts are user messages rendered with its chat template."""
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+
+from fsdp_research.cli.common import fail
+
+ADAPTER_DIR = "adapter"
+
+
+def _export_dir(path: str) -> str:
+    """A run dir's export, or the export dir itself."""
+    inside = os.path.join(path, "export")
+    return inside if os.path.isdir(inside) else path
+
+
+def _load(export: str, adapter: bool):
+    """(model, tokenizer) of an export: the merged weights, or the base with the adapter (PEFT)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter_dir = os.path.join(export, ADAPTER_DIR)
+    merged = os.path.exists(os.path.join(export, "config.json"))
+    if not merged and not os.path.isdir(adapter_dir):
+        raise FileNotFoundError(f"{export} holds neither a model (config.json) nor a LoRA adapter ({ADAPTER_DIR}/)")
+    if adapter or not merged:
+        from peft import PeftModel
+
+        with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
+            base = json.load(f)["base_model_name_or_path"]
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir)
+        tokenizer = AutoTokenizer.from_pretrained(export if merged else base)
+    else:
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(export), AutoTokenizer.from_pretrained(export)
+    return model.eval(), tokenizer
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fsdp-research generate", description=__doc__.split(":", 1)[1].strip())
+    parser.add_argument("path", help="a run's export dir, or its run dir")
+    parser.add_argument("--prompt", action="append", required=True, help="repeat for several")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--adapter", action="store_true", help="the base with the LoRA adapter, not the merged model")
+    args = parser.parse_intermixed_args(argv)
+    import torch
+
+    try:
+        model, tokenizer = _load(_export_dir(args.path), args.adapter)
+    except (OSError, ValueError, KeyError) as err:
+        return fail(f"{args.path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+    for prompt in args.prompt:
+        if tokenizer.chat_template:
+            messages = [{"role": "user", "content": prompt}]
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        else:
+            text = prompt
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+        print(f"{prompt} -> {tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)}")
+    return 0

@@ -1,0 +1,206 @@
+"""LoRA (model.lora) with PEFT: its adapters injected into the model on the meta device before sharding (so each
+block's adapters shard in the block's unit), the base frozen; the base's pretrained weights read into the shards
+with the adapters set aside; the adapters initialised as PEFT initialises them (A kaiming-uniform, B zeros), each
+from its own seed, whole on every rank, so alike at any world size; and the adapters merged into the base for an
+export."""
+
+import contextlib
+import hashlib
+import math
+import os
+import sys
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from fsdp_research.config.schema import LoraSettings, ModelConfig
+from fsdp_research.distributed.names import clean_name
+from fsdp_research.distributed.sharding import local_shard
+from fsdp_research.errors import ConfigError
+from fsdp_research.model.architecture import pretrained_dir
+from fsdp_research.model.pretrained import checkpoint_files
+
+ADAPTER = "default"
+
+
+def peft_config(cfg: LoraSettings):
+    from peft import LoraConfig
+
+    targets = cfg.target_modules
+    if not isinstance(targets, str):
+        targets = list(targets)
+    return LoraConfig(
+        r=cfg.r,
+        lora_alpha=cfg.alpha,
+        lora_dropout=cfg.dropout,
+        target_modules=targets,
+        modules_to_save=list(cfg.modules_to_save) or None,
+        task_type="CAUSAL_LM",
+    )
+
+
+def enabled(cfg: LoraSettings) -> bool:
+    return cfg.r is not None
+
+
+def check_lora(cfg: LoraSettings, load_weights: bool) -> None:
+    if not enabled(cfg):
+        return
+    if cfg.r < 1:
+        raise ConfigError("model.lora.r", f"{cfg.r} is below 1", "use a rank of 1 or more, e.g. 8")
+    if not 0 <= cfg.dropout < 1:
+        raise ConfigError("model.lora.dropout", f"{cfg.dropout} is not in [0, 1)", "use e.g. 0.05")
+    if not load_weights:
+        raise ConfigError(
+            "model.lora", "adapts pretrained weights, but model.load_weights is false", "use model=pretrained"
+        )
+    if cfg.modules_to_save:
+        raise ConfigError("model.lora.modules_to_save", "is not supported yet", "leave it empty")
+
+
+def apply_lora(model: nn.Module, cfg: LoraSettings) -> None:
+    """PEFT's adapters injected in place (the model keeps its class and its names, the targets' weights moving to
+    <target>.base_layer), every other parameter frozen. Raises ConfigError for targets PEFT cannot adapt."""
+    from peft import inject_adapter_in_model
+
+    try:
+        inject_adapter_in_model(peft_config(cfg), model, adapter_name=ADAPTER, low_cpu_mem_usage=True)
+    except (ValueError, TypeError) as err:
+        raise ConfigError(
+            "model.lora.target_modules",
+            f"PEFT cannot adapt {cfg.target_modules!r} in {type(model).__name__}: {str(err).splitlines()[0]}",
+            "name Linear modules the model has (e.g. q_proj,v_proj), or all-linear",
+        ) from None
+    for name, param in model.named_parameters():
+        param.requires_grad_(_is_adapter(name))
+
+
+def base_identity(cfg: ModelConfig) -> str | None:
+    """With LoRA, what identifies the pretrained weights cheaply: each safetensors file's size, header (names,
+    dtypes, shapes, offsets) and first and last MiB; None without."""
+    if not enabled(cfg.lora):
+        return None
+    digest = hashlib.sha256()
+    for path in checkpoint_files(pretrained_dir(cfg.name_or_path)):
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            header = 8 + int.from_bytes(f.read(8), "little")
+            f.seek(0)
+            digest.update(f"{os.path.basename(path)} {size}".encode() + f.read(header + 2**20))
+            f.seek(max(header, size - 2**20))
+            digest.update(f.read())
+    return digest.hexdigest()
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
+
+
+def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(module path as named_modules says it, layer) of each adapted layer."""
+    lora = sys.modules.get("peft.tuners.lora")
+    if lora is None:  # never imported: nothing was adapted (and a run without LoRA does not pay for the import)
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, lora.LoraLayer):
+            yield name, module
+
+
+@contextlib.contextmanager
+def base_view(model: nn.Module) -> Iterator[nn.Module]:
+    """The model with each adapted layer's base layer back in its place (the pretrained checkpoint's names), for
+    as long as the context lasts; the parameters are the same objects."""
+    swapped = []
+    for name, layer in list(lora_layers(model)):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        parent._modules[child] = layer.base_layer
+        swapped.append((parent, child, layer))
+    try:
+        yield model
+    finally:
+        for parent, key, layer in swapped:
+            parent._modules[key] = layer
+
+
+def _seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
+
+
+def _set_whole(param: torch.Tensor, full: torch.Tensor) -> None:
+    """This rank's part of a tensor every rank has whole (no communication)."""
+    local = local_shard(param)
+    if isinstance(param, DTensor):
+        full = distribute_tensor(full.to(local.device), param.device_mesh, param.placements, src_data_rank=None)
+        full = full.to_local()
+    with torch.no_grad():
+        local.copy_(full.to(local.dtype))
+
+
+def init_adapters(model: nn.Module, seed: int) -> None:
+    """PEFT's initialisation (reset_lora_parameters): A kaiming-uniform (a = sqrt(5)), B zeros; A from a generator
+    of its own name and the run's seed."""
+    for name, layer in lora_layers(model):
+        a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
+        _set_whole(a, initial_a(seed, clean_name(name), a.shape))
+        with torch.no_grad():
+            local_shard(b).zero_()
+
+
+def initial_a(seed: int, layer: str, shape: torch.Size) -> torch.Tensor:
+    """The adapted layer's initial A, whole: kaiming_uniform_(a=sqrt(5)) (gain sqrt(2 / 6), bound gain x
+    sqrt(3 / fan_in) = 1 / sqrt(fan_in)) from a generator of the layer's name and the run's seed."""
+    generator = torch.Generator().manual_seed(_seed(seed, layer))
+    bound = 1 / math.sqrt(shape[1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=generator)
+
+
+def export_adapter(model: nn.Module, cfg: ModelConfig, out_dir: str) -> None:
+    """The adapters as PEFT saves them (adapter_config.json, adapter_model.safetensors: PeftModel.from_pretrained
+    loads the directory onto the base), gathered whole to rank 0, which writes them (a collective)."""
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    state = get_model_state_dict(getattr(model, "module", model), options=options)
+    if dist.get_rank() != 0:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    # PEFT's names: under its wrapper's prefix, without the adapter's name.
+    tensors = {
+        f"base_model.model.{clean_name(name).replace(f'.{ADAPTER}.', '.')}": value.contiguous()
+        for name, value in state.items()
+    }
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = peft_config(cfg.lora)
+    config.base_model_name_or_path = cfg.name_or_path
+    config.save_pretrained(out_dir)
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+@contextlib.contextmanager
+def merged(model: nn.Module) -> Iterator[nn.Module]:
+    """The adapters merged into the base weights (PEFT's get_delta_weight: B A x alpha / r, transposed for a
+    fan-in-fan-out layer) and the base view of the model, for as long as the context lasts; the base's shards as
+    they were after (a collective: every rank calls it)."""
+    kept = []
+    for _, layer in lora_layers(model):
+        weight = layer.base_layer.weight
+        kept.append((weight, local_shard(weight).detach().to("cpu", copy=True)))
+        a, b = _full(layer.lora_A[ADAPTER].weight.detach()), _full(layer.lora_B[ADAPTER].weight.detach())
+        delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]
+        delta = delta.T if layer.fan_in_fan_out else delta
+        _set_whole(weight, _full(weight.detach()).float() + delta.to(weight.device))
+    try:
+        with base_view(model):
+            yield model
+    finally:
+        for weight, value in kept:
+            with torch.no_grad():
+                local_shard(weight).copy_(value)

@@ -1,0 +1,83 @@
+"""Samples while training (trainer.sample_prompts): at each eval, each prompt continued greedily by the model as it
+is now, the first thing one reads after a fine-tune. Every rank runs the forwards (FSDP's are collectives) and takes
+rank 0's next token, so all extend alike."""
+
+import logging
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from fsdp_research.config.schema import DataKind
+from fsdp_research.data.chat import chat_tokenizer
+from fsdp_research.data.tokenizer import load_tokenizer
+from fsdp_research.errors import ConfigError
+
+log = logging.getLogger("fsdp_research")
+
+
+def sample_prompts(t: DictConfig) -> list[str]:
+    """trainer.sample_prompts: a list, or a text file of one prompt per line."""
+    given = t.sample_prompts
+    if not given:
+        return []
+    if isinstance(given, str):
+        if not os.path.isfile(given):
+            raise ConfigError("trainer.sample_prompts", f"{given} is no file", "give a list, or a file of prompts")
+        with open(given) as f:
+            return [line.rstrip("\n") for line in f if line.strip()]
+    return [str(p) for p in given]
+
+
+def check_samples(cfg: DictConfig) -> None:
+    prompts = sample_prompts(cfg.trainer)
+    if prompts and not cfg.trainer.eval_interval:
+        raise ConfigError("trainer.sample_prompts", "are sampled at each eval, but eval is off", "set eval_interval")
+    if cfg.trainer.sample_tokens < 1:
+        raise ConfigError("trainer.sample_tokens", f"{cfg.trainer.sample_tokens} is below 1", "use e.g. 32")
+
+
+def _encode(cfg: DictConfig, prompt: str) -> list[int]:
+    """A prompt's ids: as a user's message after the chat template's generation prompt, for data=chat."""
+    if cfg.data.kind is DataKind.chat:
+        tok = chat_tokenizer(cfg.data)
+        text = tok.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        return tok(text, add_special_tokens=False)["input_ids"]
+    return load_tokenizer(cfg.data.tokenizer).prompt_ids(prompt)
+
+
+@torch.no_grad()
+def greedy(model: nn.Module, ids: list[int], tokens: int, device: torch.device, amp, eos: int | None) -> list[int]:
+    """`tokens` more ids (fewer at the end-of-sequence token), each the argmax of the whole sequence's forward (no
+    cache: a few short samples per eval). A collective: every rank calls it."""
+    x = torch.tensor([ids], device=device)
+    out: list[int] = []
+    for _ in range(tokens):
+        with amp:
+            nxt = model(input_ids=x).logits[:, -1].argmax(-1)
+        dist.broadcast(nxt, src=0)
+        out.append(int(nxt.item()))
+        if out[-1] == eos:
+            break
+        x = torch.cat([x, nxt[:, None]], dim=1)
+    return out
+
+
+def take_samples(model: nn.Module, cfg: DictConfig, device: torch.device, amp) -> list[dict[str, str]]:
+    """Each prompt and its continuation (as long as data.seq_len allows); the model back in training mode."""
+    prompts = sample_prompts(cfg.trainer)
+    if not prompts:
+        return []
+    tok = load_tokenizer(cfg.data.tokenizer)
+    rows = []
+    model.eval()
+    for prompt in prompts:
+        ids = _encode(cfg, prompt)[-cfg.data.seq_len + 1 :]
+        room = min(cfg.trainer.sample_tokens, cfg.data.seq_len - len(ids))
+        rows.append({"prompt": prompt, "completion": tok.decode(greedy(model, ids, room, device, amp, tok.eos_id))})
+    model.train()
+    return rows

@@ -1,0 +1,216 @@
+"""LoRA on FSDP2 (model.lora) through the CLI at 1, 2 and 4 ranks, against a single-process PEFT model
+(get_peft_model on transformers' from_pretrained) trained with torch's AdamW on the same batches: the same losses,
+the same adapters (the export, read back by PeftModel.from_pretrained), the merged export equal to PEFT's
+merge_and_unload; resume checkpoints hold the adapters and their optimizer state only, and a resume ends where the
+uninterrupted run ends; bad settings are one line before any compute."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from peft import LoraConfig, PeftModel, get_peft_model
+from peft.tuners.lora import LoraLayer
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from fsdp_research.data.packing import IGNORE, INPUTS, LABELS, POSITIONS
+from fsdp_research.data.pipeline import build_data
+from fsdp_research.errors import ConfigError
+from fsdp_research.jobs.compose import compose
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.model.lora import base_identity, initial_a
+from fsdp_research.train.state import TrainState
+from fsdp_research.train.validation import checked_plan
+from tests.conftest import ROOT
+from tests.helpers.chats import CHATML, CONVERSATIONS, chat_tokenizer, write_chats
+from tests.helpers.cli import finish, read_metrics, start
+from tests.helpers.reference import decay_groups, factor_at
+from tests.helpers.zoo import hf_config, pretrained
+
+pytestmark = pytest.mark.distributed
+
+STEPS = 4
+LORA = ["model.lora.r=4", "model.lora.alpha=8"]
+PROMPT = "What is x + 1?"
+SAMPLES = [f"trainer.eval_interval={STEPS}", f"trainer.sample_prompts=[{PROMPT}]", "trainer.sample_tokens=6"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("lora")
+    model = chat_tokenizer(str(tmp / "model"), CHATML)
+    torch.manual_seed(0)
+    vocab = len(AutoTokenizer.from_pretrained(model))
+    AutoModelForCausalLM.from_config(hf_config("llama", vocab_size=vocab)).save_pretrained(model)
+    train = write_chats(str(tmp / "data" / "train.jsonl"), CONVERSATIONS * 8)
+    common = [
+        *pretrained(model),
+        *LORA,
+        "data=chat",
+        f"data.paths=[{train}]",
+        "data.seq_len=192",
+        "precision=fp32",
+        "logger=none",
+        "trainer.log_interval=1",
+        "trainer.eval_interval=0",
+        "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=1",
+        "checkpoint.interval=2",
+    ]
+    steps = f"trainer.max_steps={STEPS}"
+    procs = {
+        1: start([*common, steps, *SAMPLES, f"hydra.run.dir={tmp / 'one'}"], ROOT),
+        2: start([*common, steps, "checkpoint.export=false", f"hydra.run.dir={tmp / 'two'}"], ROOT, torchrun_nproc=2),
+        "half": start(
+            [*common, "trainer.max_steps=2", "checkpoint.export=false", f"hydra.run.dir={tmp / 'half'}"], ROOT
+        ),  # fmt: skip
+    }
+    done = {name: finish(proc) for name, proc in procs.items()}
+    procs = {
+        4: start(
+            [
+                *common,
+                steps,
+                "distributed.nproc_per_node=4",
+                "checkpoint.export=false",
+                f"hydra.run.dir={tmp / 'four'}",
+            ],
+            ROOT,
+        ),
+        "resumed": start(
+            [
+                *common,
+                steps,
+                "checkpoint.export=false",
+                f"checkpoint.resume={tmp / 'half'}",
+                f"hydra.run.dir={tmp / 'half'}",
+            ],
+            ROOT,
+        ),  # fmt: skip
+    }
+    done.update({name: finish(proc) for name, proc in procs.items()})
+    for name, result in done.items():
+        assert result.returncode == 0, (name, result.stderr[-3000:])
+    return common, model, tmp
+
+
+def _reference(cfg, model_dir: str):
+    """Per-step losses and the trained PEFT model: transformers' loss of each step's global batch (its packed
+    samples' positions, num_items_in_batch), clipping and AdamW as the config has them."""
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    base.config.use_cache = False
+    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    for name, module in model.named_modules():
+        if isinstance(module, LoraLayer):  # the run's initial A (B starts at zero, as PEFT's)
+            a = module.lora_A["default"].weight
+            a.data = initial_a(cfg.trainer.seed, name.removeprefix("base_model.model."), a.shape)
+    o = cfg.optim
+    optimizer = torch.optim.AdamW(decay_groups(model, o), lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+    data = build_data(cfg.data, 0, cfg.trainer.seed)
+    losses = []
+    for step in range(STEPS):
+        for group in optimizer.param_groups:
+            group["lr"] = o.lr * factor_at(cfg, step)
+        batch = data.global_batch(step, cfg.trainer.global_batch_size)
+        labels = torch.cat([torch.full_like(batch[:, LABELS, :1], IGNORE), batch[:, LABELS, :-1]], dim=1)
+        out = model(
+            input_ids=batch[:, INPUTS],
+            position_ids=batch[:, POSITIONS],
+            labels=labels,
+            num_items_in_batch=int((labels != IGNORE).sum()),
+        )
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(out.loss.item())
+    return losses, model
+
+
+def test_lora_trains_as_peft_and_torch_adamw_at_any_world_size(runs):
+    common, model_dir, tmp = runs
+    losses, reference = _reference(compose([*common, f"trainer.max_steps={STEPS}"]), model_dir)
+    for name in ("one", "two", "four"):
+        ours = [row["loss"] for row in read_metrics(str(tmp / name))]
+        assert ours == pytest.approx(losses, rel=1e-5), name
+    # The exported adapter, read by PEFT onto the base: the reference's adapters.
+    exported = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_dir), str(tmp / "one" / "export" / "adapter")
+    )
+    theirs = {k: v for k, v in reference.state_dict().items() if "lora_" in k}
+    loaded = {k: v for k, v in exported.state_dict().items() if "lora_" in k}
+    assert loaded.keys() == theirs.keys() and len(loaded) == 2 * 7 * 2
+    for key, value in theirs.items():
+        torch.testing.assert_close(loaded[key], value, rtol=1e-5, atol=1e-6)
+    # The merged export: PEFT's merge of that adapter.
+    merged = exported.merge_and_unload().state_dict()
+    ours = AutoModelForCausalLM.from_pretrained(str(tmp / "one" / "export")).state_dict()
+    assert ours.keys() == merged.keys()
+    for key, value in merged.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-6, atol=1e-7)
+
+
+def test_checkpoints_hold_the_adapters_and_a_resume_is_exact(runs):
+    _, model_dir, tmp = runs
+    saved = dcp.FileSystemReader(str(tmp / "one" / "checkpoints" / "step_2")).read_metadata().state_dict_metadata
+    model_keys = [k for k in saved if k.startswith("model.")]
+    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
+    assert not any("base_layer" in k or "embed_tokens" in k for k in saved)
+    # Not a model: `fsdp-research export` of such a checkpoint says so.
+    export = subprocess.run(
+        [sys.executable, "-m", "fsdp_research", "export", str(tmp / "one" / "checkpoints" / "step_2"), str(tmp / "x")],
+        capture_output=True,
+        text=True,
+    )
+    assert export.returncode == 2 and "a LoRA run's checkpoint holds its adapters only" in export.stderr
+    one = [row["loss"] for row in read_metrics(str(tmp / "one"))]
+    resumed = [row["loss"] for row in read_metrics(str(tmp / "half"))]
+    assert resumed == one  # bitwise: steps 1-2, then 3-4 after the resume
+    # Other base weights at the same path are refused on resume: their identity differs.
+    other = tmp / "other"
+    shutil.copytree(model_dir, other)
+    before = base_identity(compose(pretrained(str(other)) + LORA).model)
+    changed = AutoModelForCausalLM.from_pretrained(str(other))
+    with torch.no_grad():
+        changed.lm_head.weight[0, 0] += 1
+    changed.save_pretrained(str(other))
+    state = TrainState(None, None, base_weights=base_identity(compose(pretrained(str(other)) + LORA).model))
+    with pytest.raises(ConfigError, match="model.name_or_path: is not the base the checkpoint's adapters trained on"):
+        state.load_state_dict({"base_weights": before})
+    assert base_identity(compose(pretrained(model_dir)).model) is None
+
+
+def test_the_samples_are_transformers_generate_of_the_export(runs):
+    """The last eval's sample: what `fsdp-research generate` makes of the export with transformers' generate, from
+    the merged model and from the base with the adapter (PEFT)."""
+    _, _, tmp = runs
+    with open(tmp / "one" / "metrics.jsonl") as f:
+        [sample] = [row["samples"] for row in map(json.loads, f) if "samples" in row][-1]
+    assert sample["prompt"] == PROMPT
+    for extra in ([], ["--adapter"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "fsdp_research", "generate", str(tmp / "one"), "--prompt", PROMPT,
+             "--max-new-tokens", "6", *extra],
+            capture_output=True, text=True,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.splitlines()[-1] == f"{PROMPT} -> {sample['completion']}"
+
+
+def test_bad_lora_settings_are_one_line(runs):
+    common, model_dir, _ = runs
+
+    def refused(*overrides) -> str:
+        cfg = compose([*common, *overrides])
+        with pytest.raises(ConfigError) as err:
+            checked_plan(cfg, 1, build_hf_config(cfg.model), torch.device("cpu"))
+        return str(err.value)
+
+    assert refused("model.lora.r=0").startswith("model.lora.r: 0 is below 1")
+    assert refused("model.lora.target_modules=[nothing_here]").startswith("model.lora.target_modules: PEFT cannot")
+    assert refused("model.load_weights=false").startswith("model.lora: adapts pretrained weights")
+    assert os.path.isdir(model_dir)
