@@ -1,11 +1,13 @@
 """A tiny fine-tuning setup made here, offline: chats in JSON Lines (train and eval), a byte-level BPE tokenizer with
 ChatML's turn tokens and chat template, and a small llama beside it written with save_pretrained (random weights:
-it stands in for the pretrained model you would name). Usage: python examples/fine_tune/make_data.py <out dir>"""
+it stands in for the pretrained model you would name).
 
+    python examples/fine_tune/make_data.py <out dir> [--hidden 128] [--layers 4] [--chats 2000]"""
+
+import argparse
 import json
 import os
 import random
-import sys
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -34,9 +36,9 @@ def chats(n: int, seed: int) -> list[dict]:
     return out
 
 
-def main(out: str) -> None:
+def main(out: str, hidden: int = 128, layers: int = 4, n_chats: int = 2000) -> None:
     os.makedirs(out, exist_ok=True)
-    train, evals = chats(2000, 0), chats(100, 1)
+    train, evals = chats(n_chats, 0), chats(100, 1)
     for name, rows in (("train", train), ("eval", evals)):
         with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
@@ -56,7 +58,7 @@ def main(out: str) -> None:
     fast.chat_template = TEMPLATE
     fast.save_pretrained(model_dir)
     config = AutoConfig.for_model(
-        "llama", vocab_size=len(fast), hidden_size=128, intermediate_size=256, num_hidden_layers=4,
+        "llama", vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
     )  # fmt: skip
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
@@ -64,4 +66,10 @@ def main(out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "examples/fine_tune/out")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", nargs="?", default="examples/fine_tune/out")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--chats", type=int, default=2000)
+    args = parser.parse_args()
+    main(args.out, args.hidden, args.layers, args.chats)

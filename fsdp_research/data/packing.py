@@ -61,3 +61,32 @@ class PackedWindows:
     def describe(self) -> str:
         targets = (self.samples[:, LABELS] != IGNORE).sum()
         return f"{self.what}, {targets / self.samples[:, LABELS].size:.0%} of the positions targets"
+
+
+class DocumentWindows:
+    """A token store's windows of seq_len + 1 tokens (fsdp_research.data.sampling.StoreWindows) as packed samples
+    (data.document_masking for text): each document of a window attends to itself only, its positions from 0 (a
+    document the window starts inside from the window's start), and the token that ends one document does not
+    predict the next one's first. The boundaries are the store's document index."""
+
+    def __init__(self, windows):
+        self.windows, self.store = windows, windows.store
+        self.count, self.length = windows.count, windows.length - 1
+        self.shape = (3, self.length)
+        self.ends = self.store.document_ends()
+
+    def read(self, index: np.ndarray) -> np.ndarray:
+        n, span = self.length, self.windows.length
+        out = np.empty((len(index), 3, n), np.int64)
+        for row, i in zip(out, index.tolist()):
+            tokens = self.store.tokens(i * span, (i + 1) * span)
+            row[INPUTS], row[LABELS] = tokens[:-1], tokens[1:]
+            # Documents starting at window positions 1..n: the position before predicts nothing.
+            lo, hi = np.searchsorted(self.ends, [i * span + 1, i * span + n], side="left")
+            starts = self.ends[lo : hi + 1] - i * span
+            starts = starts[(starts >= 1) & (starts <= n)]
+            row[LABELS, starts - 1] = IGNORE
+            first = np.zeros(n, np.int64)
+            first[starts[starts < n]] = starts[starts < n]
+            row[POSITIONS] = np.arange(n) - np.maximum.accumulate(first)
+        return out

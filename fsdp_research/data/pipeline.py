@@ -17,7 +17,7 @@ import torch
 
 from fsdp_research.config.schema import DataConfig, DataKind
 from fsdp_research.data.chat import chat_tokenizer, documents
-from fsdp_research.data.packing import PackedWindows, pack
+from fsdp_research.data.packing import DocumentWindows, PackedWindows, pack
 from fsdp_research.data.parts import default_paths, hub_parts, identity, plan_parts, scan
 from fsdp_research.data.sampling import StoreWindows, Stream, SyntheticWindows
 from fsdp_research.data.store import StoreSpec, TokenStore, store_spec
@@ -28,7 +28,7 @@ from fsdp_research.errors import ConfigError
 
 def packed(cfg: DataConfig) -> bool:
     """Whether the samples are packed documents with targets (fsdp_research.data.packing), not token windows."""
-    return cfg.kind is DataKind.chat
+    return cfg.kind is DataKind.chat or bool(cfg.document_masking)
 
 
 def store_root(cfg: DataConfig) -> str:
@@ -123,7 +123,7 @@ class Data:
     # data.overfit_batches: >0, the global batches of steps 0 .. N-1 over and over.
     overfit_batches: int = 0
     # data.eval_paths' windows, each evaluated once (instead of held-out windows).
-    eval_windows: StoreWindows | PackedWindows | None = None
+    eval_windows: StoreWindows | DocumentWindows | PackedWindows | None = None
 
     def batch(self, index: np.ndarray, held_out: bool = False) -> torch.Tensor:
         """Samples by index: [n, seq_len + 1] tokens, or packed [n, 3, seq_len] (fsdp_research.data.packing)."""
@@ -157,7 +157,8 @@ class Data:
 def _describe(windows) -> str:
     store = getattr(windows, "store", None)
     if store:
-        return f"token store {store.path} ({store.n_tokens:,} tokens, {store.n_documents:,} documents)"
+        masked = ", documents masked apart" if isinstance(windows, DocumentWindows) else ""
+        return f"token store {store.path} ({store.n_tokens:,} tokens, {store.n_documents:,} documents{masked})"
     return windows.describe() if isinstance(windows, PackedWindows) else "synthetic tokens"
 
 
@@ -172,13 +173,18 @@ def chat_windows(cfg: DataConfig, paths: list[str], key: str) -> PackedWindows:
     return PackedWindows(samples, f"{len(docs):,} conversations of {key}")
 
 
-def _eval_windows(cfg: DataConfig, build: Build) -> StoreWindows | PackedWindows | None:
+def _eval_windows(cfg: DataConfig, build: Build) -> StoreWindows | DocumentWindows | PackedWindows | None:
     if not cfg.eval_paths:
         return None
     if cfg.kind is DataKind.chat:
         return chat_windows(cfg, cfg.eval_paths, "data.eval_paths")
     spec = _local_spec(cfg.eval_paths, "data.eval_paths", cfg.text_field, cfg.tokenizer)
-    return StoreWindows(_ensure(spec, store_root(cfg), build), cfg.seq_len + 1)
+    return _masked(cfg, StoreWindows(_ensure(spec, store_root(cfg), build), cfg.seq_len + 1))
+
+
+def _masked(cfg: DataConfig, windows: StoreWindows) -> StoreWindows | DocumentWindows:
+    """Text windows as packed documents where data.document_masking asks for it."""
+    return DocumentWindows(windows) if cfg.document_masking else windows
 
 
 def build_data(cfg: DataConfig, vocab_size: int, seed: int, build: Build = Build()) -> Data:
@@ -191,7 +197,7 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int, build: Build = Build
         windows, weights, keys = [chat_windows(cfg, list(cfg.paths), "data.paths")], [1.0], ["data.paths"]
     else:
         stores = open_stores(cfg, build)
-        windows = [StoreWindows(store, length, cfg.max_windows) for store in stores]
+        windows = [_masked(cfg, StoreWindows(store, length, cfg.max_windows)) for store in stores]
         weights = [s.weight for s in sources(cfg)] if cfg.kind is DataKind.local_text else [1.0]
         keys = [s.key for s in sources(cfg)] if cfg.kind is DataKind.local_text else ["data.hub_name"]
     for w, key, weight in zip(windows, keys, weights):

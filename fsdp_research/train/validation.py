@@ -117,6 +117,8 @@ def check_data(cfg: DataConfig, t: TrainerConfig, hf_config) -> None:
         raise ConfigError(
             "data.overfit_batches", f"{cfg.overfit_batches} is negative", "use 0 (off) or the batches to repeat: 1"
         )
+    if cfg.document_masking and cfg.kind is DataKind.synthetic:
+        raise ConfigError("data.document_masking", "synthetic tokens have no documents", "leave it unset")
     if cfg.kind is DataKind.chat:
         check_chat(cfg)
     elif cfg.eval_paths:

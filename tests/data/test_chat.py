@@ -131,3 +131,33 @@ def test_bad_chat_input_is_one_line(setup, tmp_path):
     tok.save_pretrained(bare)
     assert "no chat template" in _refused(compose(["data=chat", f"data.paths=[{setup[2]}]", f"data.tokenizer={bare}"]))
     assert "loss.z_loss" in _refused(_cfg(setup, "loss.z_loss=1e-4"))
+
+
+def test_text_documents_masked_apart_lose_what_each_piece_loses_alone(tmp_path):
+    """data.document_masking on text (a token store's windows): each piece of a document in a window, fed alone to
+    transformers (its positions from 0), loses what it loses in the window."""
+    from fsdp_research.data.packing import DocumentWindows
+    from fsdp_research.data.pipeline import build_data
+    from tests.helpers.corpora import write
+
+    corpus = write("jsonl", str(tmp_path))
+    cfg = compose(["data.document_masking=true", f"data.paths=[{corpus}]", "data.seq_len=96", "data.eval_fraction=0"])
+    [windows] = build_data(cfg.data, 257, 0).stream.windows
+    assert isinstance(windows, DocumentWindows)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("llama", vocab_size=257)).eval()
+    model.config.use_cache = False
+    span, n = windows.windows.length, windows.length
+    for i in (0, 1, 2, 30):
+        [sample] = torch.from_numpy(windows.read(np.array([i])))
+        tokens = torch.from_numpy(windows.store.tokens(i * span, (i + 1) * span))
+        starts = [0, *(j for j in range(1, n) if sample[2, j] == 0), n]
+        assert len(starts) > 2 or i == 30  # the first windows hold several short documents
+        with torch.no_grad():
+            ours = token_losses(model, sample[None], torch.autocast("cpu", enabled=False))[0]
+            for a, b in zip(starts, starts[1:]):
+                # A piece ending at the window's end predicts the window's last token too (the same document).
+                end = b + 1 if b == n and sample[1, n - 1] != IGNORE else b
+                ids = tokens[a:end][None]
+                alone = model(input_ids=ids, labels=ids).loss.item() * (end - a - 1)
+                assert ours[a:b].sum().item() == pytest.approx(alone, rel=1e-5, abs=1e-5)
