@@ -29,7 +29,8 @@ LLAMA_LIKE = ("llama", "mistral", "qwen2")
 
 
 def norm_bytes(m: ModelSummary, e: int) -> int:
-    return FP32 * m.hidden + 2 * e * m.hidden + FP32
+    """A norm's saved input (fp32), rsqrt, and its normalized output for its scale's gradient (none when frozen)."""
+    return FP32 * m.hidden + (1 if m.frozen_norms else 2) * e * m.hidden + FP32
 
 
 def block_activation_bytes(m: ModelSummary, e: int, seq_len: int) -> int:

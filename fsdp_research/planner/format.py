@@ -38,6 +38,9 @@ def format_plan(m: ModelSummary, run: Run) -> str:
     e, mem = run.compute_dtype, memory(m, run)
     replicated = m.strategy is Strategy.ddp_classic
     size = f"{_count(m.n_params)} parameters" + _experts_note(m)
+    trained = sum(u.trained().numel for u in (*m.units, m.root))
+    if trained != m.n_params:  # LoRA: gradients and optimizer state of these alone
+        size += f" ({_count(trained)} trained)"
     layout = "replicated" if replicated else f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units"
     deferring = run.micro_steps > 1 and run.defer_grad_sync
     lines = [

@@ -153,14 +153,18 @@ def _fsdp_backward(
     for k in reversed(range(m.n_blocks)):
         j = largest[k]
         unit = units[j].numel if j is not None else 0
+        # Its gradients: of its trained parameters only (LoRA's frozen base makes none).
+        unit_grads = units[j].trained().numel if j is not None else 0
         # The units backward gathers ahead (FSDP2's implicit: the next one), unless kept gathered since forward.
         ahead = units[max(0, (j or 0) - max(1, run.prefetch_backward)) : j or 0]
         prefetch = sum(u.numel for u in ahead if u.reshard_after_forward is not False)
         # FSDP2 keeps the previous unit's reduce-scatter input until this unit's reduction starts.
-        previous = units[j + 1].numel if j is not None and j + 1 < len(units) else 0
+        previous = units[j + 1].trained().numel if j is not None and j + 1 < len(units) else 0
         # The root's gradients stay unsharded until its reduction at the very end of backward; the input
         # embedding's is computed last.
-        root_grads = e * (m.root.numel - m.input_embedding - root_before[k])
+        root_grads = (
+            e * (m.root.numel - m.input_embedding - root_before[k]) * m.root.trained().numel // max(m.root.numel, 1)
+        )
         for moment, activations, temporaries, held in phases.block[k]:
             reducing = held == 0
             if reducing and j is None:
@@ -172,9 +176,11 @@ def _fsdp_backward(
                         state(j + 1 if j is not None else len(units)),
                         gathered=root + resident(j or 0) + e * (unit + prefetch),
                         # Autograd holds a unit's gradients until FSDP takes them for its reduce-scatter.
-                        unsharded_grads=deferred + ((e + r) * unit if reducing else r * previous),
+                        unsharded_grads=deferred + ((e + r) * unit_grads if reducing else r * previous),
                         activations=activations,
-                        temporaries=temporaries + root_grads + e * (unit if held is None else min(held, unit)),
+                        temporaries=temporaries
+                        + root_grads
+                        + e * (unit_grads if held is None else min(held, unit) * unit_grads // max(unit, 1)),
                     ),
                 )
             )
@@ -252,19 +258,22 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
     units, every = list(m.units), [*m.units, m.root]
     phases = _phases(m, run, checkpointed)
     shards = FP32 * sum(u.shard_numel(n) for u in every)
+    # Gradients and optimizer state: of the trained parameters (LoRA: the adapters).
+    trained = [u.trained() for u in every]
+    grad_shards = FP32 * sum(u.shard_numel(n) for u in trained)
     accumulating = run.micro_steps > 1
     # Earlier micro-batches' gradients: reduced into the shards, or (deferred) kept unsharded in the reduce dtype.
     sharded_before = accumulating and not run.defer_grad_sync
-    deferred = r * sum(u.numel for u in every) if accumulating and run.defer_grad_sync else 0
+    deferred = r * sum(u.numel for u in trained) if accumulating and run.defer_grad_sync else 0
 
     # The sharded gradients of units[j:], once backward has reduced them.
-    reduced = list(itertools.accumulate((FP32 * u.shard_numel(n) for u in reversed(units)), initial=0))[::-1]
+    reduced = list(itertools.accumulate((FP32 * u.shard_numel(n) for u in reversed(trained[:-1])), initial=0))[::-1]
 
     kept = _kept(m, run)
 
     def state(start: int) -> dict[str, int]:
-        grads = shards if sharded_before else reduced[start]
-        return dict(kept, params=shards, optimizer=int(m.optimizer_copies * shards), grads=grads)
+        grads = grad_shards if sharded_before else reduced[start]
+        return dict(kept, params=shards, optimizer=int(m.optimizer_copies * grad_shards), grads=grads)
 
     # Gathered from forward to backward, by the units before each index: kept whole, or resharded to k ranks.
     held = [0]
@@ -286,11 +295,11 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
             dict(
                 state(0),
                 gathered=e * m.root.numel,
-                unsharded_grads=deferred + r * m.root.numel + e * m.root.largest,
+                unsharded_grads=deferred + r * trained[-1].numel + e * trained[-1].largest,
             ),
         )
     )
-    moments.append(("optimizer step", dict(state(0), grads=shards, temporaries=step_temporaries(m, every, run))))
+    moments.append(("optimizer step", dict(state(0), grads=grad_shards, temporaries=step_temporaries(m, trained, run))))
     if run.cpu_offload:  # the callbacks' copies of the parameters are made where the parameters live
         for _, parts in moments:
             parts["host"] = sum(parts.pop(k) for k in ("params", "optimizer", "grads", "callbacks"))
@@ -303,13 +312,16 @@ def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> lis
     forward to backward."""
     phases = _phases(m, run, checkpointed)
     params = FP32 * m.n_params
+    # Gradients and optimizer state: of the trained parameters (LoRA: the adapters), the whole model's share.
+    trained = FP32 * m.root.trained().numel
     casts = m.n_params * run.compute_bytes if run.compute_bytes != FP32 else 0
     before = params if run.micro_steps > 1 else 0
 
     kept = _kept(m, run)
 
     def state(grads: int) -> dict[str, int]:
-        return dict(kept, params=params, optimizer=int(m.optimizer_copies * params), grads=params + max(before, grads))
+        grads = trained + max(before, grads) * trained // max(params, 1)
+        return dict(kept, params=params, optimizer=int(m.optimizer_copies * trained), grads=grads)
 
     top = FP32 * (m.root.numel - sum(m.root_in_block))
     moments = [
@@ -333,7 +345,7 @@ def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> lis
                     ),
                 )
             )
-    moments.append(("optimizer step", dict(state(params), temporaries=step_temporaries(m, [m.root], run))))
+    moments.append(("optimizer step", dict(state(params), temporaries=step_temporaries(m, [m.root.trained()], run))))
     return moments
 
 

@@ -42,6 +42,8 @@ class UnitSize:
     reshard_after_forward: bool | int
     # The block it lies in; None for the root.
     block: int | None
+    # Of `shapes`, those of its frozen parameters (LoRA's base): no gradient, no optimizer state.
+    frozen: tuple[tuple[int, int], ...] = ()
 
     @functools.cached_property
     def numel(self) -> int:
@@ -53,6 +55,15 @@ class UnitSize:
 
     def shard_numel(self, n: int) -> int:
         return _shard_numel(self.shapes, n)
+
+    def trained(self) -> "UnitSize":
+        """The unit as its gradients and optimizer state see it: its trainable parameters alone."""
+        if not self.frozen:
+            return self
+        left = list(self.shapes)
+        for shape in self.frozen:
+            left.remove(shape)
+        return UnitSize(self.path, tuple(left), self.reshard_after_forward, self.block)
 
     def kept_after_forward(self) -> int | None:
         """The group size its parameters stay sharded over from forward to backward: 1 (kept whole), k (resharded
@@ -89,6 +100,8 @@ class ModelSummary:
     root_in_block: tuple[int, ...]
     # The input embedding when untied: its gradient only appears at the very end of backward.
     input_embedding: int
+    # Norm scales frozen (LoRA): their backward needs no normalized input saved.
+    frozen_norms: bool = False
     # The optimizer: fp32 copies of a parameter in its state, averaged over the parameters (AdamW 2, Muon's
     # matrices 1 beside AdamW for the rest), its name, whether the copies are known (else assumed 2).
     optimizer_copies: float = 2.0
@@ -151,15 +164,20 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
     """The plan's units with the parameter shapes each one owns (a unit owns what no deeper unit owns)."""
     paths = [u.path for u in plan.units] or [""]
     owned: dict[str, list[tuple[str, tuple[int, int]]]] = {p: [] for p in paths}
+    frozen: dict[str, list[tuple[int, int]]] = {p: [] for p in paths}
     for name, param in model.named_parameters():
-        owned[owner(name, paths)].append((name, (param.shape[0], param[0].numel()) if param.dim() else (1, 1)))
+        shape = (param.shape[0], param[0].numel()) if param.dim() else (1, 1)
+        owned[owner(name, paths)].append((name, shape))
+        if not param.requires_grad:
+            frozen[owner(name, paths)].append(shape)
 
     def block_of(name: str) -> int | None:
         return next((i for i, b in enumerate(plan.blocks) if name == b or name.startswith(b + ".")), None)
 
     flags = {u.path: u.reshard_after_forward for u in plan.units}
     units = tuple(
-        UnitSize(p, tuple(s for _, s in owned[p]), flags.get(p, False), block_of(p) if p else None) for p in paths
+        UnitSize(p, tuple(s for _, s in owned[p]), flags.get(p, False), block_of(p) if p else None, tuple(frozen[p]))
+        for p in paths
     )
     root_in_block = [0] * len(plan.blocks)
     for name, (rows, row) in owned[""]:
@@ -189,11 +207,17 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         root=units[-1],
         root_in_block=tuple(root_in_block),
         input_embedding=0 if tied else embedding.numel(),
+        frozen_norms=_frozen_vectors(model),
         **_optimizer(cfg.optim, model, plan),
         **_checkpointing(cfg.activation_checkpointing),
         flops_per_token=flops_per_token(d, matmul_parameters(model, d), cfg.data.seq_len),
         head_flops_per_token=2.0 * d.hidden * d.vocab if output is not None else 0.0,
     )
+
+
+def _frozen_vectors(model: nn.Module) -> bool:
+    vectors = [p for p in model.parameters() if p.dim() == 1]
+    return bool(vectors) and not any(p.requires_grad for p in vectors)
 
 
 def _checkpointing(cfg: DictConfig) -> dict:
@@ -231,9 +255,10 @@ def _newton_schulz(o: DictConfig) -> dict:
 
 
 def _optimizer(o: DictConfig, model: nn.Module, plan: ShardingPlan) -> dict:
-    """The optimizer's state per parameter: optim._target_'s, with optim.others for all but the whole matrices."""
+    """The optimizer's state per trained parameter: optim._target_'s, with optim.others for all but the whole
+    matrices."""
     main = state_copies(o._target_, kwargs_of(o))
-    total = sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
     if o.others is None:
         return dict(optimizer_copies=main[0], optimizer=o._target_.rsplit(".", 1)[-1], optimizer_known=main[1])
     whole = _whole_matrices(model, plan)

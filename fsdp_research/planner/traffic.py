@@ -34,7 +34,7 @@ def traffic(m: ModelSummary, run: Run) -> Traffic:
     e, r, n = run.compute_bytes, run.reduce_bytes, run.shard_group
     if m.strategy is Strategy.ddp_classic:  # one all-reduce per step, after the last micro-batch
         w = run.world_size
-        return Traffic(0, 0, 0, 2 * (w - 1) * FP32 * m.n_params // w)
+        return Traffic(0, 0, 0, 2 * (w - 1) * FP32 * m.root.trained().numel // w)
     syncs = 1 if run.defer_grad_sync else run.micro_steps
     units = [*m.units, m.root]
     received = (n - 1) / n
@@ -43,10 +43,11 @@ def traffic(m: ModelSummary, run: Run) -> Traffic:
     kept = [(u, u.kept_after_forward()) for u in units]
     regather = run.micro_steps * e * sum(u.numel * (k - 1) / k for u, k in kept if k and k > 1)
     backward = run.micro_steps * received * e * sum(u.numel for u, k in kept if k is None) + regather
-    reduce = syncs * received * r * sum(u.numel for u in units)
+    # Gradients: of the trained parameters only (LoRA: the adapters).
+    reduce = syncs * received * r * sum(u.trained().numel for u in units)
     replicas = run.replicas
     # Across replicas the gradient shards accumulate and are all-reduced once per step.
-    across = 2 * (replicas - 1) / replicas * r * sum(u.shard_numel(n) for u in units)
+    across = 2 * (replicas - 1) / replicas * r * sum(u.trained().shard_numel(n) for u in units)
     # Muon: a rank receives the other ranks' slices of the 1/n of the matrices it owns, then its slices of the rest.
     whole = 2 * received * m.ns_bytes * m.whole_matrices / n
     return Traffic(int(forward + backward), int(backward), int(reduce), int(across), int(whole), int(regather))
