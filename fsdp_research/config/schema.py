@@ -201,6 +201,8 @@ class DataConfig:
     document_masking: bool | None = None
     # Eval files in the training data's format, evaluated whole (every document once) instead of held-out windows.
     eval_paths: list[str] = field(default_factory=list)
+    # Several eval sets, by name ({web: [paths], code: [paths]}): eval_loss/<name> each, eval_loss over all.
+    eval_sources: dict[str, list[str]] = field(default_factory=dict)
 
 
 @dataclass
@@ -414,9 +416,18 @@ def schema() -> DictConfig:
     node = OmegaConf.structured(TrainConfig)
     with open_dict(node.checkpoint):
         node.checkpoint["async"] = False
-    # Free-form maps: `sharding.reshard_override={0:false}` and new `model.config.<key>=` need no `+`; the plug-in
-    # groups take their target's keyword arguments (checked against its signature before any compute).
-    free_form = (node.sharding.reshard_override, node.model.config, node.model, node.optim, node.schedule, node.loss)
+    # Free-form maps: `sharding.reshard_override={0:false}`, `data.eval_sources={web:[...]}` and new
+    # `model.config.<key>=` need no `+`; the plug-in groups take their target's keyword arguments (checked against
+    # its signature before any compute).
+    free_form = (
+        node.sharding.reshard_override,
+        node.data.eval_sources,
+        node.model.config,
+        node.model,
+        node.optim,
+        node.schedule,
+        node.loss,
+    )
     for free in (*free_form, node.callbacks):
         OmegaConf.set_struct(free, False)
     return node

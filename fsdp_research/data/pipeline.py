@@ -10,7 +10,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -122,15 +122,16 @@ class Data:
     seq_len: int
     # data.overfit_batches: >0, the global batches of steps 0 .. N-1 over and over.
     overfit_batches: int = 0
-    # data.eval_paths' windows, each evaluated once (instead of held-out windows).
-    eval_windows: StoreWindows | DocumentWindows | PackedWindows | None = None
+    # The eval sets read whole (instead of held-out windows), by name: data.eval_paths' ("") or data.eval_sources'.
+    eval_sets: dict[str, StoreWindows | DocumentWindows | PackedWindows] = field(default_factory=dict)
 
     def batch(self, index: np.ndarray, held_out: bool = False) -> torch.Tensor:
         """Samples by index: [n, seq_len + 1] tokens, or packed [n, 3, seq_len] (fsdp_research.data.packing)."""
-        if held_out and self.eval_windows is not None:
-            return torch.from_numpy(self.eval_windows.read(index).astype(np.int64))
         samples = self.stream.held_out(index) if held_out else self.stream.train(index)
         return torch.from_numpy(samples)
+
+    def eval_batch(self, name: str, index: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(self.eval_sets[name].read(index).astype(np.int64))
 
     def rank_batch(self, step: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
         """This rank's slice of the global batch of `step` (0-based): samples step * batch_size + [0, batch_size)."""
@@ -149,8 +150,8 @@ class Data:
                 f"{split.train:,} training + {split.held_out:,} held-out windows of {windows.length} tokens "
                 f"from {_describe(windows)}"
             )
-        if self.eval_windows is not None:
-            out.append(f"eval: {self.eval_windows.count:,} windows from {_describe(self.eval_windows)}")
+        for name, windows in self.eval_sets.items():
+            out.append(f"eval{f' {name}' if name else ''}: {windows.count:,} windows from {_describe(windows)}")
         return "; ".join(out)
 
 
@@ -173,13 +174,22 @@ def chat_windows(cfg: DataConfig, paths: list[str], key: str) -> PackedWindows:
     return PackedWindows(samples, f"{len(docs):,} conversations of {key}")
 
 
-def _eval_windows(cfg: DataConfig, build: Build) -> StoreWindows | DocumentWindows | PackedWindows | None:
-    if not cfg.eval_paths:
-        return None
-    if cfg.kind is DataKind.chat:
-        return chat_windows(cfg, cfg.eval_paths, "data.eval_paths")
-    spec = _local_spec(cfg.eval_paths, "data.eval_paths", cfg.text_field, cfg.tokenizer)
-    return _masked(cfg, StoreWindows(_ensure(spec, store_root(cfg), build), cfg.seq_len + 1))
+def eval_set_paths(cfg: DataConfig) -> dict[str, tuple[str, list[str]]]:
+    """name -> (config key, paths): data.eval_paths as one set (""), or data.eval_sources' sets."""
+    named = {"": ("data.eval_paths", list(cfg.eval_paths))} if cfg.eval_paths else {}
+    named.update({name: (f"data.eval_sources.{name}", list(paths)) for name, paths in cfg.eval_sources.items()})
+    return named
+
+
+def _eval_sets(cfg: DataConfig, build: Build) -> dict[str, StoreWindows | DocumentWindows | PackedWindows]:
+    sets = {}
+    for name, (key, paths) in eval_set_paths(cfg).items():
+        if cfg.kind is DataKind.chat:
+            sets[name] = chat_windows(cfg, paths, key)
+        else:
+            spec = _local_spec(paths, key, cfg.text_field, cfg.tokenizer)
+            sets[name] = _masked(cfg, StoreWindows(_ensure(spec, store_root(cfg), build), cfg.seq_len + 1))
+    return sets
 
 
 def _masked(cfg: DataConfig, windows: StoreWindows) -> StoreWindows | DocumentWindows:
@@ -204,8 +214,8 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int, build: Build = Build
         if weight > 0:
             _check_size(w, cfg, key)
     # Eval files replace the held-out windows: every training window trains.
-    stream = Stream(windows, weights, seed, 0.0 if cfg.eval_paths else cfg.eval_fraction)
-    return Data(stream, cfg.seq_len, cfg.overfit_batches, _eval_windows(cfg, build))
+    stream = Stream(windows, weights, seed, 0.0 if cfg.eval_paths or cfg.eval_sources else cfg.eval_fraction)
+    return Data(stream, cfg.seq_len, cfg.overfit_batches, _eval_sets(cfg, build))
 
 
 def check_tokenizer(cfg: DataConfig, model_vocab: int) -> None:

@@ -7,7 +7,6 @@ import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -19,7 +18,6 @@ from torch.utils.checkpoint import checkpoint
 from fsdp_research.config.schema import LossConfig
 from fsdp_research.config.targets import check_call, kwargs_of, named_in, resolve
 from fsdp_research.data.packing import IGNORE, INPUTS, LABELS, POSITIONS
-from fsdp_research.data.pipeline import Data
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import output_layer
 
@@ -360,26 +358,3 @@ def token_losses(model: nn.Module, batch: torch.Tensor, amp, chunks: int = 1) ->
             for h, y in zip(hidden.chunk(chunks), labels.chunk(chunks))
         ]
     return torch.cat(parts).view(len(batch), -1)
-
-
-@torch.no_grad()
-def held_out_loss(
-    model: nn.Module, data: Data, samples: int, micro_batch: int, device: torch.device, amp, chunks: int = 1
-) -> dict[str, float]:
-    """The token-weighted mean loss over held-out samples 0 .. samples - 1: the same eval set at any world size,
-    rank r taking r, r + world, ... Every rank runs as many forwards (one with fewer samples pads with a sample
-    weighted 0): FSDP's collectives need them all. A collective: every rank calls it."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    index = rank + world * np.arange(-(-samples // world))
-    weight = torch.from_numpy(index < samples).float().to(device)
-    index = np.minimum(index, samples - 1)
-    sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss summed over tokens, tokens
-    model.eval()
-    for a in range(0, len(index), micro_batch):
-        batch = data.batch(index[a : a + micro_batch], held_out=True).to(device)
-        w = weight[a : a + micro_batch]
-        per_sample = token_losses(model, batch, amp, chunks).sum(1)
-        sums += torch.stack([(per_sample * w).sum(), (target_count(batch) * w).sum()]).double()
-    model.train()
-    dist.all_reduce(sums)
-    return {"eval_loss": (sums[0] / sums[1]).item(), "eval_tokens": int(sums[1].item())}

@@ -36,11 +36,11 @@ from fsdp_research.optim import build_optimizer, clip_, clip_grad_norm, configur
 from fsdp_research.optim.resume import continue_schedule
 from fsdp_research.train import overfit, rundir
 from fsdp_research.train.anomaly import AnomalyChecks, apply_anomaly_checks
+from fsdp_research.train.evaluation import evaluate as eval_metrics
 from fsdp_research.train.losses import (
     LossFn,
     Router,
     build_loss,
-    held_out_loss,
     packed_weight,
     router_of,
     train_loss,
@@ -356,16 +356,7 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> dic
 
 
 def evaluate(run: Run) -> dict[str, float]:
-    t, whole = run.cfg.trainer, run.data.eval_windows
-    return held_out_loss(
-        run.model,
-        run.data,
-        t.eval_batches * t.micro_batch_size if whole is None else whole.count,
-        t.micro_batch_size,
-        run.device,
-        run.amp,
-        run.cfg.loss.chunks,
-    )
+    return eval_metrics(run.model, run.data, run.cfg, run.device, run.amp)
 
 
 def _save(run: Run) -> None:

@@ -24,7 +24,7 @@ from fsdp_research.config.sizes import export_shard_size
 from fsdp_research.config.targets import resolve
 from fsdp_research.data.chat import check_chat
 from fsdp_research.data.parts import first_file, probe
-from fsdp_research.data.pipeline import check_tokenizer, packed, sources
+from fsdp_research.data.pipeline import check_tokenizer, eval_set_paths, packed, sources
 from fsdp_research.data.tokenizer import check_model_tokenizer
 from fsdp_research.distributed.activation_checkpointing import resolve_op
 from fsdp_research.distributed.names import clean_name
@@ -121,9 +121,12 @@ def check_data(cfg: DataConfig, t: TrainerConfig, hf_config) -> None:
         raise ConfigError("data.document_masking", "synthetic tokens have no documents", "leave it unset")
     if cfg.kind is DataKind.chat:
         check_chat(cfg)
-    elif cfg.eval_paths:
-        probe(first_file(cfg.eval_paths, "data.eval_paths"), cfg.text_field)
-    if t.eval_interval and cfg.eval_fraction <= 0 and not cfg.eval_paths:
+    else:
+        for key, paths in eval_set_paths(cfg).values():
+            probe(first_file(paths, key), cfg.text_field)
+    if cfg.eval_paths and cfg.eval_sources:
+        raise ConfigError("data.eval_sources", "is given and data.eval_paths too", "give one of them")
+    if t.eval_interval and cfg.eval_fraction <= 0 and not (cfg.eval_paths or cfg.eval_sources):
         raise ConfigError(
             "trainer.eval_interval",
             "eval needs held-out data but data.eval_fraction is 0",

@@ -58,6 +58,22 @@ def test_targets_are_transformers_assistant_masks(setup, loss_on):
         assert messages[-1]["content"] in decoded and ("assistant\n" in decoded) == (loss_on == "all")
 
 
+def test_parquet_and_saved_datasets_hold_the_same_conversations(setup, tmp_path):
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"messages": messages} for messages in CONVERSATIONS]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chats.parquet")
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    cfg = _cfg(setup).data
+    expected = documents(cfg, [setup[2]], "data.paths", 1024)
+    for path in (tmp_path / "chats.parquet", tmp_path / "saved"):
+        got = documents(cfg, [str(path)], "data.paths", 1024)
+        assert [d.ids.tolist() for d in got] == [d.ids.tolist() for d in expected]
+        assert [d.targets.tolist() for d in got] == [d.targets.tolist() for d in expected]
+
+
 def test_prompt_completion_pairs_train_on_the_completion(setup, tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps({"prompt": "What is x + 1?", "completion": " It is 3."}) + "\n")

@@ -64,7 +64,11 @@ def runs(tmp_path_factory):
     steps = f"trainer.max_steps={STEPS}"
     procs = {
         1: start([*common, steps, *SAMPLES, f"hydra.run.dir={tmp / 'one'}"], ROOT),
-        2: start([*common, steps, "checkpoint.export=false", f"hydra.run.dir={tmp / 'two'}"], ROOT, torchrun_nproc=2),
+        2: start(
+            [*common, steps, *SAMPLES, "checkpoint.export=false", f"hydra.run.dir={tmp / 'two'}"],
+            ROOT,
+            torchrun_nproc=2,
+        ),  # fmt: skip
         "half": start(
             [*common, "trainer.max_steps=2", "checkpoint.export=false", f"hydra.run.dir={tmp / 'half'}"], ROOT
         ),  # fmt: skip
@@ -188,9 +192,12 @@ def test_the_samples_are_transformers_generate_of_the_export(runs):
     """The last eval's sample: what `fsdp-research generate` makes of the export with transformers' generate, from
     the merged model and from the base with the adapter (PEFT)."""
     _, _, tmp = runs
-    with open(tmp / "one" / "metrics.jsonl") as f:
-        [sample] = [row["samples"] for row in map(json.loads, f) if "samples" in row][-1]
-    assert sample["prompt"] == PROMPT
+    samples = {}
+    for name in ("one", "two"):
+        with open(tmp / name / "metrics.jsonl") as f:
+            [samples[name]] = [row["samples"] for row in map(json.loads, f) if "samples" in row][-1]
+    sample = samples["one"]
+    assert sample["prompt"] == PROMPT and samples["two"] == sample  # every rank extends alike
     for extra in ([], ["--adapter"]):
         out = subprocess.run(
             [sys.executable, "-m", "fsdp_research", "generate", str(tmp / "one"), "--prompt", PROMPT,

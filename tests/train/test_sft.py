@@ -53,13 +53,26 @@ def runs(tmp_path_factory):
             ROOT,
             torchrun_nproc=2,
         ),  # fmt: skip
+        # The eval file twice as two named sets: each set's loss, and the whole's.
+        "sets": start(
+            [
+                *common,
+                "trainer.micro_batch_size=1",
+                "checkpoint.export=false",
+                "distributed.nproc_per_node=2",
+                f"data.eval_sources={{first:[{evals}],again:[{evals}]}}",
+                "data.eval_paths=[]",
+                f"hydra.run.dir={tmp / 'sets'}",
+            ],
+            ROOT,
+        ),  # fmt: skip
         "bad": start(
             [*common, "trainer.micro_batch_size=2", "data.messages_field=conversation", f"hydra.run.dir={tmp / 'bad'}"],
             ROOT,
         ),
     }
     done = {name: finish(proc) for name, proc in procs.items()}
-    for name in (1, 2):
+    for name in (1, 2, "sets"):
         assert done[name].returncode == 0, done[name].stderr[-3000:]
     return common, model, tmp, done
 
@@ -111,6 +124,11 @@ def test_eval_is_every_eval_conversation_alone_in_transformers(runs):
     assert evals["one"]["eval_tokens"] == evals["two"]["eval_tokens"] == count
     assert evals["one"]["eval_loss"] == pytest.approx(total / count, rel=1e-5)
     assert evals["two"]["eval_loss"] == pytest.approx(total / count, rel=1e-5)
+    # data.eval_sources: each named set evaluated whole, the overall loss over all their targets.
+    with open(tmp / "sets" / "metrics.jsonl") as f:
+        sets = [row for row in map(json.loads, f) if "eval_loss" in row][-1]
+    assert sets["eval_loss/first"] == sets["eval_loss/again"] == sets["eval_loss"] == evals["two"]["eval_loss"]
+    assert sets["eval_tokens/first"] == sets["eval_tokens/again"] == count and sets["eval_tokens"] == 2 * count
 
 
 def test_a_record_without_the_messages_field_is_one_line(runs):

@@ -1,0 +1,66 @@
+"""Eval: the loss over the held-out windows (the same ones at any world size), or over each eval set read whole
+(data.eval_paths; data.eval_sources, one set per name): the mean over every target, with the training loss's masks,
+packing and document masking."""
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from fsdp_research.data.pipeline import Data
+from fsdp_research.train.losses import target_count, token_losses
+
+
+@torch.no_grad()
+def held_out_loss(
+    model: nn.Module,
+    read: Callable[[np.ndarray], torch.Tensor],
+    samples: int,
+    micro_batch: int,
+    device: torch.device,
+    amp,
+    chunks: int = 1,
+) -> tuple[float, int]:
+    """(loss summed over the targets, targets) of samples 0 .. samples - 1 (`read` gives samples by index), rank r
+    taking r, r + world, ... Every rank runs as many forwards (one with fewer samples pads with a sample weighted
+    0): FSDP's collectives need them all. A collective: every rank calls it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    index = rank + world * np.arange(-(-samples // world))
+    weight = torch.from_numpy(index < samples).float().to(device)
+    index = np.minimum(index, samples - 1)
+    sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss summed over tokens, tokens
+    model.eval()
+    for a in range(0, len(index), micro_batch):
+        batch = read(index[a : a + micro_batch]).to(device)
+        w = weight[a : a + micro_batch]
+        per_sample = token_losses(model, batch, amp, chunks).sum(1)
+        sums += torch.stack([(per_sample * w).sum(), (target_count(batch) * w).sum()]).double()
+    model.train()
+    dist.all_reduce(sums)
+    return sums[0].item(), int(sums[1].item())
+
+
+def evaluate(model: nn.Module, data: Data, cfg: DictConfig, device: torch.device, amp) -> dict[str, float]:
+    """{eval_loss, eval_tokens}; with data.eval_sources also each set's, as eval_loss/<name> and
+    eval_tokens/<name> (eval_loss: over all of them). A collective."""
+    t = cfg.trainer
+
+    def loss(read, samples: int) -> tuple[float, int]:
+        return held_out_loss(model, read, samples, t.micro_batch_size, device, amp, cfg.loss.chunks)
+
+    if not data.eval_sets:
+        parts = {"": loss(lambda index: data.batch(index, held_out=True), t.eval_batches * t.micro_batch_size)}
+    else:
+        parts = {
+            name: loss(lambda index, name=name: data.eval_batch(name, index), windows.count)
+            for name, windows in data.eval_sets.items()
+        }
+    out = {}
+    for name, (total, tokens) in parts.items():
+        if name:
+            out.update({f"eval_loss/{name}": total / tokens, f"eval_tokens/{name}": tokens})
+    total, tokens = sum(p[0] for p in parts.values()), sum(p[1] for p in parts.values())
+    return {"eval_loss": total / tokens, "eval_tokens": tokens, **out}
