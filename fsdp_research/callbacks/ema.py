@@ -23,7 +23,8 @@ class EMA:
 
     def _attach(self, model: torch.nn.Module) -> None:
         self._units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-        named = list(model.named_parameters())
+        # The weights that train: a frozen base (LoRA's) never moves.
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.weights = {name: p.detach().clone() for name, p in named}
         self._params = [p for _, p in named]
 

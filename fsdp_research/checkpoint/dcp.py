@@ -28,11 +28,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from fsdp_research.distributed.processes import control_group, gloo_group, new_threads_single_threaded
 from fsdp_research.errors import CheckpointError
+from fsdp_research.model.lora import lora_layers
 
-# The weights that train: a frozen base (LoRA's) is the pretrained checkpoint's, never in a resume checkpoint
-# (loaded not strict: the frozen ones are absent; load() checks every key and shape first).
-TRAINED = StateDictOptions(ignore_frozen_params=True)
-INTO_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+def _options(model: torch.nn.Module, load: bool = False) -> StateDictOptions:
+    """LoRA: the adapters alone (the frozen base is the pretrained checkpoint's; loaded not strict, load() checks
+    every key first). Else every weight."""
+    if next(lora_layers(model), None) is None:
+        return StateDictOptions()
+    return StateDictOptions(ignore_frozen_params=True, strict=not load)
+
 
 log = logging.getLogger("fsdp_research")
 
@@ -185,7 +190,7 @@ class Checkpointer:
         if self.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         self._barrier()
-        model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED)
+        model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
         error = None
         try:
             os.makedirs(tmp, exist_ok=True)
@@ -341,7 +346,7 @@ class Checkpointer:
         has) and this rank's RNG state (DCP reshards to this world size); returns (the trainer state, the callbacks'
         loaded state). The group keys in `configured` keep the config's values. Checks every tensor key and shape
         first, so a mismatch changes nothing."""
-        model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED)
+        model_state, optim_state = get_state_dict(model, optimizer, options=_options(model))
         state = {"model": model_state, "optim": optim_state}
         saved = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
         # Absent when resuming at a larger world size (and in checkpoints from before it was saved with DCP).
@@ -367,9 +372,8 @@ class Checkpointer:
         # The config's hyperparameters win over the checkpoint's (which DCP copies into the groups, and maps onto
         # the last group where the checkpoint has fewer); the learning rate is the schedule's.
         kept = [{k: g[k] for k in configured if k in g} for g in optimizer.param_groups]
-        set_state_dict(
-            model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=INTO_TRAINED
-        )
+        into = _options(model, load=True)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=into)
         for group, values in zip(optimizer.param_groups, kept):
             group.update(values)
         old_rng = os.path.join(step_dir, f"rng_rank{self.rank}.pt")  # a checkpoint from before the states were in DCP

@@ -8,6 +8,7 @@ the family's save_pretrained does into files of its own, and then its share of t
 from those files by byte copies (fsdp_research.checkpoint.consolidate). `fsdp-research export <step dir> <out dir>`
 converts any resume checkpoint offline, with no process group and no GPU."""
 
+import contextlib
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_research.checkpoint.consolidate import INDEX, consolidate, write_index
 from fsdp_research.config.sizes import export_shard_size
+from fsdp_research.data.chat import chat_tokenizer
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.precision import fp32_names, parse_dtype
@@ -224,13 +226,17 @@ def export_run(model: torch.nn.Module, cfg: DictConfig, hf_config, out_dir: str)
     data's tokenizer beside it; a collective: every rank calls it). With LoRA: the adapters in PEFT's format in
     <out_dir>/adapter, and the model with them merged (checkpoint.export_merged)."""
     shard_size = export_shard_size(cfg.checkpoint.export_shard_size)
-    if not lora_enabled(cfg.model.lora):
-        export_model(model, hf_config, out_dir, export_dtype(cfg), shard_size, cfg.data.tokenizer)
-        return
-    if cfg.checkpoint.export_merged:
-        with merged(model):
+    lora = lora_enabled(cfg.model.lora)
+    if not lora or cfg.checkpoint.export_merged:
+        with merged(model) if lora else contextlib.nullcontext():
             export_model(model, hf_config, out_dir, export_dtype(cfg), shard_size, cfg.data.tokenizer)
-    export_adapter(model, cfg.model, os.path.join(out_dir, "adapter"))
+    if lora:
+        export_adapter(model, cfg.model, os.path.join(out_dir, "adapter"))
+        if dist.get_rank() == 0:  # the run's tokenizer beside its adapter
+            load_tokenizer(cfg.data.tokenizer).save(os.path.join(out_dir, "adapter"))
+    if dist.get_rank() == 0 and cfg.data.chat_template:  # the template the data was rendered with, not its own
+        for where in [out_dir] + ([os.path.join(out_dir, "adapter")] if lora else []):
+            chat_tokenizer(cfg.data).save_pretrained(where)
 
 
 def load_checkpoint_weights(step_dir: str) -> dict[str, torch.Tensor]:

@@ -33,7 +33,9 @@ def _load(export: str, adapter: bool):
         with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
             base = json.load(f)["base_model_name_or_path"]
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir)
-        tokenizer = AutoTokenizer.from_pretrained(export if merged else base)
+        # The run's tokenizer, saved beside the adapter (none for the byte tokenizer: the base's).
+        own = os.path.exists(os.path.join(adapter_dir, "tokenizer_config.json"))
+        tokenizer = AutoTokenizer.from_pretrained(adapter_dir if own else base)
     else:
         model, tokenizer = AutoModelForCausalLM.from_pretrained(export), AutoTokenizer.from_pretrained(export)
     return model.eval(), tokenizer

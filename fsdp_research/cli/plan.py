@@ -17,7 +17,8 @@ from omegaconf import DictConfig
 from torch.multiprocessing import ProcessExitedException
 
 from fsdp_research.cli.common import checked_config, fail, split_launch
-from fsdp_research.config.schema import DataConfig, Strategy
+from fsdp_research.config.data_schema import DataConfig
+from fsdp_research.config.schema import Strategy
 from fsdp_research.config.sizes import parse_size
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.processes import device_for

@@ -43,6 +43,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         cfg = compose(args.overrides)
+        if cfg.data.kind.value == "chat":
+            print("data=chat has no token store: every rank tokenizes the conversations as a run starts")
+            return 0
         check_sources(cfg.data)
         root = store_root(cfg.data)
         existed = {

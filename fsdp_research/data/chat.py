@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fsdp_research.config.schema import DataConfig, LossOn, Truncation
+from fsdp_research.config.data_schema import DataConfig, LossOn, Truncation
 from fsdp_research.data.formats import read_records
 from fsdp_research.data.parts import first_file, resolve_files
 from fsdp_research.data.tokenizer import load_tokenizer

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from fsdp_research.config.schema import DataConfig, DataKind
+from fsdp_research.config.data_schema import DataConfig, DataKind
 from fsdp_research.data.chat import chat_tokenizer, documents
-from fsdp_research.data.packing import DocumentWindows, PackedWindows, pack
+from fsdp_research.data.packing import IGNORE, LABELS, DocumentWindows, PackedWindows, pack
 from fsdp_research.data.parts import default_paths, hub_parts, identity, plan_parts, scan
 from fsdp_research.data.sampling import StoreWindows, Stream, SyntheticWindows
 from fsdp_research.data.store import StoreSpec, TokenStore, store_spec
@@ -104,8 +104,14 @@ def _ensure(spec: StoreSpec, root: str, b: Build) -> TokenStore:
     return ensure_store(spec, root, b.rank, b.world, b.workers, b.name, b.report, b.every_s, b.timeout_s)
 
 
+def _held_out_fraction(cfg: DataConfig) -> float:
+    """Eval files replace the held-out windows: every training window trains."""
+    return 0.0 if cfg.eval_paths or cfg.eval_sources else cfg.eval_fraction
+
+
 def _check_size(windows, cfg: DataConfig, key: str) -> None:
-    held_out = max(1, int(windows.count * cfg.eval_fraction)) if cfg.eval_fraction > 0 else 0
+    fraction = _held_out_fraction(cfg)
+    held_out = max(1, int(windows.count * fraction)) if fraction > 0 else 0
     if windows.count - held_out < 1:
         capped = cfg.max_windows and windows.count == cfg.max_windows
         raise ConfigError(
@@ -171,6 +177,8 @@ def chat_windows(cfg: DataConfig, paths: list[str], key: str) -> PackedWindows:
     tok = chat_tokenizer(cfg)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     samples = pack(docs, cfg.seq_len, pad, cfg.packing, cfg.document_masking is not False)
+    if not (samples[:, LABELS] != IGNORE).any():
+        raise ConfigError(key, f"{list(paths)} holds no target token (data.loss_on={cfg.loss_on.value})", "check it")
     return PackedWindows(samples, f"{len(docs):,} conversations of {key}")
 
 
@@ -189,6 +197,8 @@ def _eval_sets(cfg: DataConfig, build: Build) -> dict[str, StoreWindows | Docume
         else:
             spec = _local_spec(paths, key, cfg.text_field, cfg.tokenizer)
             sets[name] = _masked(cfg, StoreWindows(_ensure(spec, store_root(cfg), build), cfg.seq_len + 1))
+        if not sets[name].count:
+            raise ConfigError(key, f"{paths} holds less than one window of data.seq_len + 1 tokens", "add text")
     return sets
 
 
@@ -213,8 +223,7 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int, build: Build = Build
     for w, key, weight in zip(windows, keys, weights):
         if weight > 0:
             _check_size(w, cfg, key)
-    # Eval files replace the held-out windows: every training window trains.
-    stream = Stream(windows, weights, seed, 0.0 if cfg.eval_paths or cfg.eval_sources else cfg.eval_fraction)
+    stream = Stream(windows, weights, seed, _held_out_fraction(cfg))
     return Data(stream, cfg.seq_len, cfg.overfit_batches, _eval_sets(cfg, build))
 
 

@@ -10,7 +10,7 @@ from functools import cache
 
 import numpy as np
 
-from fsdp_research.config.schema import DataKind
+from fsdp_research.config.data_schema import DataKind
 from fsdp_research.errors import ConfigError
 
 BYTE_VOCAB = 257  # 256 byte values and an end-of-document token

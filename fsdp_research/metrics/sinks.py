@@ -208,6 +208,8 @@ class Sinks:
 
     def samples(self, step: int, rows: list[dict[str, str]]) -> None:
         """trainer.sample_prompts' continuations: console lines, a metrics.jsonl record, a W&B table."""
+        if not rows:
+            return
         for sink in self.sinks:
             if hasattr(sink, "samples"):
                 sink.samples(step, rows)

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_research.config.schema import LoraSettings, ModelConfig
@@ -74,6 +75,15 @@ def apply_lora(model: nn.Module, cfg: LoraSettings) -> None:
             f"PEFT cannot adapt {cfg.target_modules!r} in {type(model).__name__}: {str(err).splitlines()[0]}",
             "name Linear modules the model has (e.g. q_proj,v_proj), or all-linear",
         ) from None
+    from peft.tuners.lora import Linear
+
+    odd = next((name for name, layer in lora_layers(model) if not isinstance(layer, Linear)), None)
+    if odd:
+        raise ConfigError(
+            "model.lora.target_modules",
+            f"{odd} is not a Linear layer (LoRA here adapts Linear and Conv1D layers only)",
+            "name Linear modules, e.g. q_proj,v_proj, or all-linear",
+        )
     for name, param in model.named_parameters():
         param.requires_grad_(_is_adapter(name))
 
@@ -189,6 +199,11 @@ def merged(model: nn.Module) -> Iterator[nn.Module]:
     """The adapters merged into the base weights (PEFT's get_delta_weight: B A x alpha / r, transposed for a
     fan-in-fan-out layer) and the base view of the model, for as long as the context lasts; the base's shards as
     they were after (a collective: every rank calls it)."""
+    # Units a forward without backward left gathered (an eval's last block, the root): their shards are what the
+    # export reads and what is restored.
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
     kept = []
     for _, layer in lora_layers(model):
         weight = layer.base_layer.weight

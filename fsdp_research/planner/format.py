@@ -34,13 +34,16 @@ def _gib(value: float) -> str:
     return f"{value:.2f}" if value >= 1 else f"{value:.3g}"
 
 
+def _trained_note(m: ModelSummary) -> str:
+    """LoRA: the parameters with gradients and optimizer state."""
+    trained = sum(u.trained().numel for u in (*m.units, m.root))
+    return f" ({_count(trained)} trained)" if trained != m.n_params else ""
+
+
 def format_plan(m: ModelSummary, run: Run) -> str:
     e, mem = run.compute_dtype, memory(m, run)
     replicated = m.strategy is Strategy.ddp_classic
-    size = f"{_count(m.n_params)} parameters" + _experts_note(m)
-    trained = sum(u.trained().numel for u in (*m.units, m.root))
-    if trained != m.n_params:  # LoRA: gradients and optimizer state of these alone
-        size += f" ({_count(trained)} trained)"
+    size = f"{_count(m.n_params)} parameters" + _experts_note(m) + _trained_note(m)
     layout = "replicated" if replicated else f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units"
     deferring = run.micro_steps > 1 and run.defer_grad_sync
     lines = [

@@ -41,7 +41,8 @@ def check_loss(cfg, packed: bool = False) -> None:
         if given:
             raise ConfigError(
                 f"loss.{given[0]}",
-                "is not yet taken with packed documents (data=chat), whose loss is cross_entropy's sum over targets",
+                "is not yet taken with packed documents (data=chat, data.document_masking), whose loss is "
+                "cross_entropy's sum over targets",
                 f"drop the loss.{given[0]} override",
             )
     if cfg.chunks < 1:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
 
-from fsdp_research.config.schema import DataKind
+from fsdp_research.config.data_schema import DataKind
 from fsdp_research.data.chat import chat_tokenizer
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.errors import ConfigError
@@ -40,7 +40,10 @@ def check_samples(cfg: DictConfig) -> None:
 
 
 def _encode(cfg: DictConfig, prompt: str) -> list[int]:
-    """A prompt's ids: as a user's message after the chat template's generation prompt, for data=chat."""
+    """A prompt's ids: as a user's message after the chat template's generation prompt, for conversations; as
+    the prompt of a prompt/completion pair is tokenized, for those."""
+    if cfg.data.kind is DataKind.chat and cfg.data.prompt_field:
+        return chat_tokenizer(cfg.data)(prompt)["input_ids"]
     if cfg.data.kind is DataKind.chat:
         tok = chat_tokenizer(cfg.data)
         text = tok.apply_chat_template(

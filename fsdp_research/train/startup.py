@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
-from fsdp_research.config.schema import DataKind
+from fsdp_research.config.data_schema import DataKind
 from fsdp_research.data.pipeline import Build, Data, Prefetcher, build_data
 from fsdp_research.data.tokenizer import describe as describe_tokenizer
 from fsdp_research.distributed.precision import dtypes
@@ -25,6 +25,7 @@ from fsdp_research.metrics.profiling import StepProfiler
 from fsdp_research.metrics.sinks import Sinks, build_sinks
 from fsdp_research.model.architecture import dropout_in
 from fsdp_research.model.dimensions import ModelDims
+from fsdp_research.model.moe_balancing import BiasBalancer
 from fsdp_research.planner.doctor import diagnose, report
 from fsdp_research.planner.fit import doctor_fit
 from fsdp_research.train import rundir
@@ -93,6 +94,14 @@ def throughput_of(
     return Throughput.of(
         model, d, t.global_batch_size, cfg.data.seq_len, world, dtypes(cfg.precision)[0], device, t.peak_tflops
     )
+
+
+def moe_balancer(model: nn.Module, moe: DictConfig, resources: contextlib.ExitStack) -> BiasBalancer:
+    """Aux-loss-free balancing of the routers that carry an expert bias (model.moe.bias_update_rate), its hooks
+    removed when the run ends."""
+    balancer = BiasBalancer(model, moe.bias_update_rate)
+    close_on_exit(resources, lambda failed: balancer.close())
+    return balancer
 
 
 def seed_rng(model: nn.Module, seed: int, rank: int, world: int) -> None:

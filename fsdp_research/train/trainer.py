@@ -30,7 +30,6 @@ from fsdp_research.metrics.sinks import Sinks, setup_logging
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.dimensions import dims
 from fsdp_research.model.lora import base_identity
-from fsdp_research.model.moe_balancing import BiasBalancer
 from fsdp_research.model.parallelize import shard_model
 from fsdp_research.optim import build_optimizer, clip_, clip_grad_norm, configured_keys, grad_norm
 from fsdp_research.optim.resume import continue_schedule
@@ -49,6 +48,7 @@ from fsdp_research.train.preemption import NONE, STOP, Boundary, Signals, agree
 from fsdp_research.train.samples import take_samples
 from fsdp_research.train.startup import (
     close_on_exit,
+    moe_balancer,
     observe,
     open_data,
     planned_fit,
@@ -149,9 +149,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     callbacks = Callbacks(cfg.callbacks)
     handle = RunHandle(model, optimizer, cfg, rank, world, run_dir, device, plan.blocks)
     callbacks.call("setup", handle)
-    balancer = BiasBalancer(model, cfg.model.moe.bias_update_rate)
-    close_on_exit(resources, lambda failed: balancer.close())
-    callbacks.add_builtin("moe_balancer", balancer)
+    callbacks.add_builtin("moe_balancer", moe_balancer(model, cfg.model.moe, resources))
     state = TrainState(scheduler, LossScaler(cfg.precision), base_weights=base_identity(cfg.model))
     checks = resources.enter_context(apply_anomaly_checks(model, state, t.detect_anomaly))
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))

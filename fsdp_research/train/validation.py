@@ -7,12 +7,11 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_research.callbacks.hooks import check_callbacks
+from fsdp_research.config.data_schema import DataConfig, DataKind
 from fsdp_research.config.schema import (
     ActivationCheckpointingConfig,
     CheckpointConfig,
     CheckpointMode,
-    DataConfig,
-    DataKind,
     DoctorConfig,
     ModelConfig,
     PrecisionConfig,
@@ -286,7 +285,7 @@ def check_planned(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_conf
     one's own against the data, and optim.param_groups' patterns against the parameters' names."""
     if hf_config is None:
         check_data_fits(cfg.data, dims(model, plan.blocks).vocab, None)
-    names = [clean_name(n) for n, _ in model.named_parameters()]
+    names = [clean_name(n) for n, p in model.named_parameters() if p.requires_grad]  # what the optimizer gets
     check_patterns(OmegaConf.to_container(cfg.optim.param_groups, resolve=True), names)
 
 
@@ -294,7 +293,9 @@ def check_built(cfg: DictConfig, model: nn.Module, device: torch.device) -> None
     """What needs the sharded model's forward (a collective: every rank calls it): the chunked loss's output layer,
     packed documents kept apart."""
     check_chunked(model, cfg.loss, device)
-    if packed(cfg.data) and cfg.data.packing and cfg.data.document_masking is not False:
+    # Text windows always hold several documents; chat ones only when packed.
+    several = cfg.data.kind is not DataKind.chat or cfg.data.packing
+    if packed(cfg.data) and several and cfg.data.document_masking is not False:
         check_document_masking(model, device)
 
 

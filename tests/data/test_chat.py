@@ -13,24 +13,23 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_research.data.chat import documents
 from fsdp_research.data.packing import IGNORE, LABELS, pack
+from fsdp_research.data.pipeline import build_data
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.document_masking import check_document_masking
 from fsdp_research.train.losses import token_losses
 from fsdp_research.train.validation import check_config
-from tests.helpers.chats import CHATML, CHATML_MARKED, CONVERSATIONS, chat_tokenizer, write_chats
+from tests.helpers.chats import CHATML_MARKED, CONVERSATIONS, chat_llama, chat_tokenizer, write_chats
 from tests.helpers.zoo import hf_config, pretrained
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("chat")
-    tok = chat_tokenizer(str(tmp / "model"), CHATML)
+    tok = chat_llama(str(tmp / "model"))
     marked = chat_tokenizer(str(tmp / "marked"), CHATML_MARKED)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(hf_config("llama", vocab_size=len(AutoTokenizer.from_pretrained(tok))))
-    model.save_pretrained(tok)
+    model = AutoModelForCausalLM.from_pretrained(tok)
     # As the trainer runs it: transformers' packed-sequence path is taken without a cache.
     model.config.use_cache = False
     return tok, marked, write_chats(str(tmp / "chats.jsonl")), model.eval()
@@ -147,13 +146,16 @@ def test_bad_chat_input_is_one_line(setup, tmp_path):
     tok.save_pretrained(bare)
     assert "no chat template" in _refused(compose(["data=chat", f"data.paths=[{setup[2]}]", f"data.tokenizer={bare}"]))
     assert "loss.z_loss" in _refused(_cfg(setup, "loss.z_loss=1e-4"))
+    # An eval set without a target: refused as the data is built, before the first step.
+    prompts_only = write_chats(str(tmp_path / "prompts.jsonl"), [[{"role": "user", "content": "hi"}]])
+    with pytest.raises(ConfigError, match="data.eval_paths: .* holds no target token"):
+        build_data(_cfg(setup, f"data.eval_paths=[{prompts_only}]").data, 0, 0)
 
 
 def test_text_documents_masked_apart_lose_what_each_piece_loses_alone(tmp_path):
     """data.document_masking on text (a token store's windows): each piece of a document in a window, fed alone to
     transformers (its positions from 0), loses what it loses in the window."""
     from fsdp_research.data.packing import DocumentWindows
-    from fsdp_research.data.pipeline import build_data
     from tests.helpers.corpora import write
 
     corpus = write("jsonl", str(tmp_path))

@@ -47,6 +47,20 @@ def chat_tokenizer(out_dir: str, template: str = CHATML) -> str:
     return out_dir
 
 
+def chat_llama(out_dir: str, template: str = CHATML) -> str:
+    """chat_tokenizer's, and beside it a tiny llama of its vocabulary (from_config, seed 0), by save_pretrained."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from tests.helpers.zoo import hf_config
+
+    chat_tokenizer(out_dir, template)
+    torch.manual_seed(0)
+    vocab = len(AutoTokenizer.from_pretrained(out_dir))
+    AutoModelForCausalLM.from_config(hf_config("llama", vocab_size=vocab)).save_pretrained(out_dir)
+    return out_dir
+
+
 def write_chats(path: str, conversations=CONVERSATIONS, field: str = "messages") -> str:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

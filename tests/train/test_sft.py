@@ -14,9 +14,9 @@ from fsdp_research.data.packing import IGNORE, INPUTS, LABELS, POSITIONS
 from fsdp_research.data.pipeline import build_data
 from fsdp_research.jobs.compose import compose
 from tests.conftest import ROOT
-from tests.helpers.chats import CHATML, CHATML_MARKED, CONVERSATIONS, chat_tokenizer, write_chats
+from tests.helpers.chats import CHATML_MARKED, CONVERSATIONS, chat_llama, chat_tokenizer, write_chats
 from tests.helpers.cli import finish, read_metrics, start
-from tests.helpers.zoo import hf_config, pretrained
+from tests.helpers.zoo import pretrained
 
 pytestmark = pytest.mark.distributed
 
@@ -26,10 +26,7 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sft")
-    model = chat_tokenizer(str(tmp / "model"), CHATML)
-    torch.manual_seed(0)
-    vocab = len(AutoTokenizer.from_pretrained(model))
-    AutoModelForCausalLM.from_config(hf_config("llama", vocab_size=vocab)).save_pretrained(model)
+    model = chat_llama(str(tmp / "model"))
     train = write_chats(str(tmp / "data" / "train.jsonl"), CONVERSATIONS * 8)
     evals = write_chats(str(tmp / "data" / "eval.jsonl"), CONVERSATIONS)
     common = [
