@@ -89,8 +89,13 @@ def _spawned_worker(cfg: Any, run_dir: str) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED)
-    # Everything is written and closed: leave without the interpreter's teardown, where gloo's threads can
-    # abort the process ("terminate called without an active exception") and fail a finished run.
+    _leave()
+
+
+def _leave() -> None:
+    """A worker whose run completed, everything written and closed, leaves without the interpreter's teardown,
+    where gloo's threads can abort the process ("terminate called without an active exception", seen on torchrun's
+    rank 1) and fail a finished run."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -253,6 +258,8 @@ def _after(cfg: DictConfig, run_dir: str, outcome: dict[str, Any], multirun: boo
         env = launch_env()
         if not multirun and (env is None or env.rank == 0):
             print("\n".join(rundir.written(run_dir)), flush=True)
+        if not multirun and env is not None:  # a worker of torchrun or srun: nothing is waiting for a result
+            _leave()
         return _result(cfg.trainer, run_dir)
     if multirun:
         _stop_sweep(outcome.get("signal") or "signal", run_dir)
