@@ -54,7 +54,9 @@ def main(out: str, hidden: int = 128, layers: int = 4, n_chats: int = 2000) -> N
         ),
     )
     model_dir = os.path.join(out, "model")
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=specials[0], pad_token=specials[0], additional_special_tokens=specials[1:]
+    )
     fast.chat_template = TEMPLATE
     fast.save_pretrained(model_dir)
     config = AutoConfig.for_model(

@@ -9,6 +9,7 @@ import os
 from collections.abc import Sequence
 
 from fsdp_research.cli.common import fail
+from fsdp_research.data.chat import end_of_turn
 
 ADAPTER_DIR = "adapter"
 
@@ -54,6 +55,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         model, tokenizer = _load(_export_dir(args.path), args.adapter)
     except (OSError, ValueError, KeyError) as err:
         return fail(f"{args.path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+    # The end of the document, and of the assistant's turn (as the trainer's samples stop).
+    stop = [tokenizer.eos_token_id, *([end_of_turn(tokenizer)] if tokenizer.chat_template else [])]
+    stop = [i for i in stop if i is not None]
     for prompt in args.prompt:
         if tokenizer.chat_template:
             messages = [{"role": "user", "content": prompt}]
@@ -62,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             text = prompt
         ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
         with torch.no_grad():
-            out = model.generate(input_ids=ids, max_new_tokens=args.max_new_tokens, do_sample=False)
+            out = model.generate(
+                input_ids=ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stop or None
+            )
         print(f"{prompt} -> {tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)}")
     return 0

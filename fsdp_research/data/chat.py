@@ -102,6 +102,23 @@ def _chat_document(tok, messages: list[dict], loss_on: LossOn) -> Document:
     return Document(ids, targets)
 
 
+def end_of_turn(tok) -> int | None:
+    """The special token the chat template ends an assistant's turn with (ChatML's <|im_end|>, Llama 3's
+    <|eot_id|>): the first special token after a turn's content; None without a template or such a token."""
+    if not tok.chat_template:
+        return None
+    turn = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    try:
+        text, spans = _assistant_spans(tok, turn)
+    except Exception:  # a template with requirements of its own: samples then stop at EOS only
+        return None
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    special = set(tok.all_special_ids)
+    start, end = spans[-1]
+    after = [i for i, (a, _) in zip(enc["input_ids"], enc["offset_mapping"]) if start <= a < end and i in special]
+    return after[0] if after else None
+
+
 def _prompt_completion(tok, prompt: str, completion: str, loss_on: LossOn) -> Document:
     """As TRL tokenizes a pair: the prompt alone, the pair, the completion's tokens those past the prompt's; and
     the end-of-sequence token, a target."""

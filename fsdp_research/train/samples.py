@@ -11,7 +11,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from fsdp_research.config.data_schema import DataKind
-from fsdp_research.data.chat import chat_tokenizer
+from fsdp_research.data.chat import chat_tokenizer, end_of_turn
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.errors import ConfigError
 
@@ -54,9 +54,9 @@ def _encode(cfg: DictConfig, prompt: str) -> list[int]:
 
 
 @torch.no_grad()
-def greedy(model: nn.Module, ids: list[int], tokens: int, device: torch.device, amp, eos: int | None) -> list[int]:
-    """`tokens` more ids (fewer at the end-of-sequence token), each the argmax of the whole sequence's forward (no
-    cache: a few short samples per eval). A collective: every rank calls it."""
+def greedy(model: nn.Module, ids: list[int], tokens: int, device: torch.device, amp, stop: set[int]) -> list[int]:
+    """`tokens` more ids (fewer at a stop token), each the argmax of the whole sequence's forward (no cache: a few
+    short samples per eval). A collective: every rank calls it."""
     x = torch.tensor([ids], device=device)
     out: list[int] = []
     for _ in range(tokens):
@@ -64,7 +64,7 @@ def greedy(model: nn.Module, ids: list[int], tokens: int, device: torch.device, 
             nxt = model(input_ids=x).logits[:, -1].argmax(-1)
         dist.broadcast(nxt, src=0)
         out.append(int(nxt.item()))
-        if out[-1] == eos:
+        if out[-1] in stop:
             break
         x = torch.cat([x, nxt[:, None]], dim=1)
     return out
@@ -76,11 +76,15 @@ def take_samples(model: nn.Module, cfg: DictConfig, device: torch.device, amp) -
     if not prompts:
         return []
     tok = load_tokenizer(cfg.data.tokenizer)
+    # The end of the document, and of the assistant's turn for conversations.
+    stop = {tok.eos_id}
+    if cfg.data.kind is DataKind.chat and not cfg.data.prompt_field:
+        stop.add(end_of_turn(chat_tokenizer(cfg.data)))
     rows = []
     model.eval()
     for prompt in prompts:
         ids = _encode(cfg, prompt)[-cfg.data.seq_len + 1 :]
         room = min(cfg.trainer.sample_tokens, cfg.data.seq_len - len(ids))
-        rows.append({"prompt": prompt, "completion": tok.decode(greedy(model, ids, room, device, amp, tok.eos_id))})
+        rows.append({"prompt": prompt, "completion": tok.decode(greedy(model, ids, room, device, amp, stop))})
     model.train()
     return rows

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from fsdp_research.data.chat import documents
+from fsdp_research.data.chat import documents, end_of_turn
 from fsdp_research.data.packing import IGNORE, LABELS, pack
 from fsdp_research.data.pipeline import build_data
 from fsdp_research.errors import ConfigError
@@ -71,6 +71,11 @@ def test_parquet_and_saved_datasets_hold_the_same_conversations(setup, tmp_path)
         got = documents(cfg, [str(path)], "data.paths", 1024)
         assert [d.ids.tolist() for d in got] == [d.ids.tolist() for d in expected]
         assert [d.targets.tolist() for d in got] == [d.targets.tolist() for d in expected]
+
+
+def test_the_end_of_a_turn_is_the_templates_special_token(setup):
+    tok = AutoTokenizer.from_pretrained(setup[0])
+    assert tok.convert_ids_to_tokens([end_of_turn(tok)]) == ["<|im_end|>"]
 
 
 def test_prompt_completion_pairs_train_on_the_completion(setup, tmp_path):
