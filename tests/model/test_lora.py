@@ -31,7 +31,7 @@ from tests.helpers.cli import finish, read_metrics, start
 from tests.helpers.reference import decay_groups, factor_at
 from tests.helpers.zoo import pretrained
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 4
 LORA = ["model.lora.r=4", "model.lora.alpha=8"]

@@ -18,7 +18,7 @@ from tests.helpers.chats import CHATML_MARKED, CONVERSATIONS, chat_llama, chat_t
 from tests.helpers.cli import finish, read_metrics, start
 from tests.helpers.zoo import pretrained
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 4
 
