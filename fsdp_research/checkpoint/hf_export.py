@@ -31,8 +31,8 @@ from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.precision import fp32_names, parse_dtype
 from fsdp_research.distributed.processes import control_group
 from fsdp_research.model.architecture import build_model
+from fsdp_research.model.lora import ADAPTER_DIR, export_adapter, merged
 from fsdp_research.model.lora import enabled as lora_enabled
-from fsdp_research.model.lora import export_adapter, merged
 
 log = logging.getLogger("fsdp_research")
 
@@ -230,13 +230,17 @@ def export_run(model: torch.nn.Module, cfg: DictConfig, hf_config, out_dir: str)
     if not lora or cfg.checkpoint.export_merged:
         with merged(model) if lora else contextlib.nullcontext():
             export_model(model, hf_config, out_dir, export_dtype(cfg), shard_size, cfg.data.tokenizer)
+    adapter = os.path.join(out_dir, ADAPTER_DIR)
     if lora:
-        export_adapter(model, cfg.model, os.path.join(out_dir, "adapter"))
-        if dist.get_rank() == 0:  # the run's tokenizer beside its adapter
-            load_tokenizer(cfg.data.tokenizer).save(os.path.join(out_dir, "adapter"))
-    if dist.get_rank() == 0 and cfg.data.chat_template:  # the template the data was rendered with, not its own
-        for where in [out_dir] + ([os.path.join(out_dir, "adapter")] if lora else []):
-            chat_tokenizer(cfg.data).save_pretrained(where)
+        export_adapter(model, cfg.model, adapter)
+    if dist.get_rank() != 0:
+        return
+    # The run's tokenizer beside its adapter; with data.chat_template, the template the data was rendered with (not
+    # the tokenizer's own) beside the weights too.
+    tok = chat_tokenizer(cfg.data) if cfg.data.chat_template else load_tokenizer(cfg.data.tokenizer).hf
+    places = ([out_dir] if cfg.data.chat_template else []) + ([adapter] if lora else [])
+    for where in places if tok is not None else []:
+        tok.save_pretrained(where)
 
 
 def load_checkpoint_weights(step_dir: str) -> dict[str, torch.Tensor]:

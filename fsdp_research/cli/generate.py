@@ -10,8 +10,7 @@ from collections.abc import Sequence
 
 from fsdp_research.cli.common import fail
 from fsdp_research.data.chat import end_of_turn
-
-ADAPTER_DIR = "adapter"
+from fsdp_research.model.lora import ADAPTER_DIR
 
 
 def _export_dir(path: str) -> str:

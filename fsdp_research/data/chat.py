@@ -109,14 +109,11 @@ def end_of_turn(tok) -> int | None:
         return None
     turn = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     try:
-        text, spans = _assistant_spans(tok, turn)
+        ids, turn_tokens = _char_targets(tok, *_assistant_spans(tok, turn))
     except Exception:  # a template with requirements of its own: samples then stop at EOS only
         return None
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
     special = set(tok.all_special_ids)
-    start, end = spans[-1]
-    after = [i for i, (a, _) in zip(enc["input_ids"], enc["offset_mapping"]) if start <= a < end and i in special]
-    return after[0] if after else None
+    return next((int(i) for i in ids[turn_tokens] if i in special), None)
 
 
 def _prompt_completion(tok, prompt: str, completion: str, loss_on: LossOn) -> Document:

@@ -137,7 +137,7 @@ class Data:
         return torch.from_numpy(samples)
 
     def eval_batch(self, name: str, index: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(self.eval_sets[name].read(index).astype(np.int64))
+        return torch.from_numpy(self.eval_sets[name].read(index))
 
     def rank_batch(self, step: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
         """This rank's slice of the global batch of `step` (0-based): samples step * batch_size + [0, batch_size)."""

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -42,6 +42,15 @@ class ShardingPlan:
     units: list[Unit]
     # The repeating blocks' paths, in forward order: what a reader of the plan (the doctor) holds units against.
     blocks: tuple[str, ...] = ()
+
+
+def reshard(model: nn.Module) -> None:
+    """Units that keep their parameters gathered after a forward (the root, the last block) until a backward that
+    never comes (a check's or an eval's forward): sharded again, so that the optimizer, a save or an export gets the
+    shards."""
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,9 @@ start on the built model, as training will run it, before a step trains on docum
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
+from fsdp_research.distributed.sharding import reshard
 from fsdp_research.errors import ConfigError
 
 
@@ -29,10 +29,7 @@ def check_document_masking(model: nn.Module, device: torch.device) -> None:
                 "data.document_masking", f"the model's forward takes no position_ids ({err})", "set it to false"
             ) from None
     inner.train(was_training)
-    # Units that keep their parameters gathered after forward (the root, the last block): sharded again.
-    for module in inner.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    reshard(inner)
     first, second = logits[0, 3:5], logits[1, 1:3]
     if (first - second).abs().max() > 1e-3 * (1 + first.abs().max()):
         raise ConfigError(

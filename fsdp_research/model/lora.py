@@ -14,17 +14,18 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from fsdp_research.config.schema import LoraSettings, ModelConfig
 from fsdp_research.distributed.names import clean_name
-from fsdp_research.distributed.sharding import local_shard
+from fsdp_research.distributed.sharding import local_shard, reshard
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import pretrained_dir
 from fsdp_research.model.pretrained import checkpoint_files
 
 ADAPTER = "default"
+# Where an export keeps the adapters in PEFT's format: <export>/adapter.
+ADAPTER_DIR = "adapter"
 
 
 def peft_config(cfg: LoraSettings):
@@ -140,14 +141,18 @@ def _seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little")
 
 
-def _set_whole(param: torch.Tensor, full: torch.Tensor) -> None:
-    """This rank's part of a tensor every rank has whole (no communication)."""
+def _local_part(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `full`, a tensor of param's shape every rank has whole (no communication)."""
     local = local_shard(param)
     if isinstance(param, DTensor):
         full = distribute_tensor(full.to(local.device), param.device_mesh, param.placements, src_data_rank=None)
         full = full.to_local()
+    return full.to(local.device, local.dtype)
+
+
+def _set_whole(param: torch.Tensor, full: torch.Tensor) -> None:
     with torch.no_grad():
-        local.copy_(full.to(local.dtype))
+        local_shard(param).copy_(_local_part(param, full))
 
 
 def init_adapters(model: nn.Module, seed: int) -> None:
@@ -199,19 +204,16 @@ def merged(model: nn.Module) -> Iterator[nn.Module]:
     """The adapters merged into the base weights (PEFT's get_delta_weight: B A x alpha / r, transposed for a
     fan-in-fan-out layer) and the base view of the model, for as long as the context lasts; the base's shards as
     they were after (a collective: every rank calls it)."""
-    # Units a forward without backward left gathered (an eval's last block, the root): their shards are what the
-    # export reads and what is restored.
-    for module in model.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    # An eval's forward left units gathered: their shards are what the export reads and what is restored.
+    reshard(model)
     kept = []
     for _, layer in lora_layers(model):
         weight = layer.base_layer.weight
         kept.append((weight, local_shard(weight).detach().to("cpu", copy=True)))
         a, b = _full(layer.lora_A[ADAPTER].weight.detach()), _full(layer.lora_B[ADAPTER].weight.detach())
         delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]
-        delta = delta.T if layer.fan_in_fan_out else delta
-        _set_whole(weight, _full(weight.detach()).float() + delta.to(weight.device))
+        with torch.no_grad():  # each rank adds its rows of the delta to its shard
+            local_shard(weight).add_(_local_part(weight, delta.T if layer.fan_in_fan_out else delta))
     try:
         with base_view(model):
             yield model

@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_research.config.schema import LossConfig
 from fsdp_research.config.targets import check_call, kwargs_of, named_in, resolve
 from fsdp_research.data.packing import IGNORE, INPUTS, LABELS, POSITIONS
+from fsdp_research.distributed.sharding import reshard
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import output_layer
 
@@ -228,11 +228,7 @@ def check_chunked(model: nn.Module, cfg: LossConfig, device: torch.device) -> No
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     with torch.no_grad():
         check_chunkable(inner, device)
-    # Units that keep their parameters gathered after forward (the root, the last block) until a backward that
-    # never comes: sharded again, else the optimizer would get the gathered tensors.
-    for module in inner.modules():
-        if isinstance(module, FSDPModule):
-            module.reshard()
+    reshard(inner)
 
 
 def check_chunkable(model: nn.Module, device: torch.device) -> None:

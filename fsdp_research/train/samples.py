@@ -2,8 +2,8 @@
 is now, the first thing one reads after a fine-tune. Every rank runs the forwards (FSDP's are collectives) and takes
 rank 0's next token, so all extend alike."""
 
-import logging
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -14,8 +14,6 @@ from fsdp_research.config.data_schema import DataKind
 from fsdp_research.data.chat import chat_tokenizer, end_of_turn
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.errors import ConfigError
-
-log = logging.getLogger("fsdp_research")
 
 
 def sample_prompts(t: DictConfig) -> list[str]:
@@ -39,18 +37,24 @@ def check_samples(cfg: DictConfig) -> None:
         raise ConfigError("trainer.sample_tokens", f"{cfg.trainer.sample_tokens} is below 1", "use e.g. 32")
 
 
-def _encode(cfg: DictConfig, prompt: str) -> list[int]:
-    """A prompt's ids: as a user's message after the chat template's generation prompt, for conversations; as
-    the prompt of a prompt/completion pair is tokenized, for those."""
-    if cfg.data.kind is DataKind.chat and cfg.data.prompt_field:
-        return chat_tokenizer(cfg.data)(prompt)["input_ids"]
-    if cfg.data.kind is DataKind.chat:
-        tok = chat_tokenizer(cfg.data)
-        text = tok.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+def _encoder(cfg: DictConfig) -> tuple[Callable[[str], list[int]], set[int]]:
+    """(a prompt's ids, the ids a sample stops at). Conversations: the prompt as a user's message after the chat
+    template's generation prompt, stopping at the end of the document or of the assistant's turn; prompt/completion
+    pairs: as the pair's prompt is tokenized; text: its tokens, stopping at the end of the document."""
+    base = load_tokenizer(cfg.data.tokenizer)
+    eos = base.eos_id
+    if cfg.data.kind is not DataKind.chat:
+        return base.prompt_ids, {eos}
+    tok = chat_tokenizer(cfg.data)
+    if cfg.data.prompt_field:
+        return lambda prompt: tok(prompt)["input_ids"], {eos}
+
+    def encode(prompt: str) -> list[int]:
+        message = [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(message, tokenize=False, add_generation_prompt=True)
         return tok(text, add_special_tokens=False)["input_ids"]
-    return load_tokenizer(cfg.data.tokenizer).prompt_ids(prompt)
+
+    return encode, {eos} | ({end_of_turn(tok)} - {None})
 
 
 @torch.no_grad()
@@ -76,14 +80,11 @@ def take_samples(model: nn.Module, cfg: DictConfig, device: torch.device, amp) -
     if not prompts:
         return []
     tok = load_tokenizer(cfg.data.tokenizer)
-    # The end of the document, and of the assistant's turn for conversations.
-    stop = {tok.eos_id}
-    if cfg.data.kind is DataKind.chat and not cfg.data.prompt_field:
-        stop.add(end_of_turn(chat_tokenizer(cfg.data)))
+    encode, stop = _encoder(cfg)
     rows = []
     model.eval()
     for prompt in prompts:
-        ids = _encode(cfg, prompt)[-cfg.data.seq_len + 1 :]
+        ids = encode(prompt)[-cfg.data.seq_len + 1 :]
         room = min(cfg.trainer.sample_tokens, cfg.data.seq_len - len(ids))
         rows.append({"prompt": prompt, "completion": tok.decode(greedy(model, ids, room, device, amp, stop))})
     model.train()

@@ -125,7 +125,7 @@ def check_data(cfg: DataConfig, t: TrainerConfig, hf_config) -> None:
             probe(first_file(paths, key), cfg.text_field)
     if cfg.eval_paths and cfg.eval_sources:
         raise ConfigError("data.eval_sources", "is given and data.eval_paths too", "give one of them")
-    if t.eval_interval and cfg.eval_fraction <= 0 and not (cfg.eval_paths or cfg.eval_sources):
+    if t.eval_interval and cfg.eval_fraction <= 0 and not eval_set_paths(cfg):
         raise ConfigError(
             "trainer.eval_interval",
             "eval needs held-out data but data.eval_fraction is 0",
