@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from fsdp_research.config.data_schema import DataConfig, LossOn, Truncation
-from fsdp_research.data.formats import read_records
+from fsdp_research.data.formats import hub_records, read_records
 from fsdp_research.data.parts import first_file, resolve_files
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.errors import ConfigError
@@ -132,8 +132,21 @@ def _field(record: Any, key: str, name: str, path: str, where: str) -> Any:
     return record[name]
 
 
-def _documents_of(tok, cfg: DataConfig, path: str) -> Iterator[Document]:
-    for where, record in read_records(path):
+def records(cfg: DataConfig, paths: list[str] | None, key: str) -> Iterator[tuple[str, str, Any]]:
+    """(source, where, record) of each record of the files `paths` names, in order; paths None: of the hub
+    dataset data.hub_name names (load_dataset's split, as data=hub reads it)."""
+    if paths is None:
+        for where, record in hub_records(cfg.hub_name, cfg.hub_config, cfg.split, cfg.cache_dir):
+            yield cfg.hub_name, where, record
+        return
+    for path in resolve_files(paths, key):
+        for where, record in read_records(path):
+            yield path, where, record
+
+
+def _documents_of(tok, cfg: DataConfig, source: Iterator[tuple[str, str, Any]]) -> Iterator[tuple[str, Document]]:
+    """(source, document) of each record."""
+    for path, where, record in source:
         try:
             if cfg.prompt_field or cfg.completion_field:
                 prompt = _field(record, "data.prompt_field", cfg.prompt_field, path, where)
@@ -142,10 +155,10 @@ def _documents_of(tok, cfg: DataConfig, path: str) -> Iterator[Document]:
                     raise ConfigError(
                         "data.prompt_field", f"{path} {where}: prompt and completion must be text", "fix that record"
                     )
-                yield _prompt_completion(tok, prompt, completion, cfg.loss_on)
+                yield path, _prompt_completion(tok, prompt, completion, cfg.loss_on)
             else:
                 messages = _field(record, "data.messages_field", cfg.messages_field, path, where)
-                yield _chat_document(tok, messages, cfg.loss_on)
+                yield path, _chat_document(tok, messages, cfg.loss_on)
         except ConfigError:
             raise
         except Exception as err:  # the template's own complaint (a role it rejects, a malformed message)
@@ -166,33 +179,37 @@ def check_chat(cfg: DataConfig) -> None:
         raise ConfigError(
             "data.prompt_field", "prompt/completion pairs need both fields", "set data.completion_field too"
         )
+    if bool(cfg.paths) == bool(cfg.hub_name):
+        raise ConfigError(
+            "data.paths",
+            f"data=chat reads files or a hub dataset: {'both' if cfg.paths else 'neither'} given",
+            "give data.paths=[...] or data.hub_name=<dataset>",
+        )
     tok = chat_tokenizer(cfg)
-    for path in (
-        first_file(cfg.paths, "data.paths"),
-        *([first_file(cfg.eval_paths, "data.eval_paths")] if cfg.eval_paths else []),
-    ):
-        next(_documents_of(tok, cfg, path), None)
+    firsts = [("data.eval_paths", [first_file(cfg.eval_paths, "data.eval_paths")])] if cfg.eval_paths else []
+    first = [first_file(cfg.paths, "data.paths")] if cfg.paths else None
+    for key, paths in [("data.paths", first), *firsts]:
+        next(_documents_of(tok, cfg, records(cfg, paths, key)), None)
 
 
-def documents(cfg: DataConfig, paths: list[str], key: str, seq_len: int) -> list[Document]:
-    """Every record of the files `paths` names, in order, each a document of at most seq_len tokens
+def documents(cfg: DataConfig, paths: list[str] | None, key: str, seq_len: int) -> list[Document]:
+    """Every record of `paths` (see records), in order, each a document of at most seq_len tokens
     (data.truncation)."""
     tok = chat_tokenizer(cfg)
     out, dropped = [], 0
-    for path in resolve_files(paths, key):
-        for doc in _documents_of(tok, cfg, path):
-            if len(doc.ids) > seq_len:
-                if cfg.truncation is Truncation.error:
-                    raise ConfigError(
-                        "data.truncation",
-                        f"a document of {path} has {len(doc.ids)} tokens, more than data.seq_len={seq_len}",
-                        "raise data.seq_len, or set data.truncation=drop or truncate",
-                    )
-                if cfg.truncation is Truncation.drop:
-                    dropped += 1
-                    continue
-                doc = Document(doc.ids[:seq_len], doc.targets[:seq_len])
-            out.append(doc)
+    for path, doc in _documents_of(tok, cfg, records(cfg, paths, key)):
+        if len(doc.ids) > seq_len:
+            if cfg.truncation is Truncation.error:
+                raise ConfigError(
+                    "data.truncation",
+                    f"a document of {path} has {len(doc.ids)} tokens, more than data.seq_len={seq_len}",
+                    "raise data.seq_len, or set data.truncation=drop or truncate",
+                )
+            if cfg.truncation is Truncation.drop:
+                dropped += 1
+                continue
+            doc = Document(doc.ids[:seq_len], doc.targets[:seq_len])
+        out.append(doc)
     if dropped:
         log.info(f"data: {dropped} of {dropped + len(out)} documents longer than data.seq_len={seq_len} dropped")
     return out

@@ -316,6 +316,12 @@ def row_groups(path: str) -> list[int]:
     return [meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)]
 
 
+def hub_records(name: str, config: str | None, split: str, cache_dir: str | None) -> Iterator[tuple[str, Any]]:
+    """Whole records of a hub dataset (or a local directory load_dataset reads), each with its row."""
+    spec = {"path": name, "name": config, "split": split, "cache_dir": cache_dir}
+    yield from ((f"row {i}", row) for i, row in enumerate(_load_hub(spec)))
+
+
 def read_records(path: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """Whole records (a chat's list of messages is no text field), each with where it is ("line 3", "row 7"):
     JSON Lines, JSON, Parquet, a saved dataset."""

@@ -169,16 +169,18 @@ def _describe(windows) -> str:
     return windows.describe() if isinstance(windows, PackedWindows) else "synthetic tokens"
 
 
-def chat_windows(cfg: DataConfig, paths: list[str], key: str) -> PackedWindows:
-    """The conversations of `paths`, packed (data.packing, data.document_masking: on unless false)."""
+def chat_windows(cfg: DataConfig, paths: list[str] | None, key: str) -> PackedWindows:
+    """The conversations of `paths` (None: of data.hub_name), packed (data.packing, data.document_masking: on
+    unless false)."""
     docs = documents(cfg, paths, key, cfg.seq_len)
+    what = cfg.hub_name if paths is None else list(paths)
     if not docs:
-        raise ConfigError(key, f"{list(paths)} holds no document of at most data.seq_len tokens", "raise data.seq_len")
+        raise ConfigError(key, f"{what} holds no document of at most data.seq_len tokens", "raise data.seq_len")
     tok = chat_tokenizer(cfg)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     samples = pack(docs, cfg.seq_len, pad, cfg.packing, cfg.document_masking is not False)
     if not (samples[:, LABELS] != IGNORE).any():
-        raise ConfigError(key, f"{list(paths)} holds no target token (data.loss_on={cfg.loss_on.value})", "check it")
+        raise ConfigError(key, f"{what} holds no target token (data.loss_on={cfg.loss_on.value})", "check it")
     return PackedWindows(samples, f"{len(docs):,} conversations of {key}")
 
 
@@ -214,7 +216,8 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int, build: Build = Build
         count = min(cfg.num_sequences, cfg.max_windows or cfg.num_sequences)
         windows, weights, keys = [SyntheticWindows(count, length, vocab_size, seed)], [1.0], ["data"]
     elif cfg.kind is DataKind.chat:
-        windows, weights, keys = [chat_windows(cfg, list(cfg.paths), "data.paths")], [1.0], ["data.paths"]
+        key = "data.hub_name" if cfg.hub_name else "data.paths"
+        windows, weights, keys = [chat_windows(cfg, None if cfg.hub_name else list(cfg.paths), key)], [1.0], [key]
     else:
         stores = open_stores(cfg, build)
         windows = [_masked(cfg, StoreWindows(store, length, cfg.max_windows)) for store in stores]

@@ -59,8 +59,6 @@ def check_lora(cfg: LoraSettings, load_weights: bool) -> None:
         raise ConfigError(
             "model.lora", "adapts pretrained weights, but model.load_weights is false", "use model=pretrained"
         )
-    if cfg.modules_to_save:
-        raise ConfigError("model.lora.modules_to_save", "is not supported yet", "leave it empty")
 
 
 def apply_lora(model: nn.Module, cfg: LoraSettings) -> None:
@@ -87,6 +85,31 @@ def apply_lora(model: nn.Module, cfg: LoraSettings) -> None:
         )
     for name, param in model.named_parameters():
         param.requires_grad_(_is_adapter(name))
+    _check_untied(model)
+
+
+def _check_untied(model: nn.Module) -> None:
+    """A module whose weights another shares (tied embeddings) cannot train a copy of its own: the export would
+    hold one tensor for two that training made different."""
+    for name, wrapper in saved_modules(model):
+        inside = {id(p) for p in wrapper.original_module.parameters()}
+        outside = (p for n, p in model.named_parameters(remove_duplicate=False) if not n.startswith(f"{name}."))
+        if any(id(p) in inside for p in outside):
+            raise ConfigError(
+                "model.lora.modules_to_save",
+                f"{clean_name(name)} shares its weights with another module (tie_word_embeddings)",
+                "leave tied modules out of modules_to_save",
+            )
+
+
+def store_frozen(model: nn.Module, dtype: torch.dtype, kept_in_fp32: list[str]) -> None:
+    """The frozen base stored in the compute dtype (all FSDP2 gathers it in; no gradient or optimizer state needs
+    it in fp32), but for the modules the family keeps in fp32; the trained parameters stay fp32, of one dtype as
+    FSDP2 requires of a unit's trained parameters."""
+    kept = tuple(f"{path}." for path in kept_in_fp32)
+    for name, param in model.named_parameters():
+        if not param.requires_grad and not name.startswith(kept):
+            param.data = param.data.to(dtype)
 
 
 def base_identity(cfg: ModelConfig) -> str | None:
@@ -107,7 +130,7 @@ def base_identity(cfg: ModelConfig) -> str | None:
 
 
 def _is_adapter(name: str) -> bool:
-    return ".lora_A." in name or ".lora_B." in name
+    return ".lora_A." in name or ".lora_B." in name or f".modules_to_save.{ADAPTER}." in name
 
 
 def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
@@ -120,15 +143,28 @@ def lora_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             yield name, module
 
 
+def saved_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    """(module path, PEFT's wrapper) of each module model.lora.modules_to_save trains a copy of."""
+    other = sys.modules.get("peft.utils.other")
+    if other is None:
+        return
+    for name, module in model.named_modules():
+        if isinstance(module, other.ModulesToSaveWrapper):
+            yield name, module
+
+
 @contextlib.contextmanager
 def base_view(model: nn.Module) -> Iterator[nn.Module]:
-    """The model with each adapted layer's base layer back in its place (the pretrained checkpoint's names), for
-    as long as the context lasts; the parameters are the same objects."""
+    """The model with each adapted layer's base layer back in its place and each module of modules_to_save's
+    trained copy in its place (the pretrained checkpoint's names, which the copy is loaded into and exported
+    under), for as long as the context lasts; the parameters are the same objects."""
+    stand_ins = [(name, layer, layer.base_layer) for name, layer in lora_layers(model)]
+    stand_ins += [(name, wrapper, wrapper.modules_to_save[ADAPTER]) for name, wrapper in saved_modules(model)]
     swapped = []
-    for name, layer in list(lora_layers(model)):
+    for name, layer, stand_in in stand_ins:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        parent._modules[child] = layer.base_layer
+        parent._modules[child] = stand_in
         swapped.append((parent, child, layer))
     try:
         yield model
@@ -157,12 +193,18 @@ def _set_whole(param: torch.Tensor, full: torch.Tensor) -> None:
 
 def init_adapters(model: nn.Module, seed: int) -> None:
     """PEFT's initialisation (reset_lora_parameters): A kaiming-uniform (a = sqrt(5)), B zeros; A from a generator
-    of its own name and the run's seed."""
+    of its own name and the run's seed. The frozen original of each module of modules_to_save: its loaded copy's
+    values (PEFT's deepcopy; both are sharded alike)."""
     for name, layer in lora_layers(model):
         a, b = layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight
         _set_whole(a, initial_a(seed, clean_name(name), a.shape))
         with torch.no_grad():
             local_shard(b).zero_()
+    for _, wrapper in saved_modules(model):
+        copies = wrapper.modules_to_save[ADAPTER].parameters()
+        with torch.no_grad():
+            for original, copy in zip(wrapper.original_module.parameters(), copies, strict=True):
+                local_shard(original).copy_(local_shard(copy))
 
 
 def initial_a(seed: int, layer: str, shape: torch.Size) -> torch.Tensor:
@@ -184,15 +226,16 @@ def export_adapter(model: nn.Module, cfg: ModelConfig, out_dir: str) -> None:
     if dist.get_rank() != 0:
         return
     os.makedirs(out_dir, exist_ok=True)
-    # PEFT's names: under its wrapper's prefix, without the adapter's name.
-    tensors = {
-        f"base_model.model.{clean_name(name).replace(f'.{ADAPTER}.', '.')}": value.contiguous()
-        for name, value in state.items()
-    }
+    # PEFT's names: under its wrapper's prefix, without the adapter's name (a trained copy under its module's).
+    tensors = {f"base_model.model.{_peft_name(clean_name(name))}": value.contiguous() for name, value in state.items()}
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
     config = peft_config(cfg.lora)
     config.base_model_name_or_path = cfg.name_or_path
     config.save_pretrained(out_dir)
+
+
+def _peft_name(name: str) -> str:
+    return name.replace(f".modules_to_save.{ADAPTER}.", ".").replace(f".{ADAPTER}.", ".")
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

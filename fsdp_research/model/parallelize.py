@@ -13,7 +13,7 @@ from fsdp_research.distributed.precision import build_mp_policy, dtypes, kept_in
 from fsdp_research.distributed.sharding import ShardingPlan, apply_ddp, apply_fsdp, build_mesh, build_plan
 from fsdp_research.model.architecture import block_class_name, build_model, build_own_model, find_blocks, pretrained_dir
 from fsdp_research.model.initialization import init_weights, materialize
-from fsdp_research.model.lora import apply_lora, base_view, init_adapters
+from fsdp_research.model.lora import apply_lora, base_view, init_adapters, store_frozen
 from fsdp_research.model.lora import enabled as lora_enabled
 from fsdp_research.model.pretrained import load_pretrained
 
@@ -30,11 +30,14 @@ def planned_model(cfg: DictConfig, hf_config, values: bool = True) -> tuple[nn.M
         model = build_model(hf_config, cfg.trainer.seed, values)
     if lora_enabled(cfg.model.lora):
         apply_lora(model, cfg.model.lora)
+    fp32_modules = kept_in_fp32(model, dtypes(cfg.precision)[0])
+    if lora_enabled(cfg.model.lora):
+        store_frozen(model, dtypes(cfg.precision)[0], fp32_modules)
     blocks = find_blocks(model, block_class_name(model, cfg.model.block_class))
     # Before sharding, so that FSDP shards the wrapped block; compile too, so FSDP's hooks stay outside it.
     blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
     apply_compile(blocks, cfg.trainer.compile)
-    return model, build_plan(model, blocks, cfg.sharding, kept_in_fp32(model, dtypes(cfg.precision)[0]))
+    return model, build_plan(model, blocks, cfg.sharding, fp32_modules)
 
 
 def shard_model(

@@ -257,10 +257,11 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
     e, r, n = run.compute_bytes, run.reduce_bytes, run.shard_group
     units, every = list(m.units), [*m.units, m.root]
     phases = _phases(m, run, checkpointed)
-    shards = FP32 * sum(u.shard_numel(n) for u in every)
     # Gradients and optimizer state: of the trained parameters (LoRA: the adapters).
     trained = [u.trained() for u in every]
     grad_shards = FP32 * sum(u.shard_numel(n) for u in trained)
+    # LoRA's frozen base is stored in the compute dtype.
+    shards = grad_shards + e * sum(u.shard_numel(n) - t.shard_numel(n) for u, t in zip(every, trained))
     accumulating = run.micro_steps > 1
     # Earlier micro-batches' gradients: reduced into the shards, or (deferred) kept unsharded in the reduce dtype.
     sharded_before = accumulating and not run.defer_grad_sync
@@ -311,10 +312,12 @@ def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> lis
     state. Under autocast each weight's compute-dtype copy is saved for backward: a model's worth, held from
     forward to backward."""
     phases = _phases(m, run, checkpointed)
-    params = FP32 * m.n_params
     # Gradients and optimizer state: of the trained parameters (LoRA: the adapters), the whole model's share.
     trained = FP32 * m.root.trained().numel
-    casts = m.n_params * run.compute_bytes if run.compute_bytes != FP32 else 0
+    # LoRA's frozen base is stored in the compute dtype: autocast casts the trained parameters alone.
+    frozen = m.n_params - m.root.trained().numel
+    params = trained + run.compute_bytes * frozen
+    casts = m.root.trained().numel * run.compute_bytes if run.compute_bytes != FP32 else 0
     before = params if run.micro_steps > 1 else 0
 
     kept = _kept(m, run)

@@ -5,6 +5,7 @@ loss over the targets; bad input is one line before any compute."""
 
 import json
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -71,6 +72,14 @@ def test_parquet_and_saved_datasets_hold_the_same_conversations(setup, tmp_path)
         got = documents(cfg, [str(path)], "data.paths", 1024)
         assert [d.ids.tolist() for d in got] == [d.ids.tolist() for d in expected]
         assert [d.targets.tolist() for d in got] == [d.targets.tolist() for d in expected]
+    # data.hub_name: what load_dataset reads (a hub name; here a directory of JSON Lines, as no hub is reachable).
+    (tmp_path / "hub").mkdir()
+    shutil.copy(setup[2], tmp_path / "hub" / "train.jsonl")
+    hub = [*pretrained(setup[0]), "data=chat", f"data.hub_name={tmp_path / 'hub'}", f"data.cache_dir={tmp_path}/c"]
+    got = documents(compose(hub).data, None, "data.hub_name", 1024)
+    assert [d.ids.tolist() for d in got] == [d.ids.tolist() for d in expected]
+    assert [d.targets.tolist() for d in got] == [d.targets.tolist() for d in expected]
+    assert f"{len(expected)} conversations of data.hub_name" in build_data(compose(hub).data, 0, 0).describe()
 
 
 def test_the_end_of_a_turn_is_the_templates_special_token(setup):
@@ -151,6 +160,8 @@ def test_bad_chat_input_is_one_line(setup, tmp_path):
     tok.save_pretrained(bare)
     assert "no chat template" in _refused(compose(["data=chat", f"data.paths=[{setup[2]}]", f"data.tokenizer={bare}"]))
     assert "loss.z_loss" in _refused(_cfg(setup, "loss.z_loss=1e-4"))
+    assert "data.paths: data=chat reads files or a hub dataset: neither" in _refused(_cfg(setup, "data.paths=[]"))
+    assert "both given" in _refused(_cfg(setup, "data.hub_name=x/y"))
     # An eval set without a target: refused as the data is built, before the first step.
     prompts_only = write_chats(str(tmp_path / "prompts.jsonl"), [[{"role": "user", "content": "hi"}]])
     with pytest.raises(ConfigError, match="data.eval_paths: .* holds no target token"):

@@ -22,19 +22,21 @@ from fsdp_research.data.pipeline import build_data
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.model.lora import base_identity, initial_a
+from fsdp_research.model.lora import apply_lora, base_identity, initial_a
+from fsdp_research.model.parallelize import planned_model
 from fsdp_research.train.state import TrainState
 from fsdp_research.train.validation import checked_plan
 from tests.conftest import ROOT
 from tests.helpers.chats import CONVERSATIONS, chat_llama, write_chats
 from tests.helpers.cli import finish, read_metrics, start
 from tests.helpers.reference import decay_groups, factor_at
-from tests.helpers.zoo import pretrained
+from tests.helpers.zoo import hf_config, pretrained
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 4
-LORA = ["model.lora.r=4", "model.lora.alpha=8"]
+# The head trained whole beside the adapters (PEFT's modules_to_save: a trained copy of it).
+LORA = ["model.lora.r=4", "model.lora.alpha=8", "model.lora.modules_to_save=[lm_head]"]
 PROMPT = "What is x + 1?"
 SAMPLES = [f"trainer.eval_interval={STEPS}", f"trainer.sample_prompts=[{PROMPT}]", "trainer.sample_tokens=6"]
 
@@ -105,7 +107,8 @@ def _reference(cfg, model_dir: str):
     samples' positions, num_items_in_batch), clipping and AdamW as the config has them."""
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     base.config.use_cache = False
-    model = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", modules_to_save=["lm_head"])
+    model = get_peft_model(base, lora)
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer):  # the run's initial A (B starts at zero, as PEFT's)
             a = module.lora_A["default"].weight
@@ -143,9 +146,9 @@ def test_lora_trains_as_peft_and_torch_adamw_at_any_world_size(runs):
     exported = PeftModel.from_pretrained(
         AutoModelForCausalLM.from_pretrained(model_dir), str(tmp / "one" / "export" / "adapter")
     )
-    theirs = {k: v for k, v in reference.state_dict().items() if "lora_" in k}
-    loaded = {k: v for k, v in exported.state_dict().items() if "lora_" in k}
-    assert loaded.keys() == theirs.keys() and len(loaded) == 2 * 7 * 2
+    theirs = {k: v for k, v in reference.state_dict().items() if "lora_" in k or "modules_to_save" in k}
+    loaded = {k: v for k, v in exported.state_dict().items() if "lora_" in k or "modules_to_save" in k}
+    assert loaded.keys() == theirs.keys() and len(loaded) == 2 * 7 * 2 + 1
     for key, value in theirs.items():
         torch.testing.assert_close(loaded[key], value, rtol=1e-5, atol=1e-6)
     # The merged export: PEFT's merge of that adapter (at 2 ranks too, exported right after an eval).
@@ -161,8 +164,10 @@ def test_checkpoints_hold_the_adapters_and_a_resume_is_exact(runs):
     _, model_dir, tmp = runs
     saved = dcp.FileSystemReader(str(tmp / "one" / "checkpoints" / "step_2")).read_metadata().state_dict_metadata
     model_keys = [k for k in saved if k.startswith("model.")]
-    assert model_keys and all(".lora_A." in k or ".lora_B." in k for k in model_keys)
-    assert not any("base_layer" in k or "embed_tokens" in k for k in saved)
+    assert [k for k in model_keys if ".lora_A." not in k and ".lora_B." not in k] == [
+        "model.lm_head.modules_to_save.default.weight"
+    ]
+    assert not any("base_layer" in k or "embed_tokens" in k or "original_module" in k for k in saved)
     # Not a model: `fsdp-research export` of such a checkpoint says so.
     export = subprocess.run(
         [sys.executable, "-m", "fsdp_research", "export", str(tmp / "one" / "checkpoints" / "step_2"), str(tmp / "x")],
@@ -204,7 +209,7 @@ def test_the_samples_are_transformers_generate_of_the_export(runs):
             capture_output=True, text=True,
         )  # fmt: skip
         assert out.returncode == 0, out.stderr[-2000:]
-        assert out.stdout.splitlines()[-1] == f"{PROMPT} -> {sample['completion']}"
+        assert out.stdout.endswith(f"{PROMPT} -> {sample['completion']}\n")
 
 
 def test_bad_lora_settings_are_one_line(runs):
@@ -220,3 +225,17 @@ def test_bad_lora_settings_are_one_line(runs):
     assert refused("model.lora.target_modules=[nothing_here]").startswith("model.lora.target_modules: PEFT cannot")
     assert refused("model.load_weights=false").startswith("model.lora: adapts pretrained weights")
     assert os.path.isdir(model_dir)
+    # A tied head cannot train a copy of its own.
+    tied = AutoModelForCausalLM.from_config(hf_config("llama", tie_word_embeddings=True))
+    with pytest.raises(ConfigError, match="model.lora.modules_to_save: lm_head shares its weights"):
+        apply_lora(tied, compose(LORA).model.lora)
+
+
+def test_the_frozen_base_is_stored_in_the_compute_dtype(runs):
+    common, _, _ = runs
+    cfg = compose([*common, "precision=bf16"])
+    model, _ = planned_model(cfg, build_hf_config(cfg.model), values=False)
+    dtypes = {name: p.dtype for name, p in model.named_parameters()}
+    assert {dtypes[n] for n, p in model.named_parameters() if p.requires_grad} == {torch.float32}
+    assert {dtypes[n] for n, p in model.named_parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert dtypes["lm_head.modules_to_save.default.weight"] == torch.float32
