@@ -82,6 +82,18 @@ class ShardingConfig:
 
 
 @dataclass
+class ParallelConfig:
+    # Tensor parallel: ranks each block's Linears are split over (innermost in the mesh: one node's devices);
+    # the data-parallel ranks are world / tp.
+    tp: int = 1
+    # With tp > 1: each block's norms and residual stream on sequence shards; null: on when tp > 1.
+    sequence_parallel: bool | None = None
+    # Module pattern (as transformers' base_model_tp_plan: relative to the base model, `*` a layer's index) ->
+    # colwise, rowwise, colwise_gather_output, rowwise_split_input, or none; over the family's own plan.
+    tp_plan: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
 class PrecisionConfig:
     name: str = "bf16"
     param_dtype: str = "bfloat16"
@@ -311,6 +323,7 @@ class DoctorConfig:
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -332,11 +345,12 @@ def schema() -> DictConfig:
     node = OmegaConf.structured(TrainConfig)
     with open_dict(node.checkpoint):
         node.checkpoint["async"] = False
-    # Free-form maps: `sharding.reshard_override={0:false}`, `data.eval_sources={web:[...]}` and new
-    # `model.config.<key>=` need no `+`; the plug-in groups take their target's keyword arguments (checked against
-    # its signature before any compute).
+    # Free-form maps: `sharding.reshard_override={0:false}`, `parallel.tp_plan={layers.*.mlp.up_proj:colwise}`,
+    # `data.eval_sources={web:[...]}` and new `model.config.<key>=` need no `+`; the plug-in groups take their
+    # target's keyword arguments (checked against its signature before any compute).
     free_form = (
         node.sharding.reshard_override,
+        node.parallel.tp_plan,
         node.data.eval_sources,
         node.model.config,
         node.model,

@@ -143,12 +143,25 @@ def _shared(model: nn.Module, blocks: list[nn.Module]) -> list[Unit]:
     return [Unit(group[0], False, also=tuple(group[1:])) for group in groups.values()]
 
 
-def build_mesh(cfg: ShardingConfig, device_type: str, world_size: int) -> DeviceMesh:
-    strategy = Strategy(cfg.strategy)
+def build_mesh(cfg: ShardingConfig, device_type: str, world_size: int, tp: int = 1) -> DeviceMesh:
+    """The data-parallel dimensions (replicate, shard), and with tensor parallel a "tp" dimension innermost: the
+    ranks of a tp group are neighbours (one node's devices)."""
+    strategy, dp = Strategy(cfg.strategy), world_size // tp
+    shape, names = (dp,), ("shard",)
     if strategy in (Strategy.hsdp, Strategy.ddp):
-        replicas = world_size if strategy is Strategy.ddp else cfg.replicate
-        return init_device_mesh(device_type, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
-    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+        replicas = dp if strategy is Strategy.ddp else cfg.replicate
+        shape, names = (replicas, dp // replicas), ("replicate", "shard")
+    if tp > 1:
+        shape, names = (*shape, tp), (*names, "tp")
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: its data-parallel dimensions."""
+    if "tp" not in mesh.mesh_dim_names:
+        return mesh
+    data = tuple(n for n in mesh.mesh_dim_names if n != "tp")
+    return mesh[data if len(data) > 1 else data[0]]
 
 
 def apply_prefetch(model: nn.Module, plan: ShardingPlan, cfg: ShardingConfig) -> None:

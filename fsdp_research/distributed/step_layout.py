@@ -1,4 +1,5 @@
-"""How a step is laid out over the ranks: the shard group, the replica groups, the micro-batches per step.
+"""How a step is laid out over the ranks: the tensor-parallel groups, the shard group, the replica groups, the
+micro-batches per step.
 Pure functions of the config and the launch, the same for the trainer, the doctor and the planner."""
 
 from dataclasses import dataclass
@@ -12,22 +13,38 @@ from fsdp_research.config.schema import Strategy
 class Layout:
     world_size: int
     nodes: int
-    # Groups of ranks holding the same shards (hsdp's replicate, every rank for ddp); 1 otherwise.
+    # Groups of ranks holding the same shards (hsdp's replicate, every data-parallel rank for ddp); 1 otherwise.
     replicas: int
-    # Ranks one parameter is sharded over: world_size / replicas (1 for ddp and ddp_classic).
+    # Data-parallel ranks one parameter is sharded over: dp / replicas (1 for ddp and ddp_classic).
     shard_group: int
-    # Micro-batches of trainer.micro_batch_size each rank runs per step (gradient accumulation above 1).
+    # Micro-batches of trainer.micro_batch_size each data-parallel rank runs per step (accumulation above 1).
     micro_steps: int
+    # Tensor-parallel ranks (parallel.tp; innermost: ranks r and r + 1 share a group) and data-parallel ranks
+    # (world_size / tp): the tp ranks of a group read the same batch.
+    tp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.tp
+
+    def describe_mesh(self) -> str:
+        replicas = f"dp_replicate {self.replicas} x " if self.replicas > 1 else ""
+        return f"mesh: {replicas}dp_shard {self.shard_group} x tp {self.tp} (ranks 0-{self.tp - 1} share a tp group)"
 
 
 def layout(cfg: DictConfig, world_size: int, nodes: int = 1) -> Layout:
-    strategy = Strategy(cfg.sharding.strategy)
-    replicas = {Strategy.hsdp: cfg.sharding.replicate, Strategy.ddp: world_size}.get(strategy, 1)
+    strategy, tp = Strategy(cfg.sharding.strategy), cfg.parallel.tp
+    dp = world_size // tp
+    replicas = {Strategy.hsdp: cfg.sharding.replicate, Strategy.ddp: dp}.get(strategy, 1)
     t = cfg.trainer
     return Layout(
         world_size=world_size,
         nodes=nodes,
         replicas=replicas,
-        shard_group=1 if strategy is Strategy.ddp_classic else world_size // replicas,
-        micro_steps=t.global_batch_size // (t.micro_batch_size * world_size),
+        shard_group=1 if strategy is Strategy.ddp_classic else dp // replicas,
+        micro_steps=t.global_batch_size // (t.micro_batch_size * dp),
+        tp=tp,
     )

@@ -10,7 +10,15 @@ from fsdp_research.config.schema import Strategy
 from fsdp_research.distributed.activation_checkpointing import apply_activation_checkpointing
 from fsdp_research.distributed.compile import apply_compile
 from fsdp_research.distributed.precision import build_mp_policy, dtypes, kept_in_fp32
-from fsdp_research.distributed.sharding import ShardingPlan, apply_ddp, apply_fsdp, build_mesh, build_plan
+from fsdp_research.distributed.sharding import (
+    ShardingPlan,
+    apply_ddp,
+    apply_fsdp,
+    build_mesh,
+    build_plan,
+    data_mesh,
+)
+from fsdp_research.distributed.tensor_parallel import apply_tp
 from fsdp_research.model.architecture import block_class_name, build_model, build_own_model, find_blocks, pretrained_dir
 from fsdp_research.model.initialization import init_weights, materialize
 from fsdp_research.model.lora import apply_lora, base_view, init_adapters, store_frozen
@@ -44,9 +52,10 @@ def shard_model(
     model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device: torch.device, world_size: int
 ) -> nn.Module:
     """A planned model sharded, materialized and filled on this rank (a collective: every rank calls it)."""
-    apply_fsdp(
-        model, plan, build_mesh(cfg.sharding, device.type, world_size), build_mp_policy(cfg.precision), cfg.sharding
-    )
+    mesh = build_mesh(cfg.sharding, device.type, world_size, cfg.parallel.tp)
+    if cfg.parallel.tp > 1:  # before FSDP shards the same parameters over the data-parallel ranks
+        apply_tp(model, list(plan.blocks), mesh["tp"], cfg.parallel)
+    apply_fsdp(model, plan, data_mesh(mesh), build_mp_policy(cfg.precision), cfg.sharding)
     materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, device)
     if cfg.model.load_weights:
         with base_view(model):  # the checkpoint's names: the adapted layers' base layers in their places

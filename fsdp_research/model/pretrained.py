@@ -18,7 +18,7 @@ import importlib
 import json
 import math
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from typing import Any
 
@@ -227,15 +227,22 @@ def _whole_pass(hf_config, mapping: list, files: list[str], keys, receive) -> No
 _CHUNK = 2**22
 
 
-def _checksum(values: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """(sum, position-weighted sum, sum of magnitudes) of a tensor's values at flat offset; the weights in
-    [0.5, 1.5) follow the golden-ratio sequence of the flat index."""
+def _checksum(values: torch.Tensor, offsets: Sequence[int] = (), shape: Sequence[int] = ()) -> torch.Tensor:
+    """(sum, position-weighted sum, sum of magnitudes) of a tensor's values, the part at `offsets` of a tensor of
+    `shape` (default: the whole); the weights in [0.5, 1.5) follow the golden-ratio sequence of the whole tensor's
+    flat index, so a part read into the wrong place (rows or columns: FSDP's and tensor parallel's shards) shows."""
+    local = values.shape
+    offsets, shape = list(offsets) or [0] * len(local), list(shape) or list(local)
+    strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     flat = values.detach().reshape(-1)
     sums = torch.zeros(3, dtype=torch.float64)
     for start in range(0, flat.numel(), _CHUNK):
         chunk = flat[start : start + _CHUNK].to("cpu", torch.float64)
-        index = torch.arange(offset + start, offset + start + chunk.numel(), dtype=torch.float64)
-        weights = torch.frac(index * 0.6180339887498949) + 0.5
+        position, index = torch.arange(start, start + chunk.numel()), torch.zeros(chunk.numel(), dtype=torch.int64)
+        for d in reversed(range(len(local))):
+            index += (position % local[d] + offsets[d]) * strides[d]
+            position = position // local[d]
+        weights = torch.frac(index.double() * 0.6180339887498949) + 0.5
         sums += torch.stack([chunk.sum(), (chunk * weights).sum(), chunk.abs().sum()])
     return sums
 
@@ -246,12 +253,11 @@ def _local_checksum(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, DTensor):
         return _checksum(tensor) / dist.get_world_size()
     _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    row = math.prod(tensor.shape[1:])
     copies = dist.get_world_size() // tensor.device_mesh.size() if tensor.device_mesh.ndim else 1
     for dim, placement in enumerate(tensor.placements):
         if placement.is_replicate():
             copies *= tensor.device_mesh.size(dim)
-    return _checksum(tensor.to_local(), offsets[0] * row if tensor.dim() else 0) / copies
+    return _checksum(tensor.to_local(), offsets, tensor.shape) / copies
 
 
 def verify_loaded(model: nn.Module, path: str, mapping: list, files: list[str], targets: dict) -> None:

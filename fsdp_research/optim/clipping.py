@@ -6,22 +6,48 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 
+def _split_over_tp(g: DTensor) -> bool:
+    names = g.device_mesh.mesh_dim_names or ()
+    return "tp" in names and g.placements[names.index("tp")].is_shard()
+
+
+def local_squares(grads: list[DTensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """([sum of squares of the local shards that the tp ranks hold alike, of those split over tp], the local
+    shards): one foreach kernel per kind, not op by op through DTensor dispatch (a few percent of a small model's
+    step)."""
+    local = [g.to_local() for g in grads]
+    split = [_split_over_tp(g) for g in grads]
+    sums = []
+    for kind in (False, True):
+        chosen = [t for t, s in zip(local, split) if s is kind]
+        norms = torch._foreach_norm(chosen) if chosen else [torch.zeros((), device=local[0].device)]
+        sums.append(torch.stack(norms).float().pow(2).sum())
+    return torch.stack(sums), local
+
+
+def reduce_squares(squares: torch.Tensor, mesh) -> torch.Tensor:
+    """Local squares ([..., 2] as local_squares gives them) summed over every shard: over the shard group (replicas
+    hold the same shards), the tp-split ones over the tp group too; the whole sums, [...]."""
+    dist.all_reduce(squares, group=mesh.get_group("shard"))
+    if "tp" in (mesh.mesh_dim_names or ()):
+        tp = squares[..., 1].contiguous()
+        dist.all_reduce(tp, group=mesh.get_group("tp"))
+        return squares[..., 0] + tp
+    return squares.sum(-1)
+
+
 def grad_norm(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(the true global gradient norm over every shard of every rank, the local gradients). FSDP's gradients are
-    DTensors: the norm is taken over the local shards with one foreach kernel and one all-reduce over the shard
-    group (replicas hold the same shards), not op by op through DTensor dispatch, which costs a few percent of a
-    small model's step."""
+    """(the true global gradient norm over every shard of every rank, the local gradients)."""
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if grads and isinstance(grads[0], DTensor):
-        mesh = grads[0].device_mesh
-        local = [g.to_local() for g in grads]
-        squares = torch.stack(torch._foreach_norm(local)).float().pow(2).sum()
-        dist.all_reduce(squares, group=mesh.get_group("shard"))
-        norm = squares.sqrt()
-    else:
-        local = grads
-        norm = torch.nn.utils.get_total_norm(grads)
-    return norm, local
+        squares, local = local_squares(grads)
+        return reduce_squares(squares, widest_mesh(grads)).sqrt(), local
+    return torch.nn.utils.get_total_norm(grads), grads
+
+
+def widest_mesh(grads: list[DTensor]):
+    """The mesh with the most dimensions among the gradients' (with tp, the 2-D one)."""
+    return max((g.device_mesh for g in grads), key=lambda mesh: mesh.ndim)
 
 
 def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:

@@ -272,7 +272,7 @@ def doctor_fit(
     """What the doctor's fit check reads: --fit's pick for doctor.fit_gpu's memory, or the CUDA device's this
     run trains on, less doctor.fit_headroom; None on CPU without doctor.fit_gpu, for a GPU not in the table, or
     when nothing fits. `planned`: the run's model as planned, before sharding (see advise)."""
-    if not cfg.doctor.fit:
+    if not cfg.doctor.fit or cfg.parallel.tp > 1:  # the planner does not model tensor parallel yet
         return None
     if cfg.doctor.fit_gpu:
         chosen = gpu(cfg.doctor.fit_gpu)

@@ -23,11 +23,12 @@ def held_out_loss(
     device: torch.device,
     amp,
     chunks: int = 1,
+    tp: int = 1,
 ) -> tuple[float, int]:
     """(loss summed over the targets, targets) of samples 0 .. samples - 1 (`read` gives samples by index), rank r
     taking r, r + world, ... Every rank runs as many forwards (one with fewer samples pads with a sample weighted
     0): FSDP's collectives need them all. A collective: every rank calls it."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank() // tp, dist.get_world_size() // tp  # the tp ranks of a group read the same
     index = rank + world * np.arange(-(-samples // world))
     weight = torch.from_numpy(index < samples).float().to(device)
     index = np.minimum(index, samples - 1)
@@ -40,6 +41,7 @@ def held_out_loss(
         sums += torch.stack([(per_sample * w).sum(), (target_count(batch) * w).sum()]).double()
     model.train()
     dist.all_reduce(sums)
+    sums /= tp
     return sums[0].item(), int(sums[1].item())
 
 
@@ -49,7 +51,7 @@ def evaluate(model: nn.Module, data: Data, cfg: DictConfig, device: torch.device
     t = cfg.trainer
 
     def loss(read, samples: int) -> tuple[float, int]:
-        return held_out_loss(model, read, samples, t.micro_batch_size, device, amp, cfg.loss.chunks)
+        return held_out_loss(model, read, samples, t.micro_batch_size, device, amp, cfg.loss.chunks, cfg.parallel.tp)
 
     if not data.eval_sets:
         parts = {"": loss(lambda index: data.batch(index, held_out=True), t.eval_batches * t.micro_batch_size)}

@@ -270,17 +270,20 @@ def _expert_tokens(router_logits, router: Router) -> torch.Tensor | None:
     return torch.bincount(chosen, minlength=router.experts).float()
 
 
-def packed_weight(batch: torch.Tensor, micro_steps: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+def packed_weight(
+    batch: torch.Tensor, micro_steps: int, tp: int = 1
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Packed samples: (what each micro-batch's summed loss is weighted by, the step's targets). The step's loss
     (the trainer divides by micro_steps, FSDP averages the gradients over ranks) is then the mean over the step's
-    targets on every micro-batch and rank: the weight is world x micro_steps / the targets (a collective). (None,
-    None) for windows of tokens."""
+    targets on every micro-batch and rank: the weight is data-parallel ranks x micro_steps / the targets (a
+    collective; the tp ranks of a group hold the same batch). (None, None) for windows of tokens."""
     if batch.dim() != 3:
         return None, None
     targets = target_count(batch).sum().float()
     dist.all_reduce(targets)
+    targets = targets / tp
     # No target in the whole step (all padding): a zero loss, not a division by zero.
-    return dist.get_world_size() * micro_steps / targets.clamp(min=1), targets
+    return dist.get_world_size() // tp * micro_steps / targets.clamp(min=1), targets
 
 
 def train_loss(

@@ -20,6 +20,7 @@ from fsdp_research.data.tokenizer import describe as describe_tokenizer
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.processes import cores_per_rank, members, on_rank0, planned_nodes
 from fsdp_research.distributed.sharding import ShardingPlan
+from fsdp_research.distributed.step_layout import layout
 from fsdp_research.metrics.meters import Throughput, active_parameters
 from fsdp_research.metrics.profiling import StepProfiler
 from fsdp_research.metrics.sinks import Sinks, build_sinks
@@ -58,11 +59,11 @@ def open_data(cfg: DictConfig, vocab_size: int) -> Data:
 
 
 def read_ahead(
-    data: Data, t: DictConfig, start: int, device: torch.device, resources: contextlib.ExitStack
+    data: Data, t: DictConfig, start: int, device: torch.device, resources: contextlib.ExitStack, tp: int = 1
 ) -> Prefetcher:
     """This rank's batches from step `start` on (trainer section `t`), read ahead on a thread (closed when the run
-    ends)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    ends): its data-parallel rank's (the tp ranks of a group read the same)."""
+    rank, world = dist.get_rank() // tp, dist.get_world_size() // tp
     batches = Prefetcher(
         lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
         start,
@@ -89,6 +90,8 @@ def throughput_of(
         f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
         f"starting at step {start}"
     )
+    if cfg.parallel.tp > 1:
+        log.info(layout(cfg, world).describe_mesh())
     if d.unknown:
         log.info(f"MFU: no attention found in {', '.join(d.unknown)}: their parameters counted, not their mixing")
     return Throughput.of(

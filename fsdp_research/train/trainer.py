@@ -144,7 +144,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     d, fit = dims(model, plan.blocks), planned_fit(cfg, model, plan, device)
     model = shard_model(model, plan, cfg, device, world)
     check_built(cfg, model, device)
-    seed_rng(model, t.seed, rank, world)
+    seed_rng(model, t.seed, rank // cfg.parallel.tp, world)
     optimizer, scheduler = build_optimizer(model, cfg, plan.blocks)
     callbacks = Callbacks(cfg.callbacks)
     handle = RunHandle(model, optimizer, cfg, rank, world, run_dir, device, plan.blocks)
@@ -166,7 +166,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     throughput = throughput_of(cfg, d, model, plan, device, state.step)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)
-    batches = read_ahead(data, t, state.step, device, resources)
+    batches = read_ahead(data, t, state.step, device, resources, cfg.parallel.tp)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -218,7 +218,7 @@ def train_step(run: Run, step: int) -> StepResult:
         batch = run.batches.get(step).to(run.device, non_blocking=True)
     loss_sum = torch.zeros((), device=run.device)
     totals: dict[str, torch.Tensor] = {}
-    weight, targets = packed_weight(batch, micro_steps)
+    weight, targets = packed_weight(batch, micro_steps, run.layout.tp)
     if targets is not None:
         totals["targets"] = targets
     for i, micro in enumerate(batch.split(t.micro_batch_size)):

@@ -1,0 +1,93 @@
+"""Tensor parallel (parallel.tp) on a 2-D mesh with FSDP2, against the single-process reference built from what we
+did not write (tests/helpers/reference.py: transformers' from_pretrained of the same initial weights,
+torch.optim.AdamW, the batches read by numpy): the same per-step losses and the same exported weights (read back by
+from_pretrained) with tp=2 and sequence parallel on 2 ranks, tp=2 without it, and tp=2 x dp_shard=2 on 4 ranks; for
+llama, qwen2 (q/k/v biases), gemma2 (tied embeddings) and phi3 (a plan of fused projections gathered and split:
+colwise_gather_output, rowwise_split_input). A checkpoint saved at tp=2 resumes at tp=1; bad settings are one line
+before any compute."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fsdp_research.errors import ConfigError
+from fsdp_research.jobs.compose import compose
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.train.validation import checked_plan
+from tests.conftest import FAST
+from tests.helpers.dist import ok, train_distributed
+from tests.helpers.reference import reference_run, save_initial
+from tests.helpers.zoo import hf_config
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+FAMILIES = ("llama", "qwen2", "gemma2", "phi3")
+BASE = FAST + [
+    "trainer.max_steps=4",
+    "trainer.global_batch_size=4",
+    "trainer.micro_batch_size=2",
+    "checkpoint.export=true",
+    "checkpoint.interval=2",
+]
+RUNS_2 = {"tp2+sp": ["parallel.tp=2"], "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"]}
+RUNS_4 = {"tp2xdp2": ["parallel.tp=2"]}
+
+
+def _base(initial: str) -> list[str]:
+    return BASE + ["model=pretrained", f"model.name_or_path={initial}"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp")
+    initials = {f: save_initial(hf_config(f), str(out / "initial" / f)) for f in FAMILIES}
+    runs = {}
+    for world, configs in ((2, RUNS_2), (4, RUNS_4)):
+        named = {f"{f}/{n}": compose(_base(initials[f]) + extra) for f in FAMILIES for n, extra in configs.items()}
+        runs.update(train_distributed(named, world, str(out / f"w{world}")))
+    references = {f: reference_run(compose(_base(initials[f])), initials[f]) for f in FAMILIES}
+    return out, initials, runs, references
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("name", [*RUNS_2, *RUNS_4])
+def test_losses_and_export_match_the_single_process_reference(results, family, name):
+    out, _, runs, references = results
+    ref_losses, ref_weights = references[family]
+    run = ok(runs, f"{family}/{name}")
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    world = 2 if name in RUNS_2 else 4
+    exported = AutoModelForCausalLM.from_pretrained(str(out / f"w{world}" / family / name / "export")).state_dict()
+    assert exported.keys() == ref_weights.keys()
+    for key, ref in ref_weights.items():
+        torch.testing.assert_close(exported[key], ref, rtol=1e-4, atol=2e-5, msg=lambda m: f"{key}: {m}")
+
+
+def test_a_tp_checkpoint_resumes_at_tp_1(results, tmp_path):
+    out, initials, runs, _ = results
+    step_2 = out / "w4" / "llama" / "tp2xdp2" / "checkpoints" / "step_2"
+    cfg = compose(_base(initials["llama"]) + [f"checkpoint.resume={step_2}", "checkpoint.export=false"])
+    resumed = train_distributed({"resumed": cfg}, 2, str(tmp_path))
+    assert ok(resumed, "resumed")["losses"] == pytest.approx(ok(runs, "llama/tp2xdp2")["losses"][2:], rel=1e-5)
+
+
+def _refused(world: int, *overrides: str) -> str:
+    cfg = compose(FAST + list(overrides))
+    with pytest.raises(ConfigError) as err:
+        checked_plan(cfg, world, build_hf_config(cfg.model), torch.device("cpu"))
+    return str(err.value)
+
+
+def test_bad_tensor_parallel_settings_are_one_line():
+    assert _refused(3, "parallel.tp=2").startswith("parallel.tp: 2 does not divide the world size 3")
+    assert _refused(4, "parallel.tp=4", "model.config.num_key_value_heads=2").startswith(
+        "parallel.tp: 4 does not divide"
+    )
+    assert _refused(2, "parallel.tp=2", "sharding=ddp_classic").startswith("sharding: ddp_classic with tensor")
+    assert _refused(2, "parallel.tp=2", "data.seq_len=63").startswith("parallel.sequence_parallel: data.seq_len=63")
+    assert _refused(2, "parallel.tp=2", "parallel.tp_plan={nothing.*:colwise}").startswith(
+        "parallel.tp_plan: nothing.* names no module"
+    )
+    assert "style 'sideways' is not supported" in _refused(
+        2, "parallel.tp=2", "parallel.tp_plan={layers.*.mlp:sideways}"
+    )
