@@ -6,7 +6,8 @@ nothing of ours):
     errors        the one error shape: ConfigError(key, problem, fix) and its kin
     config/       what a run is: the schemas (Hydra's ConfigStore), `_target_` plug-ins, sizes as people write them
     distributed/  process groups and launch, the step's layout over ranks, the sharding plan and its application
-                  (fully_shard, DDP), precision, activation checkpointing, compile, parameter names under wrappers
+                  (fully_shard, DDP), tensor parallel, precision, activation checkpointing, compile, parameter names
+                  under wrappers
     data/         formats, token stores, sampling, the pipeline from config to batches
     optim/        optimizers (any `_target_`, Muon), parameter groups, schedules, clipping
     callbacks/    the hook protocol and the shipped callbacks (spike, grad_norms, ema)
