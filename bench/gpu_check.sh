@@ -3,7 +3,7 @@
 # together): the CUDA tests (1-GPU run against the CPU reference, bf16 MFU and the planner's peak against
 # torch.cuda.max_memory_allocated, cpu_offload, compile), the trainer's overhead against a bare fully_shard loop
 # (eager and compiled), our trainer against Accelerate's FSDP2, Muon's step against AdamW's, and llama_1b's MFU in
-# bf16. Each step has its own time limit (under 8 minutes in all, set-up included; the CUDA tests' limit leaves
+# bf16, and tp=2 against tp=1 where there are 2 GPUs. Each step has its own time limit (under 8 minutes in all, set-up included; the CUDA tests' limit leaves
 # room for Inductor's cold compile); a failed step does not stop the others. Figures go to stdout and
 # $OUT/gpu_check.log (OUT: the device tool's folder, else outputs/gpu_check).
 # It sets up its own environment, assuming no .venv: a venv over the machine's python3 (which holds CUDA torch and
@@ -50,5 +50,17 @@ from fsdp_research.metrics.sinks import step_metrics
 for m in step_metrics(sys.argv[1])[-2:]:
     print({k: m.get(k) for k in ("step", "tokens_per_s", "mfu", "peak_mem_allocated_gib", "peak_mem_reserved_gib")})
 PY
+# Tensor parallel needs a GPU per tp rank (NCCL refuses two ranks on one device): on 2+ GPUs, tp=2 against the
+# same run at tp=1 (the losses must agree), bf16.
+if [[ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]]; then
+    for tp in 1 2; do
+        step 60 "tensor parallel, tp=$tp on 2 GPUs" "$PY" train.py model=llama_mid precision=bf16 data=synthetic \
+            data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=4 trainer.max_steps=20 \
+            trainer.eval_interval=0 trainer.log_interval=5 checkpoint.save=false checkpoint.export=false logger=none \
+            distributed.nproc_per_node=2 parallel.tp=$tp hydra.run.dir="$OUT/tp$tp"
+    done
+else
+    echo "== tensor parallel: skipped (one GPU; tp=2 needs two)"
+fi
 "$PY" -m fsdp_research plan model=llama_1b precision=bf16 data.seq_len=2048 trainer.global_batch_size=8 \
     trainer.micro_batch_size=8 world_size=1 --device cuda | grep -E "peak|gathered"

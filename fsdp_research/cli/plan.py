@@ -234,8 +234,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.fit is not None:
             overrides = _searchable(overrides, launch.get("world_size", 0))
         cfg, _, world_size = checked_config(overrides, launch.get("world_size", 0))
-        if cfg.parallel.tp > 1:
-            raise ConfigError("parallel.tp", "the planner does not model tensor parallel yet", "plan with tp=1")
         notes: list[str] = []  # printed after the plan, whose first line is the model's
         device_type = _device_type(args, cfg, overrides, notes)
         room = _budget(args, device_type == "cuda")

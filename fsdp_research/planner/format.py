@@ -12,7 +12,7 @@ from fsdp_research.planner.fit import Candidate
 from fsdp_research.planner.memory import memory
 from fsdp_research.planner.resident import extra_groups
 from fsdp_research.planner.summary import ModelSummary, Run
-from fsdp_research.planner.timing import Hardware, StepTime
+from fsdp_research.planner.timing import Hardware, StepTime, tokens_per_second
 from fsdp_research.planner.traffic import traffic
 
 GIB = 2**30
@@ -36,8 +36,9 @@ def _gib(value: float) -> str:
 
 def _trained_note(m: ModelSummary) -> str:
     """LoRA: the parameters with gradients and optimizer state."""
-    trained = sum(u.trained().numel for u in (*m.units, m.root))
-    return f" ({_count(trained)} trained)" if trained != m.n_params else ""
+    units = (*m.units, m.root)
+    trained = sum(u.trained().numel for u in units)
+    return f" ({_count(trained * m.tp)} trained)" if trained != sum(u.numel for u in units) else ""
 
 
 def format_plan(m: ModelSummary, run: Run) -> str:
@@ -45,6 +46,8 @@ def format_plan(m: ModelSummary, run: Run) -> str:
     replicated = m.strategy is Strategy.ddp_classic
     size = f"{_count(m.n_params)} parameters" + _experts_note(m) + _trained_note(m)
     layout = "replicated" if replicated else f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units"
+    if m.tp > 1:
+        layout += f", tp {m.tp}" + (" with sequence parallel" if m.sequence_parallel else "")
     deferring = run.micro_steps > 1 and run.defer_grad_sync
     lines = [
         f"{m.name}: {size}, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {layout}",
@@ -113,6 +116,8 @@ def _traffic_lines(m: ModelSummary, run: Run) -> list[str]:
     ]
     if comm.all_to_all:
         lines.append(f"  {'all-to-all (whole matrices for ' + m.optimizer + ')':<44}{_gib(comm.all_to_all):>9}")
+    if comm.tensor_parallel:
+        lines.append(f"  {'tensor parallel (activations, tp group)':<44}{_gib(comm.tensor_parallel):>9}")
     return lines
 
 
@@ -197,7 +202,7 @@ def _gathered_note(m: ModelSummary) -> str:
 
 
 def format_time(time: StepTime, run: Run, hw: Hardware) -> str:
-    tokens_per_s = run.tokens * run.micro_steps * run.world_size / time.total
+    tokens_per_s = tokens_per_second(run, time)
     return "\n".join(
         [
             "",

@@ -3,13 +3,12 @@ summary is built on the meta device, wrapped for activation checkpointing and pl
 
 Everything below is a pure function of a ModelSummary (each FSDP unit's parameter shapes, from the plan; the block
 shapes, from the HF config) and a Run (world size, dtypes, batch). Bytes per rank; e = compute bytes
-(precision.param_dtype), r = reduce bytes, h = hidden, i = intermediate, a = heads, V = vocab, n = the shard
-group (world_size, or world_size / replicate for hsdp). tests/planner/test_plan.py checks it against torch's FSDP memory
-tracker.
+(precision.param_dtype), r = reduce bytes, h = hidden, i = intermediate, a = heads, V = vocab, n = the shard group
+(data-parallel ranks, / replicate for hsdp). tests/planner/test_plan.py checks it against torch's FSDP memory tracker.
 
-State: parameters fp32 (FSDP2 pads each dim 0 to a multiple of n), gradients the same (FSDP2 keeps sharded
-gradients in the sharded parameter's dtype), the optimizer's state (AdamW 2 x fp32; fsdp_research.optim.state_size
-knows others; Muon's matrices 1 x) (ddp is FSDP2 over a shard group of one rank).
+State: parameters fp32 (one tp rank's part; FSDP2 pads each dim 0 to a multiple of n), gradients the same
+(FSDP2 keeps sharded gradients in the sharded parameter's dtype), the optimizer's state (AdamW 2 x fp32;
+fsdp_research.optim.state_size knows others; Muon's matrices 1 x) (ddp is FSDP2 over a shard group of one rank).
 ddp_classic (torch's DDP) replicates all three, holds its gradients twice (param.grad and DDP's flat all-reduce
 buckets), and its autocast saves a compute-dtype copy of every weight.
 
@@ -47,6 +46,7 @@ from fsdp_research.planner.activations import (
     mlp_saved_bytes,
     norm_backward_bytes,
     norm_bytes,
+    residual_bytes,
     saved_activations,
 )
 from fsdp_research.planner.optimizer import step_temporaries
@@ -95,7 +95,7 @@ def _phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> _Phases:
     saved = [a * tok for a in saved_activations(m, e, run.seq_len, checkpointed)]
     full_block = block_activation_bytes(m, e, run.seq_len) * tok
     norm = norm_bytes(m, e) * tok
-    incoming = e * h * tok  # the gradient flowing down the residual stream
+    incoming = residual_bytes(m, e) * tok  # the gradient flowing down the residual stream
 
     def inside(k: int) -> list[tuple[str, int, int, int | None]]:
         # A block's own activations are all there as its backward starts (recomputed when checkpointed). The MLP
@@ -107,7 +107,7 @@ def _phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> _Phases:
             (
                 "attention",
                 sum(saved[:k]) + full_block - mlp_saved_bytes(m, e) * tok,
-                incoming + max(norm_backward_bytes(m, e), e * (2 * h + 2 * m.kv_dim)) * tok,
+                incoming + max(norm_backward_bytes(m, e), e * (2 * m.q_width + 2 * m.kv_dim)) * tok,
                 None,
             ),
             ("reduction", sum(saved[:k]), incoming, 0),

@@ -14,9 +14,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from fsdp_research.callbacks.footprint import Declared, declared_state
 from fsdp_research.config.schema import CheckpointMode, Strategy
 from fsdp_research.config.targets import kwargs_of, resolve
+from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.precision import dtypes, kept_in_fp32, parse_dtype
 from fsdp_research.distributed.sharding import ShardingPlan, build_plan, owner
 from fsdp_research.distributed.step_layout import layout
+from fsdp_research.distributed.tensor_parallel import sequence_parallel, tp_plan
 from fsdp_research.metrics.meters import active_parameters, flops_per_token, matmul_parameters
 from fsdp_research.model.architecture import build_hf_config, input_embedding, output_layer
 from fsdp_research.model.dimensions import dims
@@ -122,6 +124,16 @@ class ModelSummary:
     # Training FLOPs per token (forward + backward, the MFU count), and the output layer's forward FLOPs per token.
     flops_per_token: float = 0.0
     head_flops_per_token: float = 0.0
+    # Tensor parallel (parallel.tp): the units' shapes, heads, kv_dim, q_dim and intermediate are one tp rank's;
+    # hidden, the embeddings and the head are whole. Sequence parallel: the blocks' norms and residual stream split.
+    tp: int = 1
+    sequence_parallel: bool = False
+    # Width of the attention's queries and output (heads x head_dim; 0: hidden).
+    q_dim: int = 0
+
+    @property
+    def q_width(self) -> int:
+        return self.q_dim or self.hidden
 
     @functools.cached_property
     def whole_matrices(self) -> int:
@@ -154,6 +166,8 @@ class Run:
     callbacks: Declared = ()
     # On CUDA each process group is an NCCL communicator with buffers of its own on the device.
     nccl: bool = False
+    # Tensor-parallel ranks (the data-parallel ranks are world_size / tp).
+    tp: int = 1
 
     @property
     def tokens(self) -> int:
@@ -165,8 +179,10 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
     paths = [u.path for u in plan.units] or [""]
     owned: dict[str, list[tuple[str, tuple[int, int]]]] = {p: [] for p in paths}
     frozen: dict[str, list[tuple[int, int]]] = {p: [] for p in paths}
+    tp = cfg.parallel.tp
+    split = tp_plan(model, cfg.parallel) if tp > 1 else {}
     for name, param in model.named_parameters():
-        shape = (param.shape[0], param[0].numel()) if param.dim() else (1, 1)
+        shape = _tp_shape(param, split.get(clean_name(name).rpartition(".")[0]), name, tp)
         owned[owner(name, paths)].append((name, shape))
         if not param.requires_grad:
             frozen[owner(name, paths)].append(shape)
@@ -195,9 +211,10 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         experts=d.experts,
         experts_per_token=d.experts_per_token,
         hidden=d.hidden,
-        intermediate=d.intermediate,
-        heads=d.heads,
-        kv_dim=d.kv_heads * d.head_dim,
+        intermediate=d.intermediate // tp,
+        heads=d.heads // tp,
+        kv_dim=d.kv_heads * d.head_dim // tp,
+        q_dim=d.heads * d.head_dim // tp,
         vocab=d.vocab,
         n_blocks=len(plan.blocks),
         sdpa=getattr(getattr(model, "config", None), "_attn_implementation", "sdpa") != "eager",
@@ -212,7 +229,20 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         **_checkpointing(cfg.activation_checkpointing),
         flops_per_token=flops_per_token(d, matmul_parameters(model, d), cfg.data.seq_len),
         head_flops_per_token=2.0 * d.hidden * d.vocab if output is not None else 0.0,
+        tp=tp,
+        sequence_parallel=sequence_parallel(cfg.parallel),
     )
+
+
+def _tp_shape(param: nn.Parameter, style: str | None, name: str, tp: int) -> tuple[int, int]:
+    """[rows, elements per row] of one tp rank's part: a colwise Linear's rows split, a rowwise one's columns (its
+    bias whole)."""
+    rows, row = (param.shape[0], param[0].numel()) if param.dim() else (1, 1)
+    if style is None:
+        return rows, row
+    if style.startswith("colwise"):
+        return rows // tp, row
+    return (rows, row // tp) if name.endswith("weight") else (rows, row)
 
 
 def _frozen_vectors(model: nn.Module) -> bool:
@@ -297,6 +327,7 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str) -> Run:
         loss_chunks=cfg.loss.chunks,
         callbacks=declared_state(cfg.callbacks),
         nccl=device_type == "cuda",
+        tp=steps.tp,
     )
 
 

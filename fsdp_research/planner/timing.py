@@ -106,7 +106,9 @@ def _bps(hw: Hardware, group: int) -> float:
 
 def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
     tokens = run.tokens * run.micro_steps
-    compute = tokens * m.flops_per_token / hw.flops
+    # Tensor parallel splits the blocks' FLOPs; the output layer runs whole on each tp rank.
+    head = 3 * m.head_flops_per_token
+    compute = tokens * ((m.flops_per_token - head) / m.tp + head) / hw.flops
     redone = 1.0
     if m.selective_every:  # a family whose block the planner does not enumerate: half of its forward
         redone = selective_recompute(m, run.seq_len) if m.model_type in LLAMA_LIKE else 0.5
@@ -125,12 +127,16 @@ def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
     units = [*m.units, m.root] if m.strategy is not Strategy.ddp_classic else [m.root]
     collectives = run.micro_steps * 3 * len(units) if n > 1 else 0
     communication += collectives * hw.latency_s
+    # Tensor parallel's collectives stand between a block's matmuls: none is hidden.
+    tp_time = comm.tensor_parallel / hw.intra_bps + (run.micro_steps * 8 * m.n_blocks * hw.latency_s if m.tp > 1 else 0)
     exposed = communication
     if hw.overlap and n > 1:
         # Each micro-batch's first all-gather and last reduce-scatter wait; the rest hides behind compute.
         ends = run.micro_steps * (run.compute_bytes + run.reduce_bytes) * (n - 1) / n * m.root.numel / shard_bps
         exposed = min(communication, ends + max(0.0, communication - ends - compute - recompute))
-    state = FP32 * m.n_params / (n if m.strategy is not Strategy.ddp_classic else 1)
+    communication, exposed = communication + tp_time, exposed + tp_time
+    local = sum(u.numel for u in (*m.units, m.root))  # one tp rank's parameters
+    state = FP32 * local / (n if m.strategy is not Strategy.ddp_classic else 1)
     # AdamW-like: parameters, gradients and state read, parameters and state written.
     touched = state * (3 + 2 * m.optimizer_copies)
     # On a GPU the optimizer steps on the device unless offloaded; a CPU's is the CPU's optimizer.
@@ -148,5 +154,5 @@ def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
 
 
 def tokens_per_second(run: Run, time: StepTime) -> float:
-    """Tokens a step trains on, over all ranks, per second."""
-    return run.tokens * run.micro_steps * run.world_size / time.total
+    """Tokens a step trains on, over all ranks (a tp group's ranks train on the same), per second."""
+    return run.tokens * run.micro_steps * run.world_size / run.tp / time.total

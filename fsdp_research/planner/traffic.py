@@ -5,7 +5,10 @@ unit in forward and every unit that resharded again in backward, per micro-batch
 Reduce-scatter: every unit's gradients in the reduce dtype, once per step with defer_grad_sync (else per
 micro-batch). hsdp and ddp add an all-reduce of the gradient shards across replicas, once per step (accumulated
 into the shards before it); ddp_classic all-reduces fp32 gradients. Muon (optim=muon) adds two all-to-alls of the
-blocks' matrices in its ns_dtype per step, within the shard group.
+blocks' matrices in its ns_dtype per step, within the shard group. Tensor parallel (t ranks) adds, per block and
+micro-batch, two all-reduces of the micro-batch's e*h activations in forward and two in backward (sequence parallel:
+an all-gather and a reduce-scatter for each, the same bytes), again in a checkpointed block's recompute: 2(t-1)/t
+of the payload each, within the tp group.
 """
 
 from dataclasses import dataclass
@@ -28,6 +31,8 @@ class Traffic:
     all_to_all: int = 0
     # The part of all_gather_backward within the smaller groups of reshard_after_forward=k (a node's links).
     regather_within: int = 0
+    # Tensor parallel's collectives of activations, within the tp group.
+    tensor_parallel: int = 0
 
 
 def traffic(m: ModelSummary, run: Run) -> Traffic:
@@ -50,4 +55,6 @@ def traffic(m: ModelSummary, run: Run) -> Traffic:
     across = 2 * (replicas - 1) / replicas * r * sum(u.trained().shard_numel(n) for u in units)
     # Muon: a rank receives the other ranks' slices of the 1/n of the matrices it owns, then its slices of the rest.
     whole = 2 * received * m.ns_bytes * m.whole_matrices / n
-    return Traffic(int(forward + backward), int(backward), int(reduce), int(across), int(whole), int(regather))
+    all_reduces = 4 * m.n_blocks + 2 * sum(m.checkpointed)
+    tp = run.micro_steps * all_reduces * 2 * (m.tp - 1) / m.tp * e * m.hidden * run.tokens
+    return Traffic(int(forward + backward), int(backward), int(reduce), int(across), int(whole), int(regather), int(tp))

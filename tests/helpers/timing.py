@@ -40,7 +40,7 @@ def prepared(container: dict) -> tuple[Any, torch.nn.Module, torch.optim.Optimiz
     hf_config = build_hf_config(cfg.model)
     model, plan = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
     optimizer, _ = build_optimizer(model, cfg, plan.blocks)
-    gen = torch.Generator().manual_seed(dist.get_rank())
+    gen = torch.Generator().manual_seed(dist.get_rank() // cfg.parallel.tp)  # a tp group reads the same batch
     micro = layout(cfg, dist.get_world_size()).micro_steps
     shape = (cfg.trainer.micro_batch_size, cfg.data.seq_len + 1)
     return cfg, model, optimizer, [torch.randint(0, hf_config.vocab_size, shape, generator=gen) for _ in range(micro)]

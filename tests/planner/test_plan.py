@@ -83,6 +83,10 @@ CASES = {
 # Reshard to groups of 2 after forward needs a shard group of 4.
 CASES_4 = {
     "mid-4-reshard2": MID + ["trainer.micro_batch_size=4", "sharding.reshard_after_forward=2"],
+    # Tensor parallel: tp 2 x dp_shard 2 (fp32: gloo's bf16 collectives are fragile), with sequence parallel and
+    # without.
+    "mid-4-tp2-sp": MID + ["precision=fp32", "parallel.tp=2"],
+    "mid-4-tp2": MID + ["precision=fp32", "parallel.tp=2", "parallel.sequence_parallel=false"],
 }
 # LoRA on the mid-size llama's weights (written by the fixture): gradients and AdamW state of the adapters alone.
 LORA = "mid-lora"
@@ -153,6 +157,21 @@ def test_prediction_within_10_percent_of_the_tracker(name, measured, lora_base):
     ratios = {group: predicted[group] / measured[name][group] for group in predicted}
     off = {group: f"{ratio:.3f}" for group, ratio in ratios.items() if abs(ratio - 1) > 0.10}
     assert not off, f"predicted / measured outside 1 +- 10%: {off}"
+
+
+def test_tensor_parallel_lowers_llama_70b_peak_on_1024_ranks(capsys):
+    """tp=8 with sequence parallel at the same micro-batch: each rank holds 1/8 of the blocks' parameters and
+    activations, and of the norms' and residual stream's with sequence parallel; the plan says so."""
+    base = ["model=llama_70b", "trainer.global_batch_size=1024", "trainer.micro_batch_size=1", "data.seq_len=4096"]
+    peaks = {}
+    for tp, sp in ((1, "true"), (8, "false"), (8, "true")):
+        cfg = compose([*base, f"parallel.tp={tp}", f"parallel.sequence_parallel={sp}"])
+        peaks[tp, sp] = memory(summary_for(cfg), run_settings(cfg, 1024, "cuda")).peak
+    assert peaks[8, "true"] < peaks[8, "false"] < peaks[1, "true"] / 2
+    assert main([*base, "world_size=1024", "parallel.tp=8", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "shard group 128, 81 FSDP units, tp 8 with sequence parallel" in out
+    assert "tensor parallel (activations, tp group)" in out
 
 
 def test_llama_7b_on_8_ranks(capsys):
