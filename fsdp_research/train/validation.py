@@ -197,7 +197,15 @@ def check_sharding(cfg: ShardingConfig, world_size: int) -> None:
 
 
 # With tp > 1, what is tested so far (tests/distributed/test_tensor_parallel.py); the rest is refused.
-_TP_STRATEGIES = (Strategy.blockwise, Strategy.reshard_all, Strategy.no_reshard, Strategy.root_only)
+_TP_STRATEGIES = (
+    Strategy.blockwise,
+    Strategy.reshard_all,
+    Strategy.no_reshard,
+    Strategy.root_only,
+    Strategy.per_linear,
+    Strategy.hsdp,
+    Strategy.ddp,
+)
 
 
 def check_parallel(cfg: DictConfig, world_size: int) -> None:
@@ -237,12 +245,19 @@ def check_precision(cfg: PrecisionConfig, device: torch.device) -> None:
         )
 
 
-def check_activation_checkpointing(cfg: ActivationCheckpointingConfig) -> None:
+def check_activation_checkpointing(cfg: ActivationCheckpointingConfig, strategy: Strategy) -> None:
     if cfg.stride < 0:
         raise ConfigError(
             "activation_checkpointing.stride",
             f"{cfg.stride} is negative",
             "use 0 (off), 1 (every block) or k (every k-th block)",
+        )
+    if cfg.mode is CheckpointMode.selective and cfg.stride and strategy is Strategy.per_linear:
+        # Its replay of the block's ops meets per_linear's FSDP hooks inside the block, which it cannot replay.
+        raise ConfigError(
+            "activation_checkpointing",
+            "selective checkpointing cannot recompute inside per_linear's FSDP units",
+            "use activation_checkpointing=every_block with sharding=per_linear, or another sharding",
         )
     if cfg.mode is CheckpointMode.selective:
         for name in cfg.save_ops:
@@ -302,7 +317,7 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     check_offload_backend(cfg.sharding, cfg.distributed.backend)
     backend_for(cfg.distributed.backend, device)
     check_precision(cfg.precision, device)
-    check_activation_checkpointing(cfg.activation_checkpointing)
+    check_activation_checkpointing(cfg.activation_checkpointing, Strategy(cfg.sharding.strategy))
     check_optim(cfg.optim, cfg.schedule)
     check_optimizer_sharding(cfg, world_size)
     check_loss(cfg.loss, packed(cfg.data))

@@ -54,6 +54,8 @@ APP_ERRORS = {
     ),
     "prefetch_depth": ("sharding.prefetch_backward", ["sharding.prefetch_backward=4"]),
     "loss_chunks": ("loss.chunks", ["loss.chunks=0"]),
+    "selective_per_linear": ("activation_checkpointing", ["activation_checkpointing=selective", "sharding=per_linear"]),
+    "tp_world": ("parallel.tp", ["parallel.tp=2"]),
     "save_ops": (
         "activation_checkpointing.save_ops",
         ["activation_checkpointing=selective", "activation_checkpointing.save_ops=[aten.no_such_op]"],

@@ -3,8 +3,9 @@ did not write (tests/helpers/reference.py: transformers' from_pretrained of the 
 torch.optim.AdamW, the batches read by numpy): the same per-step losses and the same exported weights (read back by
 from_pretrained) with tp=2 and sequence parallel on 2 ranks, tp=2 without it, and tp=2 x dp_shard=2 on 4 ranks; for
 llama, qwen2 (q/k/v biases), gemma2 (tied embeddings) and phi3 (a plan of fused projections gathered and split:
-colwise_gather_output, rowwise_split_input). A checkpoint saved at tp=2 resumes at tp=1; bad settings are one line
-before any compute."""
+colwise_gather_output, rowwise_split_input); on llama, with activation checkpointing (full, every 2nd, selective),
+hsdp (a 3-D mesh), ddp, per_linear, reshard_all, and the EMA and per-block norm callbacks. A checkpoint saved at tp=2
+resumes at tp=1; bad settings are one line before any compute."""
 
 import pytest
 import torch
@@ -31,6 +32,20 @@ BASE = FAST + [
 ]
 RUNS_2 = {"tp2+sp": ["parallel.tp=2"], "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"]}
 RUNS_4 = {"tp2xdp2": ["parallel.tp=2"]}
+# With the other knobs, on llama: none changes a number.
+KNOBS_2 = {"tp2+ac+callbacks": ["parallel.tp=2", "activation_checkpointing=every_block", "callbacks=[ema,grad_norms]"]}
+KNOBS_4 = {
+    "tp2+hsdp": ["parallel.tp=2", "sharding=hsdp", "sharding.replicate=2"],
+    "tp2+ddp": ["parallel.tp=2", "sharding=ddp"],
+    "tp2+per_linear+ac": ["parallel.tp=2", "sharding=per_linear", "activation_checkpointing=every_block"],
+    "tp2+selective": ["parallel.tp=2", "activation_checkpointing=selective"],
+    "tp2+no_sp+reshard_all+every_2nd": [
+        "parallel.tp=2",
+        "parallel.sequence_parallel=false",
+        "sharding=reshard_all",
+        "activation_checkpointing=every_2nd",
+    ],
+}
 
 
 def _base(initial: str) -> list[str]:
@@ -42,21 +57,24 @@ def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
     initials = {f: save_initial(hf_config(f), str(out / "initial" / f)) for f in FAMILIES}
     runs = {}
-    for world, configs in ((2, RUNS_2), (4, RUNS_4)):
+    for world, configs, knobs in ((2, RUNS_2, KNOBS_2), (4, RUNS_4, KNOBS_4)):
         named = {f"{f}/{n}": compose(_base(initials[f]) + extra) for f in FAMILIES for n, extra in configs.items()}
+        named.update({f"llama/{n}": compose(_base(initials["llama"]) + extra) for n, extra in knobs.items()})
         runs.update(train_distributed(named, world, str(out / f"w{world}")))
     references = {f: reference_run(compose(_base(initials[f])), initials[f]) for f in FAMILIES}
     return out, initials, runs, references
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("name", [*RUNS_2, *RUNS_4])
+CASES = [(f, n) for f in FAMILIES for n in [*RUNS_2, *RUNS_4]] + [("llama", n) for n in [*KNOBS_2, *KNOBS_4]]
+
+
+@pytest.mark.parametrize(("family", "name"), CASES)
 def test_losses_and_export_match_the_single_process_reference(results, family, name):
     out, _, runs, references = results
     ref_losses, ref_weights = references[family]
     run = ok(runs, f"{family}/{name}")
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    world = 2 if name in RUNS_2 else 4
+    world = 2 if name in {**RUNS_2, **KNOBS_2} else 4
     exported = AutoModelForCausalLM.from_pretrained(str(out / f"w{world}" / family / name / "export")).state_dict()
     assert exported.keys() == ref_weights.keys()
     for key, ref in ref_weights.items():
@@ -84,6 +102,7 @@ def test_bad_tensor_parallel_settings_are_one_line():
         "parallel.tp: 4 does not divide"
     )
     assert _refused(2, "parallel.tp=2", "sharding=ddp_classic").startswith("sharding: ddp_classic with tensor")
+    assert _refused(2, "parallel.tp=2", "optim=muon").startswith("optim: Muon with tensor parallel")
     assert _refused(2, "parallel.tp=2", "data.seq_len=63").startswith("parallel.sequence_parallel: data.seq_len=63")
     assert _refused(2, "parallel.tp=2", "parallel.tp_plan={nothing.*:colwise}").startswith(
         "parallel.tp_plan: nothing.* names no module"
