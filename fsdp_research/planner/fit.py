@@ -1,5 +1,6 @@
-"""plan --fit: every combination of the knobs that decide memory and speed (sharding and hsdp replicas, reshard
-to k ranks, activation checkpointing, micro-batch, prefetch depth, cpu_offload, loss chunks) planned from one
+"""plan --fit: every combination of the knobs that decide memory and speed (tensor parallel within a node, sharding
+and hsdp replicas, reshard to k ranks, activation checkpointing, micro-batch, prefetch depth, cpu_offload, loss
+chunks) planned from one
 model build, those whose predicted peak fits the cap (less its headroom: planner.budget) ranked by predicted
 tokens/s."""
 
@@ -16,6 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from fsdp_research.config.schema import typed
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.sharding import ShardingPlan
+from fsdp_research.distributed.tensor_parallel import STYLES
 from fsdp_research.errors import ConfigError
 from fsdp_research.metrics.hardware import gpu, gpu_named
 from fsdp_research.model.architecture import build_hf_config
@@ -43,7 +45,9 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 
 
 # The groups and keys a candidate sets: a base's own overrides of them, and of their keys, give way.
-SEARCHED = ("sharding", "activation_checkpointing", "trainer.micro_batch_size", "loss.chunks")
+SEARCHED = ("parallel", "sharding", "activation_checkpointing", "trainer.micro_batch_size", "loss.chunks")
+# Tensor-parallel sizes searched (within a node; sequence parallel on with it).
+TP = (1, 2, 4, 8)
 
 
 def unsearched(overrides: list[str]) -> list[str]:
@@ -132,6 +136,18 @@ def _shardings(world: int, per_node: int) -> Iterator[dict[str, Any]]:
             yield {"strategy": "blockwise", "reshard_after_forward": k}
 
 
+def _tps(cfg: DictConfig, hf_config, world: int, per_node: int) -> list[int]:
+    """The tp sizes worth searching: within a node, dividing the world, the heads, the KV heads, the MLP width and
+    the sequence (sequence parallel), for a family with a plan (a model of one's own: none)."""
+    plan = getattr(hf_config, "base_model_tp_plan", None) or cfg.parallel.tp_plan
+    sizes = [getattr(hf_config, k, 0) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size")]
+    if not plan or not set(plan.values()) <= set(STYLES) or cfg.sharding.cpu_offload or cfg.model.lora.r is not None:
+        return [1]
+    return [
+        t for t in TP if t <= per_node and not world % t and not cfg.data.seq_len % t and not any(s % t for s in sizes)
+    ]
+
+
 def _checkpointed(n_blocks: int, stride: int) -> tuple[bool, ...]:
     return tuple(stride > 0 and i % stride == 0 for i in range(n_blocks))
 
@@ -187,22 +203,31 @@ def candidates(
     )
     base.sharding.reshard_override = {}
     hf_config = build_hf_config(base.model)
-    per_rank = base.trainer.global_batch_size // world_size
     chunks = _chunkable(base.loss, hf_config)
-    shardings = list(_shardings(world_size, hw.per_node))
+    shardings = [
+        (tp, keys)
+        for tp in _tps(base, hf_config, world_size, hw.per_node)
+        for keys in _shardings(world_size // tp, hw.per_node // tp)
+    ]
     variants = [
         typed(
             OmegaConf.merge(
-                base, {"sharding": {"replicate": 1, "reshard_after_forward": None, "cpu_offload": False, **keys}}
+                base,
+                {
+                    "parallel": {"tp": tp, "sequence_parallel": None},
+                    "sharding": {"replicate": 1, "reshard_after_forward": None, "cpu_offload": False, **keys},
+                },
             )
         )
-        for keys in shardings
+        for tp, keys in shardings
     ]
     found = []
     # One model build for every sharding's plan.
-    for keys, variant, summary in zip(shardings, variants, summaries_by_sharding(variants, planned)):
+    for (tp, keys), variant, summary in zip(shardings, variants, summaries_by_sharding(variants, planned)):
         run = run_settings(variant, world_size, device_type)
+        per_rank = base.trainer.global_batch_size // (world_size // tp)
         named = {
+            "parallel.tp": tp,
             "sharding": keys["strategy"],
             "sharding.replicate": keys.get("replicate"),
             "sharding.reshard_after_forward": keys.get("reshard_after_forward"),
@@ -272,7 +297,7 @@ def doctor_fit(
     """What the doctor's fit check reads: --fit's pick for doctor.fit_gpu's memory, or the CUDA device's this
     run trains on, less doctor.fit_headroom; None on CPU without doctor.fit_gpu, for a GPU not in the table, or
     when nothing fits. `planned`: the run's model as planned, before sharding (see advise)."""
-    if not cfg.doctor.fit or cfg.parallel.tp > 1:  # the planner does not model tensor parallel yet
+    if not cfg.doctor.fit:
         return None
     if cfg.doctor.fit_gpu:
         chosen = gpu(cfg.doctor.fit_gpu)
