@@ -124,7 +124,5 @@ def _checked(args) -> tuple:
         )
     if composed.sharding.strategy == Strategy.ddp_classic:
         raise ConfigError("sharding", "ddp_classic is torch's DDP, which simulate does not set up", "use sharding=ddp")
-    if composed.parallel.tp > 1:
-        raise ConfigError("parallel.tp", "simulate does not set up tensor parallel yet", "simulate with parallel.tp=1")
     cfg, hf_config, world = checked_config(overrides, launch["world_size"])
     return cfg, hf_config, world, rank

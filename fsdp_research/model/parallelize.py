@@ -1,6 +1,7 @@
 """The model as training runs it, in the order the recipe needs: on the meta device -> activation checkpointing
--> compile -> the sharding plan applied with fully_shard (innermost first) -> this rank's shards materialized,
-initialised or read from a checkpoint -> torch's DDP for the classic baseline."""
+-> compile -> tensor parallel (parallel.tp, on the wrapped modules' own paths) -> the sharding plan applied with
+fully_shard (innermost first) -> this rank's shards materialized, initialised or read from a checkpoint -> torch's
+DDP for the classic baseline."""
 
 import torch
 import torch.nn as nn
@@ -48,14 +49,20 @@ def planned_model(cfg: DictConfig, hf_config, values: bool = True) -> tuple[nn.M
     return model, build_plan(model, blocks, cfg.sharding, fp32_modules)
 
 
+def apply_parallelism(model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device_type: str, world_size: int) -> None:
+    """Tensor parallel on the mesh's tp dimension, then fully_shard over its data-parallel ones (the model may still
+    be on the meta device; a collective)."""
+    mesh = build_mesh(cfg.sharding, device_type, world_size, cfg.parallel.tp)
+    if cfg.parallel.tp > 1:  # before FSDP shards the same parameters over the data-parallel ranks
+        apply_tp(model, list(plan.blocks), mesh["tp"], cfg.parallel)
+    apply_fsdp(model, plan, data_mesh(mesh), build_mp_policy(cfg.precision), cfg.sharding)
+
+
 def shard_model(
     model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device: torch.device, world_size: int
 ) -> nn.Module:
     """A planned model sharded, materialized and filled on this rank (a collective: every rank calls it)."""
-    mesh = build_mesh(cfg.sharding, device.type, world_size, cfg.parallel.tp)
-    if cfg.parallel.tp > 1:  # before FSDP shards the same parameters over the data-parallel ranks
-        apply_tp(model, list(plan.blocks), mesh["tp"], cfg.parallel)
-    apply_fsdp(model, plan, data_mesh(mesh), build_mp_policy(cfg.precision), cfg.sharding)
+    apply_parallelism(model, plan, cfg, device.type, world_size)
     materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, device)
     if cfg.model.load_weights:
         with base_view(model):  # the checkpoint's names: the adapted layers' base layers in their places

@@ -18,11 +18,11 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from fsdp_research.checkpoint.hf_export import export_dtype, write_parts
 from fsdp_research.config.sizes import export_shard_size
-from fsdp_research.distributed.precision import build_mp_policy
-from fsdp_research.distributed.sharding import apply_fsdp, build_mesh, local_shard
+from fsdp_research.distributed.sharding import local_shard
+from fsdp_research.distributed.tensor_parallel import sequence_parallel
 from fsdp_research.metrics.meters import reset_rss_peak, rss, rss_peak
 from fsdp_research.model.initialization import init_weights, materialize
-from fsdp_research.model.parallelize import planned_model
+from fsdp_research.model.parallelize import apply_parallelism, planned_model
 from fsdp_research.optim.factory import build_optimizer
 from fsdp_research.planner.memory import memory
 from fsdp_research.planner.summary import run_settings, summarize
@@ -79,6 +79,8 @@ def _fits(cfg: DictConfig, model: torch.nn.Module, blocks: list[str]) -> tuple[b
         return False, "skipped: no blocks"
     if len({path.rpartition(".")[0] for path in blocks}) > 1:
         return False, "skipped: the blocks are not one list"
+    if sequence_parallel(cfg.parallel):  # its hooks split at the first block and gather after the last
+        return False, "skipped: sequence parallel needs every block"
     tokens = cfg.trainer.micro_batch_size * cfg.data.seq_len
     inside = {id(p) for path in blocks for p in model.get_submodule(path).parameters()}
     first = sum(p.numel() for p in model.get_submodule(blocks[0]).parameters())
@@ -138,8 +140,7 @@ def set_up_shard(cfg: DictConfig, hf_config, device: torch.device, phases: list[
         phase.note = f"{len(plan.units)} units, {sum(p.numel() for p in model.parameters()):,} parameters"
     mem = memory(summarize(cfg, model, plan, hf_config), run_settings(cfg, world, device.type))  # not timed
     with measured(phases, "shard", device):
-        mesh = build_mesh(cfg.sharding, device.type, world)
-        apply_fsdp(model, plan, mesh, build_mp_policy(cfg.precision), cfg.sharding)
+        apply_parallelism(model, plan, cfg, device.type, world)
     with measured(phases, "init", device) as phase:
         materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, device)
         init_weights(model, plan.blocks, cfg.trainer.seed)

@@ -7,6 +7,10 @@ colwise_gather_output, rowwise_split_input); on llama, with activation checkpoin
 hsdp (a 3-D mesh), ddp, per_linear, reshard_all, and the EMA and per-block norm callbacks. A checkpoint saved at tp=2
 resumes at tp=1; bad settings are one line before any compute."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -16,6 +20,7 @@ from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.train.validation import checked_plan
 from tests.conftest import FAST
+from tests.helpers.cli import subprocess_env
 from tests.helpers.dist import ok, train_distributed
 from tests.helpers.reference import reference_run, save_initial
 from tests.helpers.zoo import hf_config
@@ -87,6 +92,21 @@ def test_a_tp_checkpoint_resumes_at_tp_1(results, tmp_path):
     cfg = compose(_base(initials["llama"]) + [f"checkpoint.resume={step_2}", "checkpoint.export=false"])
     resumed = train_distributed({"resumed": cfg}, 2, str(tmp_path))
     assert ok(resumed, "resumed")["losses"] == pytest.approx(ok(runs, "llama/tp2xdp2")["losses"][2:], rel=1e-5)
+
+
+def test_simulate_plans_one_tp_rank_as_the_planner(tmp_path):
+    """`fsdp-research simulate ... parallel.tp=2`: one rank's shards of a tp x dp job, on the fake backend, hold
+    what the planner predicts (its tp part of each split Linear, sharded over the data-parallel ranks)."""
+    report = tmp_path / "rank3.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_research", "simulate", "model=llama_tiny", "world_size=4", "rank=3",
+         "parallel.tp=2", "trainer.global_batch_size=16", "--json", str(report)],
+        env=subprocess_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    phases = {p["name"]: p for p in json.loads(report.read_text())["phases"]}
+    for name in ("init", "optimizer"):  # AdamW's step counters beside its moments: a few bytes a tensor
+        assert phases[name]["tensors"] == pytest.approx(phases[name]["predicted"], rel=1e-3), name
 
 
 def _refused(world: int, *overrides: str) -> str:
