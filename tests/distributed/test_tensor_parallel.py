@@ -4,8 +4,9 @@ torch.optim.AdamW, the batches read by numpy): the same per-step losses and the 
 from_pretrained) with tp=2 and sequence parallel on 2 ranks, tp=2 without it, and tp=2 x dp_shard=2 on 4 ranks; for
 llama, qwen2 (q/k/v biases), gemma2 (tied embeddings) and phi3 (a plan of fused projections gathered and split:
 colwise_gather_output, rowwise_split_input); on llama, with activation checkpointing (full, every 2nd, selective),
-hsdp (a 3-D mesh), ddp, per_linear, reshard_all, and the EMA and per-block norm callbacks. A checkpoint saved at tp=2
-resumes at tp=1; bad settings are one line before any compute."""
+hsdp (a 3-D mesh), ddp, per_linear, reshard_all, torch.compile, and the EMA and per-block norm callbacks. A
+checkpoint saved at tp=2 resumes at tp=1; `simulate` plans one tp rank; bad settings are one line before any
+compute."""
 
 import json
 import subprocess
@@ -38,7 +39,10 @@ BASE = FAST + [
 RUNS_2 = {"tp2+sp": ["parallel.tp=2"], "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"]}
 RUNS_4 = {"tp2xdp2": ["parallel.tp=2"]}
 # With the other knobs, on llama: none changes a number.
-KNOBS_2 = {"tp2+ac+callbacks": ["parallel.tp=2", "activation_checkpointing=every_block", "callbacks=[ema,grad_norms]"]}
+KNOBS_2 = {
+    "tp2+ac+callbacks": ["parallel.tp=2", "activation_checkpointing=every_block", "callbacks=[ema,grad_norms]"],
+    "tp2+compile": ["parallel.tp=2", "parallel.sequence_parallel=false", "trainer.compile=true"],
+}
 KNOBS_4 = {
     "tp2+hsdp": ["parallel.tp=2", "sharding=hsdp", "sharding.replicate=2"],
     "tp2+ddp": ["parallel.tp=2", "sharding=ddp"],
