@@ -21,7 +21,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp_research.distributed.sharding import local_shard
 from fsdp_research.optim.muon_params import Layout, assembled, matrix_shapes, pieces
@@ -154,21 +155,35 @@ def _lrs(p: torch.Tensor, layout: Layout, group: dict, update: torch.Tensor) -> 
 
 
 def _first_row(p: torch.Tensor) -> int:
-    pg = _shard_group(p)
-    return 0 if pg is None else sum(_row_splits(p.shape[0], dist.get_world_size(pg))[: dist.get_rank(pg)])
+    if not isinstance(p, DTensor):
+        return 0
+    return compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)[1][0]
+
+
+# A matrix split over more than one mesh dimension (tensor parallel's columns or rows within FSDP's): gathered whole.
+GATHERED = "gathered"
 
 
 def _shard_group(p: torch.Tensor):
-    """The process group over which p's rows are split, or None where this rank holds it whole."""
+    """The process group over which p's rows are split, GATHERED for a matrix split more ways, or None where this
+    rank holds it whole."""
     if not isinstance(p, DTensor):
         return None
-    dims = [i for i, placement in enumerate(p.placements) if isinstance(placement, Shard)]
+    # FSDP's rows of a tp shard are a _StridedShard, no Shard: every placement that is not Replicate splits.
+    dims = [i for i, placement in enumerate(p.placements) if not placement.is_replicate()]
     if not dims:
         return None
-    if len(dims) > 1 or p.placements[dims[0]].dim != 0:
-        raise ValueError(f"Muon: cannot orthogonalize a matrix sharded as {p.placements}")
+    if len(dims) > 1 or not isinstance(p.placements[dims[0]], Shard) or p.placements[dims[0]].dim != 0:
+        return GATHERED
     group = p.device_mesh.get_group(dims[0])
     return group if dist.get_world_size(group) > 1 else None
+
+
+def _gathered(p: DTensor, update: torch.Tensor, orthogonal) -> torch.Tensor:
+    """This rank's part of the orthogonalized whole matrix, gathered over every dimension it is split on (each rank
+    orthogonalizes every such matrix: exact, not the all-to-all's division of the work)."""
+    whole = DTensor.from_local(update, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()).full_tensor()
+    return distribute_tensor(orthogonal(whole), p.device_mesh, p.placements, src_data_rank=None).to_local()
 
 
 def _orthogonalize(params: list, updates: list, layouts: list[Layout], group: dict) -> list[torch.Tensor]:
@@ -187,7 +202,9 @@ def _orthogonalize(params: list, updates: list, layouts: list[Layout], group: di
     sharded: dict = {}
     for i, p in enumerate(params):
         pg = _shard_group(p)
-        if pg is None or p.ndim == 3:  # an expert tensor's shard (dim 0) holds whole experts
+        if pg is GATHERED:
+            out[i] = _gathered(p, updates[i], lambda whole, i=i: orthogonal(i, whole)).to(updates[i].dtype)
+        elif pg is None or p.ndim == 3:  # an expert tensor's shard (dim 0) holds whole experts
             out[i] = orthogonal(i, updates[i]).to(updates[i].dtype)
         else:
             sharded.setdefault(pg, []).append(i)

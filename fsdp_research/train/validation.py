@@ -219,7 +219,6 @@ def check_parallel(cfg: DictConfig, world_size: int) -> None:
         ("sharding", strategy not in _TP_STRATEGIES, f"{strategy.value} with tensor parallel is not supported yet"),
         ("sharding.cpu_offload", cfg.sharding.cpu_offload, "CPU offload with tensor parallel is not supported yet"),
         ("model.lora", lora_enabled(cfg.model.lora), "LoRA with tensor parallel is not supported yet"),
-        ("optim", "muon" in str(cfg.optim.get("_target_", "")).lower(), "Muon with tensor parallel: not yet"),
     ]
     for key, bad, reason in refused:
         if bad:

@@ -126,7 +126,6 @@ def test_bad_tensor_parallel_settings_are_one_line():
         "parallel.tp: 4 does not divide"
     )
     assert _refused(2, "parallel.tp=2", "sharding=ddp_classic").startswith("sharding: ddp_classic with tensor")
-    assert _refused(2, "parallel.tp=2", "optim=muon").startswith("optim: Muon with tensor parallel")
     assert _refused(2, "parallel.tp=2", "data.seq_len=63").startswith("parallel.sequence_parallel: data.seq_len=63")
     assert _refused(2, "parallel.tp=2", "parallel.tp_plan={nothing.*:colwise}").startswith(
         "parallel.tp_plan: nothing.* names no module"

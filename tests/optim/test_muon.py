@@ -25,8 +25,13 @@ BASE = FAST + [
     "trainer.global_batch_size=8",
     "trainer.micro_batch_size=2",
 ]
-RUNS_2 = {"blockwise": []}
-RUNS_4 = {"blockwise_4": ["trainer.micro_batch_size=1"], "hsdp_2x2": ["sharding=hsdp", "trainer.micro_batch_size=1"]}
+RUNS_2 = {"blockwise": [], "tp2": ["parallel.tp=2"]}
+RUNS_4 = {
+    "blockwise_4": ["trainer.micro_batch_size=1"],
+    "hsdp_2x2": ["sharding=hsdp", "trainer.micro_batch_size=1"],
+    # Tensor parallel's matrices, split over tp and FSDP's rows: gathered whole.
+    "tp2xdp2": ["parallel.tp=2", "trainer.micro_batch_size=1"],
+}
 
 
 def _ns_float32(grad, ns_coefficients, ns_steps, eps):
