@@ -8,7 +8,6 @@ tokens/s (the positions that train); and LoRA (model.lora.r) against a full fine
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -16,6 +15,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from fsdp_research.metrics.sinks import read_records  # noqa: E402
+
 WARMUP = 4
 
 CASES = {
@@ -35,8 +37,7 @@ def _run(tmp: str, name: str, repeat: int, args, extra: list[str]) -> dict:
         "checkpoint.export=false", f"hydra.run.dir={run_dir}", *extra, *args.overrides,
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tmp)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    records = read_records(run_dir)
     steps = [r for r in records if "loss" in r and r["step"] > WARMUP]
     summary = next(r["summary"] for r in records if "summary" in r)
     step_s = statistics.median(r["step_time_s"] for r in steps)

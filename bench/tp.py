@@ -7,7 +7,6 @@ peak RSS on the CPU, the device's on a GPU), printed as ratios.
 """
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -15,6 +14,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from fsdp_research.metrics.sinks import read_records  # noqa: E402
+
 WARMUP = 3
 
 CASES = {
@@ -34,8 +36,7 @@ def _run(tmp: str, name: str, repeat: int, args) -> dict:
         f"hydra.run.dir={run_dir}", *CASES[name], *args.overrides,
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tmp)
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
+    records = read_records(run_dir)
     steps = [r for r in records if "loss" in r and r["step"] > WARMUP]
     summary = next(r["summary"] for r in records if "summary" in r)
     return {

@@ -125,6 +125,12 @@ def new_threads_single_threaded() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+def data_parallel(tp: int) -> tuple[int, int]:
+    """(this rank's data-parallel rank, the data-parallel ranks): build_mesh puts the tp ranks innermost, and the tp
+    ranks of a group read the same batch."""
+    return dist.get_rank() // tp, dist.get_world_size() // tp
+
+
 def backend_for(backend: str, device: torch.device) -> str:
     """The process group's backend for distributed.backend on `device`; ConfigError for NCCL without CUDA."""
     if backend == "auto":

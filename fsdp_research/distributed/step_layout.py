@@ -23,13 +23,6 @@ class Layout:
     # (world_size / tp): the tp ranks of a group read the same batch.
     tp: int = 1
 
-    @property
-    def dp(self) -> int:
-        return self.world_size // self.tp
-
-    def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
-
     def describe_mesh(self) -> str:
         replicas = f"dp_replicate {self.replicas} x " if self.replicas > 1 else ""
         return f"mesh: {replicas}dp_shard {self.shard_group} x tp {self.tp} (ranks 0-{self.tp - 1} share a tp group)"

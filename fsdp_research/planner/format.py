@@ -41,13 +41,16 @@ def _trained_note(m: ModelSummary) -> str:
     return f" ({_count(trained * m.tp)} trained)" if trained != sum(u.numel for u in units) else ""
 
 
+def _tp(m: ModelSummary) -> str:
+    """Tensor parallel's part of the plan line (ddp_classic, replicated, refuses it)."""
+    return f", tp {m.tp}" + (" with sequence parallel" if m.sequence_parallel else "") if m.tp > 1 else ""
+
+
 def format_plan(m: ModelSummary, run: Run) -> str:
     e, mem = run.compute_dtype, memory(m, run)
     replicated = m.strategy is Strategy.ddp_classic
     size = f"{_count(m.n_params)} parameters" + _experts_note(m) + _trained_note(m)
-    layout = "replicated" if replicated else f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units"
-    if m.tp > 1:
-        layout += f", tp {m.tp}" + (" with sequence parallel" if m.sequence_parallel else "")
+    layout = "replicated" if replicated else f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units{_tp(m)}"
     deferring = run.micro_steps > 1 and run.defer_grad_sync
     lines = [
         f"{m.name}: {size}, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {layout}",

@@ -11,6 +11,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from fsdp_research.data.pipeline import Data
+from fsdp_research.distributed.processes import data_parallel
 from fsdp_research.train.losses import target_count, token_losses
 
 
@@ -28,7 +29,7 @@ def held_out_loss(
     """(loss summed over the targets, targets) of samples 0 .. samples - 1 (`read` gives samples by index), rank r
     taking r, r + world, ... Every rank runs as many forwards (one with fewer samples pads with a sample weighted
     0): FSDP's collectives need them all. A collective: every rank calls it."""
-    rank, world = dist.get_rank() // tp, dist.get_world_size() // tp  # the tp ranks of a group read the same
+    rank, world = data_parallel(tp)
     index = rank + world * np.arange(-(-samples // world))
     weight = torch.from_numpy(index < samples).float().to(device)
     index = np.minimum(index, samples - 1)

@@ -18,7 +18,7 @@ from fsdp_research.config.data_schema import DataKind
 from fsdp_research.data.pipeline import Build, Data, Prefetcher, build_data
 from fsdp_research.data.tokenizer import describe as describe_tokenizer
 from fsdp_research.distributed.precision import dtypes
-from fsdp_research.distributed.processes import cores_per_rank, members, on_rank0, planned_nodes
+from fsdp_research.distributed.processes import cores_per_rank, data_parallel, members, on_rank0, planned_nodes
 from fsdp_research.distributed.sharding import ShardingPlan
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.metrics.meters import Throughput, active_parameters
@@ -63,7 +63,7 @@ def read_ahead(
 ) -> Prefetcher:
     """This rank's batches from step `start` on (trainer section `t`), read ahead on a thread (closed when the run
     ends): its data-parallel rank's (the tp ranks of a group read the same)."""
-    rank, world = dist.get_rank() // tp, dist.get_world_size() // tp
+    rank, world = data_parallel(tp)
     batches = Prefetcher(
         lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
         start,
@@ -107,15 +107,15 @@ def moe_balancer(model: nn.Module, moe: DictConfig, resources: contextlib.ExitSt
     return balancer
 
 
-def seed_rng(model: nn.Module, seed: int, rank: int, world: int) -> None:
-    """The global RNG (dropout) seeded per rank from trainer.seed: the same command draws the same masks again
-    (a resume restores each rank's RNG state instead)."""
-    torch.manual_seed(seed * 1_000_003 + rank)
+def seed_rng(model: nn.Module, seed: int, tp: int) -> None:
+    """The global RNG (dropout) seeded per data-parallel rank from trainer.seed (a tp group's ranks alike): the
+    same command draws the same masks again (a resume restores each rank's RNG state instead)."""
+    torch.manual_seed(seed * 1_000_003 + data_parallel(tp)[0])
     dropout = dropout_in(getattr(model, "module", model))  # under torch DDP, the model it wraps
-    if dropout and rank == 0:
+    if dropout and dist.get_rank() == 0:
         log.info(
             f"dropout is on ({', '.join(dropout[:4])}): each rank draws its own masks, so the losses repeat at "
-            f"this world size ({world}), not at another"
+            f"this world size ({dist.get_world_size()}), not at another"
         )
 
 

@@ -144,7 +144,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     d, fit = dims(model, plan.blocks), planned_fit(cfg, model, plan, device)
     model = shard_model(model, plan, cfg, device, world)
     check_built(cfg, model, device)
-    seed_rng(model, t.seed, rank // cfg.parallel.tp, world)
+    seed_rng(model, t.seed, cfg.parallel.tp)
     optimizer, scheduler = build_optimizer(model, cfg, plan.blocks)
     callbacks = Callbacks(cfg.callbacks)
     handle = RunHandle(model, optimizer, cfg, rank, world, run_dir, device, plan.blocks)
