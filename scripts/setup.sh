@@ -16,4 +16,4 @@ if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
       || .venv/bin/pip install -q torch --extra-index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-.venv/bin/pip install -q -e '.[test,sweep]'
+.venv/bin/pip install -q -c scripts/constraints.txt -e '.[test,sweep]'

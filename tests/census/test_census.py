@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from fsdp_research.jobs.compose import compose
@@ -198,7 +199,10 @@ def test_docs_have_the_census_table(census):
         with open(CENSUS_PAGE, "w") as f:
             f.write(CENSUS_SECTION.sub(lambda m: m.group(1) + table + m.group(3), page))
         return
-    assert found.group(2) == table, "docs/models.md's census table is stale: run CENSUS_WRITE=1 pytest tests/census"
+    assert found.group(2) == table, (
+        f"docs/models.md's census table is stale for transformers {transformers.__version__} (scripts/constraints.txt "
+        "pins the tested one): run CENSUS_WRITE=1 pytest tests/census"
+    )
 
 
 def _initialised_as_large(initials: dict) -> dict:
