@@ -91,6 +91,9 @@ class ParallelConfig:
     # Module pattern (as transformers' base_model_tp_plan: relative to the base model, `*` a layer's index) ->
     # colwise, rowwise, colwise_gather_output, rowwise_split_input, or none; over the family's own plan.
     tp_plan: dict[str, str] = field(default_factory=dict)
+    # Expert parallel: ranks each MoE layer's routed experts are split over (tokens sent to them by all-to-all);
+    # a divisor of the data-parallel shard dimension, whose ranks they are.
+    ep: int = 1
 
 
 @dataclass

@@ -28,11 +28,13 @@ class Unit:
     also: tuple[str, ...] = ()
     # Computes in fp32 whatever the training dtype: a module the family keeps in fp32 (a router's gate).
     fp32: bool = False
+    # A routed-experts module split over parallel.ep: sharded over the data-parallel ranks that ep leaves.
+    experts: bool = False
 
     @property
     def by_family(self) -> bool:
         """A unit the family's model asks for (fp32 modules, shared parameters), not the sharding strategy."""
-        return self.fp32 or bool(self.also)
+        return self.fp32 or self.experts or bool(self.also)
 
 
 @dataclass(frozen=True)
@@ -75,10 +77,15 @@ def _block_reshard_flags(cfg: ShardingConfig, n_blocks: int) -> list[bool | int]
 
 
 def build_plan(
-    model: nn.Module, blocks: list[nn.Module], cfg: ShardingConfig, fp32_modules: list[str] = ()
+    model: nn.Module,
+    blocks: list[nn.Module],
+    cfg: ShardingConfig,
+    fp32_modules: list[str] = (),
+    experts: list[str] = (),
 ) -> ShardingPlan:
-    """The units: fp32_modules (paths of modules kept in fp32, each its own unit inside its block), the blocks or
-    their Linears, the root."""
+    """The units: fp32_modules (paths of modules kept in fp32, each its own unit inside its block), experts (paths
+    of the routed-experts modules split over parallel.ep, each its own unit), the blocks or their Linears, the
+    root."""
     strategy = Strategy(cfg.strategy)
     paths = {module: path for path, module in model.named_modules()}
     block_paths = tuple(paths[block] for block in blocks)
@@ -112,10 +119,11 @@ def build_plan(
         return next((f for b, f in block_flags.items() if path.startswith(b + ".")), False)
 
     taken = {u.path for u in units} | set(block_paths)
+    split = [Unit(p, flag_of(p), experts=True) for p in experts]
     kept = [Unit(p, flag_of(p), fp32=True) for p in fp32_modules if p and p not in taken]
     shared = [u for u in _shared(model, blocks) if u.path not in taken]
     # The root's own flag is moot: FSDP keeps the root gathered for backward.
-    return ShardingPlan(strategy, kept + shared + units + [Unit("", False)], block_paths)
+    return ShardingPlan(strategy, split + kept + shared + units + [Unit("", False)], block_paths)
 
 
 def _shared(model: nn.Module, blocks: list[nn.Module]) -> list[Unit]:
@@ -145,7 +153,8 @@ def _shared(model: nn.Module, blocks: list[nn.Module]) -> list[Unit]:
 
 def build_mesh(cfg: ShardingConfig, device_type: str, world_size: int, tp: int = 1) -> DeviceMesh:
     """The data-parallel dimensions (replicate, shard), and with tensor parallel a "tp" dimension innermost: the
-    ranks of a tp group are neighbours (one node's devices)."""
+    ranks of a tp group are neighbours (one node's devices). Expert parallel splits the shard dimension
+    (experts_mesh)."""
     strategy, dp = Strategy(cfg.strategy), world_size // tp
     shape, names = (dp,), ("shard",)
     if strategy in (Strategy.hsdp, Strategy.ddp):
@@ -164,6 +173,16 @@ def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[data if len(data) > 1 else data[0]]
 
 
+def experts_mesh(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
+    """(the ep mesh the experts are split over, the data-parallel mesh their FSDP shards over): the shard dimension
+    seen as dp_mod_ep x ep, the ep ranks neighbours."""
+    names = mesh.mesh_dim_names
+    shard = mesh.size(names.index("shard"))
+    split = mesh._unflatten("shard", (shard // ep, ep), ("dp_mod_ep", "ep"))
+    data = tuple(n for n in split.mesh_dim_names if n in ("replicate", "dp_mod_ep"))
+    return split["ep"], split[data if len(data) > 1 else data[0]]
+
+
 def apply_prefetch(model: nn.Module, plan: ShardingPlan, cfg: ShardingConfig) -> None:
     """Each block unit all-gathers the next prefetch_forward blocks as its forward starts, and the next
     prefetch_backward blocks (in backward's order) as its backward starts; 0 leaves FSDP2's implicit prefetch."""
@@ -176,10 +195,17 @@ def apply_prefetch(model: nn.Module, plan: ShardingPlan, cfg: ShardingConfig) ->
 
 
 def apply_fsdp(
-    model: nn.Module, plan: ShardingPlan, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None, cfg: ShardingConfig
+    model: nn.Module,
+    plan: ShardingPlan,
+    mesh: DeviceMesh,
+    mp_policy: MixedPrecisionPolicy | None,
+    cfg: ShardingConfig,
+    experts: DeviceMesh | None = None,
 ) -> nn.Module:
     """fully_shard each unit of the plan, innermost first (the model may still be on the meta device), then the
-    explicit prefetch between blocks."""
+    explicit prefetch between blocks. Experts units shard over `experts` (the data-parallel ranks ep leaves); their
+    gradients, summed over the ep ranks' tokens by the all-to-all, are divided by every data-parallel rank as the
+    others' are averaged (a plain sum and a division: gloo has no pre-multiplied sum)."""
     kwargs = {"mesh": mesh}
     if mp_policy is not None:
         kwargs["mp_policy"] = mp_policy
@@ -189,11 +215,18 @@ def apply_fsdp(
     for unit in plan.units:
         policy = {"mp_policy": fp32_policy()} if unit.fp32 else {}
         modules = [model.get_submodule(path) for path in (unit.path, *unit.also)]
+        if unit.experts:
+            policy["mesh"] = experts
         fully_shard(
             modules if unit.also else modules[0],
             reshard_after_forward=unit.reshard_after_forward,
             **{**kwargs, **policy},
         )
+        if unit.experts:
+            modules[0].set_gradient_divide_factor(float(mesh.size()))
+            # A shard group of one divides by the factor itself (and again after a forced sum).
+            split = experts.size(experts.mesh_dim_names.index("dp_mod_ep")) > 1
+            modules[0].set_force_sum_reduction_for_comms(split)
     apply_prefetch(model, plan, cfg)
     return model
 

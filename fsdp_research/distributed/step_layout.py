@@ -22,10 +22,17 @@ class Layout:
     # Tensor-parallel ranks (parallel.tp; innermost: ranks r and r + 1 share a group) and data-parallel ranks
     # (world_size / tp): the tp ranks of a group read the same batch.
     tp: int = 1
+    # Expert-parallel ranks (parallel.ep): a divisor of the shard group, whose ranks (neighbours) split the experts.
+    ep: int = 1
 
     def describe_mesh(self) -> str:
         replicas = f"dp_replicate {self.replicas} x " if self.replicas > 1 else ""
-        return f"mesh: {replicas}dp_shard {self.shard_group} x tp {self.tp} (ranks 0-{self.tp - 1} share a tp group)"
+        line = f"mesh: {replicas}dp_shard {self.shard_group}"
+        if self.ep > 1:
+            line += f" (experts: dp_mod_ep {self.shard_group // self.ep} x ep {self.ep})"
+        if self.tp > 1:
+            line += f" x tp {self.tp} (ranks 0-{self.tp - 1} share a tp group)"
+        return line
 
 
 def layout(cfg: DictConfig, world_size: int, nodes: int = 1) -> Layout:
@@ -40,4 +47,5 @@ def layout(cfg: DictConfig, world_size: int, nodes: int = 1) -> Layout:
         shard_group=1 if strategy is Strategy.ddp_classic else dp // replicas,
         micro_steps=t.global_batch_size // (t.micro_batch_size * dp),
         tp=tp,
+        ep=cfg.parallel.ep,
     )

@@ -1,5 +1,6 @@
 """The model as training runs it, in the order the recipe needs: on the meta device -> activation checkpointing
--> compile -> tensor parallel (parallel.tp, on the wrapped modules' own paths) -> the sharding plan applied with
+-> compile -> tensor parallel (parallel.tp, on the wrapped modules' own paths) -> expert parallel (parallel.ep)
+-> the sharding plan applied with
 fully_shard (innermost first) -> this rank's shards materialized, initialised or read from a checkpoint -> torch's
 DDP for the classic baseline."""
 
@@ -10,6 +11,7 @@ from omegaconf import DictConfig
 from fsdp_research.config.schema import Strategy
 from fsdp_research.distributed.activation_checkpointing import apply_activation_checkpointing
 from fsdp_research.distributed.compile import apply_compile
+from fsdp_research.distributed.expert_parallel import apply_ep, fused_experts
 from fsdp_research.distributed.precision import build_mp_policy, dtypes, kept_in_fp32
 from fsdp_research.distributed.sharding import (
     ShardingPlan,
@@ -18,6 +20,7 @@ from fsdp_research.distributed.sharding import (
     build_mesh,
     build_plan,
     data_mesh,
+    experts_mesh,
 )
 from fsdp_research.distributed.tensor_parallel import apply_tp
 from fsdp_research.model.architecture import block_class_name, build_model, build_own_model, find_blocks, pretrained_dir
@@ -46,16 +49,21 @@ def planned_model(cfg: DictConfig, hf_config, values: bool = True) -> tuple[nn.M
     # Before sharding, so that FSDP shards the wrapped block; compile too, so FSDP's hooks stay outside it.
     blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
     apply_compile(blocks, cfg.trainer.compile)
-    return model, build_plan(model, blocks, cfg.sharding, fp32_modules)
+    experts = list(fused_experts(model)) if cfg.parallel.ep > 1 else []
+    return model, build_plan(model, blocks, cfg.sharding, fp32_modules, experts)
 
 
 def apply_parallelism(model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device_type: str, world_size: int) -> None:
-    """Tensor parallel on the mesh's tp dimension, then fully_shard over its data-parallel ones (the model may still
-    be on the meta device; a collective)."""
+    """Tensor parallel on the mesh's tp dimension, the experts over ep ranks, then fully_shard over the data-parallel
+    dimensions (the model may still be on the meta device; a collective)."""
     mesh = build_mesh(cfg.sharding, device_type, world_size, cfg.parallel.tp)
     if cfg.parallel.tp > 1:  # before FSDP shards the same parameters over the data-parallel ranks
         apply_tp(model, list(plan.blocks), mesh["tp"], cfg.parallel)
-    apply_fsdp(model, plan, data_mesh(mesh), build_mp_policy(cfg.precision), cfg.sharding)
+    experts = None
+    if cfg.parallel.ep > 1:
+        ep, experts = experts_mesh(mesh, cfg.parallel.ep)
+        apply_ep(model, [u.path for u in plan.units if u.experts], ep)
+    apply_fsdp(model, plan, data_mesh(mesh), build_mp_policy(cfg.precision), cfg.sharding, experts)
 
 
 def shard_model(

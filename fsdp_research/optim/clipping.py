@@ -46,8 +46,10 @@ def grad_norm(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
 
 
 def widest_mesh(grads: list[DTensor]):
-    """The mesh with the most dimensions among the gradients' (with tp, the 2-D one)."""
-    return max((g.device_mesh for g in grads), key=lambda mesh: mesh.ndim)
+    """The mesh with the most dimensions among the gradients' that has the shard dimension (with tp, the 2-D one;
+    the experts' mesh splits it in two, over the same ranks)."""
+    meshes = [g.device_mesh for g in grads if "shard" in (g.device_mesh.mesh_dim_names or ())]
+    return max(meshes, key=lambda mesh: mesh.ndim)
 
 
 def clip_(grads: list[torch.Tensor], norm: torch.Tensor, max_norm: float) -> None:

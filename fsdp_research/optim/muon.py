@@ -174,7 +174,9 @@ def _shard_group(p: torch.Tensor):
     if not dims:
         return None
     if len(dims) > 1 or not isinstance(p.placements[dims[0]], Shard) or p.placements[dims[0]].dim != 0:
-        return GATHERED
+        # Experts split on their own dimension only (parallel.ep, then FSDP's rows of it): whole experts here.
+        by_expert = p.ndim == 3 and all(getattr(p.placements[d], "dim", None) == 0 for d in dims)
+        return None if by_expert else GATHERED
     group = p.device_mesh.get_group(dims[0])
     return group if dist.get_world_size(group) > 1 else None
 

@@ -90,7 +90,7 @@ def throughput_of(
         f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
         f"starting at step {start}"
     )
-    if cfg.parallel.tp > 1:
+    if cfg.parallel.tp > 1 or cfg.parallel.ep > 1:
         log.info(layout(cfg, world).describe_mesh())
     if d.unknown:
         log.info(f"MFU: no attention found in {', '.join(d.unknown)}: their parameters counted, not their mixing")

@@ -26,6 +26,7 @@ from fsdp_research.data.parts import first_file, probe
 from fsdp_research.data.pipeline import check_tokenizer, eval_set_paths, packed, sources
 from fsdp_research.data.tokenizer import check_model_tokenizer
 from fsdp_research.distributed.activation_checkpointing import resolve_op
+from fsdp_research.distributed.expert_parallel import check_ep
 from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.precision import dtypes, parse_dtype
 from fsdp_research.distributed.processes import backend_for
@@ -212,6 +213,8 @@ def check_parallel(cfg: DictConfig, world_size: int) -> None:
     p = cfg.parallel
     if p.tp < 1 or world_size % p.tp:
         raise ConfigError("parallel.tp", f"{p.tp} does not divide the world size {world_size}", "use a divisor")
+    if p.ep != 1:
+        check_expert_parallel(cfg, world_size)
     if p.tp == 1:
         return
     strategy = Strategy(cfg.sharding.strategy)
@@ -229,6 +232,30 @@ def check_parallel(cfg: DictConfig, world_size: int) -> None:
             f"data.seq_len={cfg.data.seq_len} does not split into {p.tp} sequence shards",
             f"use a data.seq_len divisible by {p.tp}, or parallel.sequence_parallel=false",
         )
+
+
+def check_expert_parallel(cfg: DictConfig, world_size: int) -> None:
+    p, strategy = cfg.parallel, Strategy(cfg.sharding.strategy)
+    shard = world_size // p.tp
+    if strategy is Strategy.hsdp:
+        shard //= cfg.sharding.replicate
+    elif strategy is Strategy.ddp:
+        shard = 1
+    if p.ep < 1 or shard % p.ep:
+        raise ConfigError(
+            "parallel.ep",
+            f"{p.ep} does not divide the {shard} ranks of the shard dimension (world {world_size} / tp / replicas)",
+            "use a divisor of it",
+        )
+    refused = [
+        ("parallel.tp", p.tp > 1, "expert parallel with tensor parallel is not supported yet"),
+        ("sharding", strategy is Strategy.ddp_classic, "ddp_classic with expert parallel is not supported"),
+        ("sharding.cpu_offload", cfg.sharding.cpu_offload, "CPU offload with expert parallel is not supported yet"),
+        ("model.lora", lora_enabled(cfg.model.lora), "LoRA with expert parallel is not supported yet"),
+    ]
+    for key, bad, reason in refused:
+        if bad:
+            raise ConfigError(key, reason, "use parallel.ep=1")
 
 
 def check_precision(cfg: PrecisionConfig, device: torch.device) -> None:
@@ -332,6 +359,8 @@ def check_planned(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_conf
         check_data_fits(cfg.data, dims(model, plan.blocks).vocab, None)
     if cfg.parallel.tp > 1:
         check_divisible(model, tp_plan(model, cfg.parallel), cfg.parallel.tp)
+    if cfg.parallel.ep > 1:
+        check_ep(model, cfg.parallel.ep)
     names = [clean_name(n) for n, p in model.named_parameters() if p.requires_grad]  # what the optimizer gets
     check_patterns(OmegaConf.to_container(cfg.optim.param_groups, resolve=True), names)
 

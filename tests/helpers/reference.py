@@ -121,9 +121,12 @@ def adamw(model, cfg) -> list[tuple[torch.optim.Optimizer, float]]:
     return [(torch.optim.AdamW(decay_groups(model, o), lr=o.lr, betas=tuple(o.betas), eps=o.eps), o.lr)]
 
 
-def reference_run(cfg, initial: str, optimizers=adamw) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference_run(
+    cfg, initial: str, optimizers=adamw, norms: list[float] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Per-step losses and final weights of the whole global batch in one forward, from the weights in `initial`
-    (a directory written by save_pretrained); optimizers(model, cfg): [(optimizer, its base lr), ...]."""
+    (a directory written by save_pretrained); optimizers(model, cfg): [(optimizer, its base lr), ...]; each step's
+    gradient norm appended to `norms` where given."""
     from transformers import AutoModelForCausalLM
 
     cfg = typed(cfg)
@@ -141,7 +144,9 @@ def reference_run(cfg, initial: str, optimizers=adamw) -> tuple[list[float], dic
         logits = model(input_ids=tokens[:, :-1]).logits
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        if norms is not None:
+            norms.append(norm.item())
         for optimizer, _ in parts:
             optimizer.step()
         balance()

@@ -1,0 +1,107 @@
+"""Expert parallel (parallel.ep) against the single-process reference built from what we did not write
+(tests/helpers/reference.py: transformers' from_pretrained of the same initial weights, torch.optim.AdamW, DeepSeek-V3's
+bias balancing written out from its formula): the same per-step losses and the same exported weights (read back by
+from_pretrained; the routers' expert-score biases among them) with ep=2 on 2 ranks and ep=2 x dp_mod_ep=2 on 4,
+for qwen3_moe, deepseek_v3 (latent attention, a shared expert, a dense first layer, aux-loss-free balancing) and
+mixtral; with Muon (whole experts per rank) and hsdp on qwen3_moe. A checkpoint saved at ep=2 resumes at ep=1;
+bad settings are one line before any compute."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fsdp_research.errors import ConfigError
+from fsdp_research.jobs.compose import compose
+from fsdp_research.metrics.sinks import read_records
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.train.validation import checked_plan
+from tests.conftest import FAST
+from tests.helpers.dist import ok, train_distributed
+from tests.helpers.reference import reference_run, save_initial
+from tests.helpers.zoo import from_config, hf_config
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
+BASE = FAST + [
+    "trainer.max_steps=4",
+    "trainer.global_batch_size=4",
+    "trainer.micro_batch_size=2",
+    "checkpoint.export=true",
+    "checkpoint.interval=2",
+]
+RUNS = {2: {"ep2": ["parallel.ep=2"]}, 4: {"ep2xdp2": ["parallel.ep=2", "trainer.micro_batch_size=1"]}}
+KNOBS = {4: {"ep2+hsdp": ["parallel.ep=2", "sharding=hsdp", "sharding.replicate=2", "trainer.micro_batch_size=1"]}}
+
+
+def _base(initial: str) -> list[str]:
+    return BASE + ["model=pretrained", f"model.name_or_path={initial}"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ep")
+    initials = {f: save_initial(hf_config(f), str(out / "initial" / f)) for f in FAMILIES}
+    runs = {}
+    for world in (2, 4):
+        named = {f"{f}/{n}": compose(_base(initials[f]) + extra) for f in FAMILIES for n, extra in RUNS[world].items()}
+        for n, extra in KNOBS.get(world, {}).items():
+            named[f"qwen3_moe/{n}"] = compose(_base(initials["qwen3_moe"]) + extra)
+        runs.update(train_distributed(named, world, str(out / f"w{world}")))
+    norms = {f: [] for f in FAMILIES}
+    references = {
+        f: (*reference_run(compose(_base(initials[f])), initials[f], norms=norms[f]), norms[f]) for f in FAMILIES
+    }
+    return out, initials, runs, references
+
+
+CASES = [(f, n, w) for w in (2, 4) for f in FAMILIES for n in RUNS[w]] + [
+    ("qwen3_moe", n, w) for w in KNOBS for n in KNOBS[w]
+]
+
+
+@pytest.mark.parametrize(("family", "name", "world"), CASES)
+def test_losses_and_export_match_the_single_process_reference(results, family, name, world):
+    out, _, runs, references = results
+    ref_losses, ref_weights, ref_norms = references[family]
+    run = ok(runs, f"{family}/{name}")
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    # AdamW hides a gradient's scale from the weights: the experts' gradients divided as the others' are.
+    norms = [r["grad_norm"] for r in read_records(str(out / f"w{world}" / family / name)) if "grad_norm" in r]
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    exported = AutoModelForCausalLM.from_pretrained(str(out / f"w{world}" / family / name / "export")).state_dict()
+    assert exported.keys() == ref_weights.keys()
+    for key, ref in ref_weights.items():
+        torch.testing.assert_close(exported[key], ref, rtol=1e-4, atol=2e-5, msg=lambda m: f"{key}: {m}")
+
+
+def test_an_ep_checkpoint_resumes_at_ep_1(results, tmp_path):
+    out, initials, runs, _ = results
+    step_2 = out / "w4" / "deepseek_v3" / "ep2xdp2" / "checkpoints" / "step_2"
+    cfg = compose(_base(initials["deepseek_v3"]) + [f"checkpoint.resume={step_2}", "checkpoint.export=false"])
+    resumed = train_distributed({"resumed": cfg}, 2, str(tmp_path))
+    assert ok(resumed, "resumed")["losses"] == pytest.approx(ok(runs, "deepseek_v3/ep2xdp2")["losses"][2:], rel=1e-5)
+
+
+def _refused(world: int, *overrides: str) -> str:
+    cfg = compose(FAST + list(overrides))
+    with pytest.raises(ConfigError) as err:
+        checked_plan(cfg, world, build_hf_config(cfg.model), torch.device("cpu"))
+    return str(err.value)
+
+
+def test_bad_expert_parallel_settings_are_one_line():
+    moe = from_config("qwen3_moe")
+    assert _refused(2, "parallel.ep=2").startswith("parallel.ep: LlamaForCausalLM has no fused experts")
+    assert _refused(6, *moe, "parallel.ep=3", "trainer.global_batch_size=48").startswith(
+        "parallel.ep: 3 does not divide the 4 experts"
+    )
+    assert _refused(2, *moe, "parallel.ep=4").startswith("parallel.ep: 4 does not divide the 2 ranks")
+    assert _refused(4, *moe, "parallel.ep=2", "parallel.tp=2").startswith("parallel.tp: expert parallel with tensor")
+    assert _refused(2, *moe, "parallel.ep=2", "sharding=ddp_classic").startswith("sharding: ddp_classic with expert")
+
+
+def test_the_mesh_is_printed_at_start(results):
+    out, *_ = results
+    log = (out / "w4" / "qwen3_moe" / "ep2xdp2" / "train.log").read_text()
+    assert "mesh: dp_shard 4 (experts: dp_mod_ep 2 x ep 2)" in log
