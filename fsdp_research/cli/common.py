@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from fsdp_research.distributed.processes import device_for, planned_world_size
 from fsdp_research.errors import ConfigError
-from fsdp_research.jobs.compose import compose
+from fsdp_research.jobs.compose import check_command_line, compose
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.train.validation import check_config
 
@@ -33,7 +33,8 @@ def split_launch(argv: Sequence[str]) -> tuple[dict[str, int], list[str]]:
 
 def checked_config(overrides: Sequence[str], world_size: int = 0) -> tuple[DictConfig, Any, int]:
     """(config, HF config, world size): composed as train.py would, checked as the trainer checks it, for
-    world_size ranks (0: as the launch would have)."""
+    world_size ranks (0: as the launch would have); a key no schema has, one line naming it, as train.py says it."""
+    check_command_line(overrides)
     cfg = compose(overrides)
     world_size = world_size or planned_world_size(cfg.distributed)
     hf_config = build_hf_config(cfg.model)

@@ -31,6 +31,11 @@ def fused_experts(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
+def split_experts(model: nn.Module, ep: int) -> list[str]:
+    """The experts modules parallel.ep splits (each its own FSDP unit): none at ep 1."""
+    return list(fused_experts(model)) if ep > 1 else []
+
+
 def check_ep(model: nn.Module, ep: int) -> None:
     """Raises ConfigError for a model without fused experts, or experts that do not split over ep ranks."""
     experts = fused_experts(model)
@@ -73,10 +78,11 @@ class _ExpertParallelForward:
         token = order // k
         owner = expert[order] // self.local
         sent = torch.bincount(owner, minlength=ranks)
-        received = torch.empty_like(sent)
+        # Filled (not empty) for a backend that moves no data (`simulate`'s fake one): as many in as out, expert 0.
+        received = sent.clone()
         dist.all_to_all_single(received, sent, group=self.group)
         sent_splits, received_splits = sent.tolist(), received.tolist()
-        local_expert = torch.empty(sum(received_splits), dtype=expert.dtype, device=expert.device)
+        local_expert = torch.zeros(sum(received_splits), dtype=expert.dtype, device=expert.device)
         dist.all_to_all_single(
             local_expert, expert[order] - owner * self.local, received_splits, sent_splits, group=self.group
         )

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from fsdp_research.config.schema import Strategy
 from fsdp_research.distributed.activation_checkpointing import apply_activation_checkpointing
 from fsdp_research.distributed.compile import apply_compile
-from fsdp_research.distributed.expert_parallel import apply_ep, fused_experts
+from fsdp_research.distributed.expert_parallel import apply_ep, split_experts
 from fsdp_research.distributed.precision import build_mp_policy, dtypes, kept_in_fp32
 from fsdp_research.distributed.sharding import (
     ShardingPlan,
@@ -49,8 +49,7 @@ def planned_model(cfg: DictConfig, hf_config, values: bool = True) -> tuple[nn.M
     # Before sharding, so that FSDP shards the wrapped block; compile too, so FSDP's hooks stay outside it.
     blocks = apply_activation_checkpointing(model, blocks, cfg.activation_checkpointing)
     apply_compile(blocks, cfg.trainer.compile)
-    experts = list(fused_experts(model)) if cfg.parallel.ep > 1 else []
-    return model, build_plan(model, blocks, cfg.sharding, fp32_modules, experts)
+    return model, build_plan(model, blocks, cfg.sharding, fp32_modules, split_experts(model, cfg.parallel.ep))
 
 
 def apply_parallelism(model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device_type: str, world_size: int) -> None:

@@ -220,16 +220,18 @@ def explain(cfg: DictConfig, plan: ShardingPlan, world_size: int, nodes: int, mo
         shape = (
             f"{len(plan.units)} FSDP units: each of the {len(plan.blocks)} blocks ({resident} resident) and the root"
         )
+    moe = ""
+    if model and model.experts:
+        ep = cfg.parallel.ep
+        gathers = f"{model.experts // ep} experts a rank (ep {ep}), the tokens move" if ep > 1 else "every expert"
+        moe = (
+            f"; a mixture of experts, {model.experts_per_token} of {model.experts} per token: each block's all-gather "
+            f"moves {gathers}, its compute uses the active ones"
+        )
     return (
         f"{plan.strategy.value} on {world_size} rank(s), {nodes} node(s): {shape}; "
         f"CPU offload {'on' if cfg.sharding.cpu_offload else 'off'}; "
-        f"{layout(cfg, world_size, nodes).micro_steps} micro-batch(es) per step"
-        + (
-            f"; a mixture of experts, {model.experts_per_token} of {model.experts} per token: each block's all-gather "
-            "moves every expert, its compute uses the active ones"
-            if model and model.experts
-            else ""
-        )
+        f"{layout(cfg, world_size, nodes).micro_steps} micro-batch(es) per step{moe}"
     )
 
 

@@ -48,6 +48,10 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling",
 SEARCHED = ("parallel", "sharding", "activation_checkpointing", "trainer.micro_batch_size", "loss.chunks")
 # Tensor-parallel sizes searched (within a node; sequence parallel on with it).
 TP = (1, 2, 4, 8)
+# Expert-parallel sizes searched (an MoE; dividing the shard dimension and the experts).
+EP = (1, 2, 4, 8, 16, 32, 64)
+# Config attributes naming an MoE layer's routed experts.
+_EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts")
 
 
 def unsearched(overrides: list[str]) -> list[str]:
@@ -148,6 +152,16 @@ def _tps(cfg: DictConfig, hf_config, world: int, per_node: int) -> list[int]:
     ]
 
 
+def _eps(cfg: DictConfig, hf_config, world: int, tp: int, keys: dict[str, Any]) -> list[int]:
+    """The ep sizes worth searching for a sharding: an MoE's, without tp, CPU offload or LoRA, dividing its shard
+    dimension and its experts."""
+    experts = next((n for k in _EXPERTS if isinstance(n := getattr(hf_config, k, None), int)), 0)
+    if not experts or tp > 1 or cfg.sharding.cpu_offload or cfg.model.lora.r is not None:
+        return [1]
+    shard = world // tp // keys.get("replicate", 1) if keys["strategy"] != "ddp" else 1
+    return [e for e in EP if not shard % e and not experts % e]
+
+
 def _checkpointed(n_blocks: int, stride: int) -> tuple[bool, ...]:
     return tuple(stride > 0 and i % stride == 0 for i in range(n_blocks))
 
@@ -205,35 +219,37 @@ def candidates(
     hf_config = build_hf_config(base.model)
     chunks = _chunkable(base.loss, hf_config)
     shardings = [
-        (tp, keys)
+        (tp, ep, keys)
         for tp in _tps(base, hf_config, world_size, hw.per_node)
         for keys in _shardings(world_size // tp, hw.per_node // tp)
+        for ep in _eps(base, hf_config, world_size, tp, keys)
     ]
     variants = [
         typed(
             OmegaConf.merge(
                 base,
                 {
-                    "parallel": {"tp": tp, "sequence_parallel": None},
+                    "parallel": {"tp": tp, "sequence_parallel": None, "ep": ep},
                     "sharding": {"replicate": 1, "reshard_after_forward": None, "cpu_offload": False, **keys},
                 },
             )
         )
-        for tp, keys in shardings
+        for tp, ep, keys in shardings
     ]
     found = []
     # One model build for every sharding's plan.
-    for (tp, keys), variant, summary in zip(shardings, variants, summaries_by_sharding(variants, planned)):
+    for (tp, ep, keys), variant, summary in zip(shardings, variants, summaries_by_sharding(variants, planned)):
         run = run_settings(variant, world_size, device_type)
         per_rank = base.trainer.global_batch_size // (world_size // tp)
         named = {
             "parallel.tp": tp,
+            "parallel.ep": ep,
             "sharding": keys["strategy"],
             "sharding.replicate": keys.get("replicate"),
             "sharding.reshard_after_forward": keys.get("reshard_after_forward"),
         }
-        # On a CPU the state is in host memory already: nothing to offload.
-        offloads = (False, True) if device_type == "cuda" else (False,)
+        # On a CPU the state is in host memory already: nothing to offload; nor with tp or ep (refused).
+        offloads = (False, True) if device_type == "cuda" and tp == ep == 1 else (False,)
         for ckpt, planned, settings in _variants(summary, run, per_rank, chunks, offloads):
             time = step_time(ckpt, planned, hw)
             found.append(

@@ -22,6 +22,8 @@ def _experts_note(m: ModelSummary) -> str:
     if not m.experts:
         return ""
     active = f"{_count(m.active_params)} active per token: {m.experts_per_token} of {m.experts} experts"
+    if m.ep > 1:
+        return f" ({active}; ep {m.ep}: a rank gathers {m.experts // m.ep} experts a layer, the tokens move)"
     return f" ({active}; all-gathers move every expert)"
 
 
@@ -121,6 +123,8 @@ def _traffic_lines(m: ModelSummary, run: Run) -> list[str]:
         lines.append(f"  {'all-to-all (whole matrices for ' + m.optimizer + ')':<44}{_gib(comm.all_to_all):>9}")
     if comm.tensor_parallel:
         lines.append(f"  {'tensor parallel (activations, tp group)':<44}{_gib(comm.tensor_parallel):>9}")
+    if comm.expert_parallel:
+        lines.append(f"  {'expert parallel (routed tokens, ep group)':<44}{_gib(comm.expert_parallel):>9}")
     return lines
 
 

@@ -14,6 +14,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from fsdp_research.callbacks.footprint import Declared, declared_state
 from fsdp_research.config.schema import CheckpointMode, Strategy
 from fsdp_research.config.targets import kwargs_of, resolve
+from fsdp_research.distributed.expert_parallel import fused_experts, split_experts
 from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.precision import dtypes, kept_in_fp32, parse_dtype
 from fsdp_research.distributed.sharding import ShardingPlan, build_plan, owner
@@ -46,6 +47,9 @@ class UnitSize:
     block: int | None
     # Of `shapes`, those of its frozen parameters (LoRA's base): no gradient, no optimizer state.
     frozen: tuple[tuple[int, int], ...] = ()
+    # Routed experts split over parallel.ep ranks: `shapes` are one ep rank's experts, sharded over the shard
+    # group's 1/ep (dp_mod_ep).
+    ep: int = 1
 
     @functools.cached_property
     def numel(self) -> int:
@@ -56,7 +60,11 @@ class UnitSize:
         return max((rows * row for rows, row in self.shapes), default=0)
 
     def shard_numel(self, n: int) -> int:
-        return _shard_numel(self.shapes, n)
+        return _shard_numel(self.shapes, self.group(n))
+
+    def group(self, n: int) -> int:
+        """The ranks a shard group of n shards this unit over (expert parallel: n / ep)."""
+        return max(1, n // self.ep)
 
     def trained(self) -> "UnitSize":
         """The unit as its gradients and optimizer state see it: its trainable parameters alone."""
@@ -65,7 +73,7 @@ class UnitSize:
         left = list(self.shapes)
         for shape in self.frozen:
             left.remove(shape)
-        return UnitSize(self.path, tuple(left), self.reshard_after_forward, self.block)
+        return UnitSize(self.path, tuple(left), self.reshard_after_forward, self.block, ep=self.ep)
 
     def kept_after_forward(self) -> int | None:
         """The group size its parameters stay sharded over from forward to backward: 1 (kept whole), k (resharded
@@ -130,6 +138,9 @@ class ModelSummary:
     sequence_parallel: bool = False
     # Width of the attention's queries and output (heads x head_dim; 0: hidden).
     q_dim: int = 0
+    # Expert parallel (parallel.ep): the blocks (indices) holding routed experts, whose tokens it moves.
+    ep: int = 1
+    moe_blocks: tuple[int, ...] = ()
 
     @property
     def q_width(self) -> int:
@@ -179,10 +190,13 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
     paths = [u.path for u in plan.units] or [""]
     owned: dict[str, list[tuple[str, tuple[int, int]]]] = {p: [] for p in paths}
     frozen: dict[str, list[tuple[int, int]]] = {p: [] for p in paths}
-    tp = cfg.parallel.tp
+    tp, ep = cfg.parallel.tp, cfg.parallel.ep
     split = tp_plan(model, cfg.parallel) if tp > 1 else {}
+    experts = {u.path for u in plan.units if u.experts}
     for name, param in model.named_parameters():
         shape = _tp_shape(param, split.get(clean_name(name).rpartition(".")[0]), name, tp)
+        if name.rpartition(".")[0] in experts:  # one ep rank's experts
+            shape = (shape[0] // ep, shape[1])
         owned[owner(name, paths)].append((name, shape))
         if not param.requires_grad:
             frozen[owner(name, paths)].append(shape)
@@ -192,7 +206,14 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
 
     flags = {u.path: u.reshard_after_forward for u in plan.units}
     units = tuple(
-        UnitSize(p, tuple(s for _, s in owned[p]), flags.get(p, False), block_of(p) if p else None, tuple(frozen[p]))
+        UnitSize(
+            p,
+            tuple(s for _, s in owned[p]),
+            flags.get(p, False),
+            block_of(p) if p else None,
+            tuple(frozen[p]),
+            ep if p in experts else 1,
+        )
         for p in paths
     )
     root_in_block = [0] * len(plan.blocks)
@@ -231,6 +252,8 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         head_flops_per_token=2.0 * d.hidden * d.vocab if output is not None else 0.0,
         tp=tp,
         sequence_parallel=sequence_parallel(cfg.parallel),
+        ep=ep,
+        moe_blocks=tuple(sorted({block_of(p) for p in fused_experts(model)} - {None})),
     )
 
 
@@ -346,4 +369,9 @@ def summaries_by_sharding(
     model, first = planned or planned_model(configs[0], hf_config, values=False)
     blocks = [model.get_submodule(path) for path in first.blocks]
     fp32 = kept_in_fp32(model, dtypes(configs[0].precision)[0])
-    return [summarize(cfg, model, build_plan(model, blocks, cfg.sharding, fp32), hf_config) for cfg in configs]
+    return [
+        summarize(
+            cfg, model, build_plan(model, blocks, cfg.sharding, fp32, split_experts(model, cfg.parallel.ep)), hf_config
+        )
+        for cfg in configs
+    ]

@@ -128,13 +128,19 @@ def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
     collectives = run.micro_steps * 3 * len(units) if n > 1 else 0
     communication += collectives * hw.latency_s
     # Tensor parallel's collectives stand between a block's matmuls: none is hidden.
-    tp_time = comm.tensor_parallel / hw.intra_bps + (run.micro_steps * 8 * m.n_blocks * hw.latency_s if m.tp > 1 else 0)
+    blocking = comm.tensor_parallel / hw.intra_bps + (
+        run.micro_steps * 8 * m.n_blocks * hw.latency_s if m.tp > 1 else 0
+    )
+    # Expert parallel's all-to-alls: the routed tokens wait for them (over a node's link while ep fits in one).
+    if m.ep > 1:
+        exchanges = run.micro_steps * 6 * len(m.moe_blocks)
+        blocking += comm.expert_parallel / _bps(hw, m.ep) + exchanges * hw.latency_s
     exposed = communication
     if hw.overlap and n > 1:
         # Each micro-batch's first all-gather and last reduce-scatter wait; the rest hides behind compute.
         ends = run.micro_steps * (run.compute_bytes + run.reduce_bytes) * (n - 1) / n * m.root.numel / shard_bps
         exposed = min(communication, ends + max(0.0, communication - ends - compute - recompute))
-    communication, exposed = communication + tp_time, exposed + tp_time
+    communication, exposed = communication + blocking, exposed + blocking
     local = sum(u.numel for u in (*m.units, m.root))  # one tp rank's parameters
     state = FP32 * local / (n if m.strategy is not Strategy.ddp_classic else 1)
     # AdamW-like: parameters, gradients and state read, parameters and state written.

@@ -8,7 +8,10 @@ into the shards before it); ddp_classic all-reduces fp32 gradients. Muon (optim=
 blocks' matrices in its ns_dtype per step, within the shard group. Tensor parallel (t ranks) adds, per block and
 micro-batch, two all-reduces of the micro-batch's e*h activations in forward and two in backward (sequence parallel:
 an all-gather and a reduce-scatter for each, the same bytes), again in a checkpointed block's recompute: 2(t-1)/t
-of the payload each, within the tp group.
+of the payload each, within the tp group. Expert parallel (ep ranks): the routed experts are gathered over the shard
+group's 1/ep, one ep rank's experts each; and per MoE block and micro-batch each token's k hidden states go to their
+experts' ranks and back in forward, their gradients in backward, again in a checkpointed block's recompute: (ep-1)/ep
+of each exchange is received (routing spread evenly).
 """
 
 from dataclasses import dataclass
@@ -33,6 +36,8 @@ class Traffic:
     regather_within: int = 0
     # Tensor parallel's collectives of activations, within the tp group.
     tensor_parallel: int = 0
+    # Expert parallel's all-to-alls of the routed tokens, within the ep group.
+    expert_parallel: int = 0
 
 
 def traffic(m: ModelSummary, run: Run) -> Traffic:
@@ -43,13 +48,18 @@ def traffic(m: ModelSummary, run: Run) -> Traffic:
     syncs = 1 if run.defer_grad_sync else run.micro_steps
     units = [*m.units, m.root]
     received = (n - 1) / n
-    forward = run.micro_steps * received * e * sum(u.numel for u in units)
+
+    def share(u) -> float:  # of a unit's payload, what a rank of its shard group receives
+        g = u.group(n)
+        return (g - 1) / g
+
+    forward = run.micro_steps * e * sum(share(u) * u.numel for u in units)
     # Backward regathers what forward resharded: over the shard group, or (reshard to k) within the group of k.
     kept = [(u, u.kept_after_forward()) for u in units]
     regather = run.micro_steps * e * sum(u.numel * (k - 1) / k for u, k in kept if k and k > 1)
-    backward = run.micro_steps * received * e * sum(u.numel for u, k in kept if k is None) + regather
+    backward = run.micro_steps * e * sum(share(u) * u.numel for u, k in kept if k is None) + regather
     # Gradients: of the trained parameters only (LoRA: the adapters).
-    reduce = syncs * received * r * sum(u.trained().numel for u in units)
+    reduce = syncs * r * sum(share(u) * u.trained().numel for u in units)
     replicas = run.replicas
     # Across replicas the gradient shards accumulate and are all-reduced once per step.
     across = 2 * (replicas - 1) / replicas * r * sum(u.trained().shard_numel(n) for u in units)
@@ -57,4 +67,9 @@ def traffic(m: ModelSummary, run: Run) -> Traffic:
     whole = 2 * received * m.ns_bytes * m.whole_matrices / n
     all_reduces = 4 * m.n_blocks + 2 * sum(m.checkpointed)
     tp = run.micro_steps * all_reduces * 2 * (m.tp - 1) / m.tp * e * m.hidden * run.tokens
-    return Traffic(int(forward + backward), int(backward), int(reduce), int(across), int(whole), int(regather), int(tp))
+    exchanges = 4 * len(m.moe_blocks) + 2 * sum(m.checkpointed[b] for b in m.moe_blocks)
+    routed = run.tokens * m.experts_per_token * m.hidden * e
+    ep = run.micro_steps * exchanges * (m.ep - 1) / m.ep * routed
+    return Traffic(
+        int(forward + backward), int(backward), int(reduce), int(across), int(whole), int(regather), int(tp), int(ep)
+    )

@@ -20,10 +20,12 @@ from fsdp_research.checkpoint.hf_export import export_dtype, write_parts
 from fsdp_research.config.sizes import export_shard_size
 from fsdp_research.distributed.sharding import local_shard
 from fsdp_research.distributed.tensor_parallel import sequence_parallel
+from fsdp_research.errors import ConfigError
 from fsdp_research.metrics.meters import reset_rss_peak, rss, rss_peak
 from fsdp_research.model.initialization import init_weights, materialize
 from fsdp_research.model.parallelize import apply_parallelism, planned_model
 from fsdp_research.optim.factory import build_optimizer
+from fsdp_research.planner.format import GIB
 from fsdp_research.planner.memory import memory
 from fsdp_research.planner.summary import run_settings, summarize
 from fsdp_research.train.validation import check_built, check_planned
@@ -139,6 +141,8 @@ def set_up_shard(cfg: DictConfig, hf_config, device: torch.device, phases: list[
         check_planned(cfg, model, plan, hf_config)
         phase.note = f"{len(plan.units)} units, {sum(p.numel() for p in model.parameters()):,} parameters"
     mem = memory(summarize(cfg, model, plan, hf_config), run_settings(cfg, world, device.type))  # not timed
+    if device.type == "cpu":
+        _check_host_holds(mem.sharded_params + mem.sharded_grads + mem.optimizer)
     with measured(phases, "shard", device):
         apply_parallelism(model, plan, cfg, device.type, world)
     with measured(phases, "init", device) as phase:
@@ -148,6 +152,20 @@ def set_up_shard(cfg: DictConfig, hf_config, device: torch.device, phases: list[
         phase.predicted = {"params": mem.sharded_params}
     check_built(cfg, model, device)  # the trainer's check at start
     return model, plan, mem
+
+
+def _check_host_holds(needed: int) -> None:
+    """ConfigError where this rank's state (the planner's bytes) would not fit the host's available memory: the
+    kernel's OOM killer would end the run without a word."""
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    if needed > available:
+        raise ConfigError(
+            "world_size",
+            f"this rank's parameter shards, gradients and optimizer state need {needed / GIB:.1f} GiB (planned), "
+            f"the host has {available / GIB:.1f} GiB available",
+            "simulate more ranks (a rank of a larger world_size holds less), or on a larger host",
+        )
 
 
 def simulate(cfg: DictConfig, hf_config, device: torch.device, scratch: str) -> tuple[list[Phase], float]:

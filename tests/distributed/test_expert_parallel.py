@@ -3,8 +3,12 @@
 bias balancing written out from its formula): the same per-step losses and the same exported weights (read back by
 from_pretrained; the routers' expert-score biases among them) with ep=2 on 2 ranks and ep=2 x dp_mod_ep=2 on 4,
 for qwen3_moe, deepseek_v3 (latent attention, a shared expert, a dense first layer, aux-loss-free balancing) and
-mixtral; with Muon (whole experts per rank) and hsdp on qwen3_moe. A checkpoint saved at ep=2 resumes at ep=1;
-bad settings are one line before any compute."""
+mixtral; hsdp on qwen3_moe. A checkpoint saved at ep=2 resumes at ep=1; `simulate` plans one ep rank; bad
+settings are one line before any compute."""
+
+import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -16,6 +20,7 @@ from fsdp_research.metrics.sinks import read_records
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.train.validation import checked_plan
 from tests.conftest import FAST
+from tests.helpers.cli import subprocess_env
 from tests.helpers.dist import ok, train_distributed
 from tests.helpers.reference import reference_run, save_initial
 from tests.helpers.zoo import from_config, hf_config
@@ -105,3 +110,18 @@ def test_the_mesh_is_printed_at_start(results):
     out, *_ = results
     log = (out / "w4" / "qwen3_moe" / "ep2xdp2" / "train.log").read_text()
     assert "mesh: dp_shard 4 (experts: dp_mod_ep 2 x ep 2)" in log
+
+
+def test_simulate_plans_one_ep_rank_as_the_planner(tmp_path):
+    """`fsdp-research simulate ... parallel.ep=2`: one rank of an ep x dp_mod_ep job, on the fake backend, holds the
+    shards the planner predicts (its ep rank's experts sharded over dp_mod_ep), through a forward that routes."""
+    report = tmp_path / "rank3.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_research", "simulate", *from_config("qwen3_moe"), "world_size=4", "rank=3",
+         "parallel.ep=2", "trainer.global_batch_size=32", "--json", str(report)],
+        env=subprocess_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    phases = {p["name"]: p for p in json.loads(report.read_text())["phases"]}
+    for name in ("init", "optimizer"):  # AdamW's step counters beside its moments: a few bytes a tensor
+        assert phases[name]["tensors"] == pytest.approx(phases[name]["predicted"], rel=1e-3), name

@@ -56,6 +56,13 @@ from tests.helpers.timing import measure_step_times, prepared
 pytestmark = pytest.mark.distributed
 
 MID = ["model=llama_mid"]
+MOE = [
+    "model=custom", "model.model_type=qwen3_moe", "model.config.vocab_size=8192", "model.config.hidden_size=256",
+    "model.config.intermediate_size=512", "model.config.moe_intermediate_size=256", "model.config.num_experts=8",
+    "model.config.num_experts_per_tok=2", "model.config.num_hidden_layers=4", "model.config.num_attention_heads=4",
+    "model.config.num_key_value_heads=4", "precision=fp32", "trainer.micro_batch_size=2", "trainer.global_batch_size=8",
+    "data.seq_len=256",
+]  # fmt: skip
 CASES = {
     "llama_tiny": [],
     "llama_tiny-fp32-no_reshard-every_block": [
@@ -87,7 +94,12 @@ CASES_4 = {
     # without.
     "mid-4-tp2-sp": MID + ["precision=fp32", "parallel.tp=2"],
     "mid-4-tp2": MID + ["precision=fp32", "parallel.tp=2", "parallel.sequence_parallel=false"],
+    # Expert parallel: a rank gathers its ep rank's experts (an MoE of qwen3_moe's shapes, 8 experts, top-2).
+    "moe-4-ep2": MOE + ["parallel.ep=2"],
+    "moe-4-ep4": MOE + ["parallel.ep=4"],
 }
+# What the planner does not model of an MoE block yet: its activations (a block not llama's counts Korthikanti's).
+MOE_UNMODELLED = ("activations", "activations_and_temporaries", "peak")
 # LoRA on the mid-size llama's weights (written by the fixture): gradients and AdamW state of the adapters alone.
 LORA = "mid-lora"
 WORLD = 2
@@ -154,7 +166,8 @@ def _predicted(cfg, world: int):
 @pytest.mark.parametrize("name", [*CASES, LORA, *CASES_4])
 def test_prediction_within_10_percent_of_the_tracker(name, measured, lora_base):
     predicted = _predicted(_config(name, lora_base), 4 if name in CASES_4 else WORLD)
-    ratios = {group: predicted[group] / measured[name][group] for group in predicted}
+    unmodelled = MOE_UNMODELLED if name.startswith("moe") else ()
+    ratios = {group: predicted[group] / measured[name][group] for group in predicted if group not in unmodelled}
     off = {group: f"{ratio:.3f}" for group, ratio in ratios.items() if abs(ratio - 1) > 0.10}
     assert not off, f"predicted / measured outside 1 +- 10%: {off}"
 
@@ -172,6 +185,27 @@ def test_tensor_parallel_lowers_llama_70b_peak_on_1024_ranks(capsys):
     out = capsys.readouterr().out
     assert "shard group 128, 81 FSDP units, tp 8 with sequence parallel" in out
     assert "tensor parallel (activations, tp group)" in out
+
+
+def test_expert_parallel_gathers_a_rank_s_experts_of_deepseek_v3_671b(capsys):
+    """DeepSeek-V3's shapes on 1,024 ranks: with ep 64 a rank gathers 4 of each MoE layer's 256 experts, not all of
+    them; the same shards; the routed tokens' all-to-all is priced."""
+    base = ["model=deepseek_v3_671b", "trainer.global_batch_size=1024", "trainer.micro_batch_size=1"]
+    plans = {}
+    for ep in (1, 64):
+        cfg = compose([*base, f"parallel.ep={ep}"])
+        plans[ep] = memory(summary_for(cfg), run_settings(cfg, 1024, "cuda"))
+    assert plans[64].sharded_params == pytest.approx(plans[1].sharded_params, rel=1e-3)
+    assert plans[64].gathered < plans[1].gathered / 4 and plans[64].peak < plans[1].peak / 1.5
+    assert main([*base, "world_size=1024", "parallel.ep=64", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "671.03B parameters (37.55B active per token: 8 of 256 experts; ep 64: a rank gathers 4 experts" in out
+    assert "expert parallel (routed tokens, ep group)" in out
+    # --fit searches ep: at 4096 tokens only a split of the experts fits an H100.
+    fit = [*base, "world_size=1024", "data.seq_len=4096", "--device", "cuda", "--gpu", "h100", "--fit", "80"]
+    assert main(fit) == 0
+    best = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("best: "))
+    assert " parallel.ep=64 " in best
 
 
 def test_llama_7b_on_8_ranks(capsys):

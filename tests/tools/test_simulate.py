@@ -173,3 +173,13 @@ def test_bad_input_is_one_line_before_anything_runs(args, error):
     )
     assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert done.stderr.startswith(error)
+
+
+def test_a_rank_the_host_cannot_hold_is_refused_before_it_is_built(capsys):
+    """Llama-3-70B's shards, gradients and AdamW state over 2 ranks (525 GiB a rank) on this host: one line naming
+    world_size, where the kernel's OOM killer would have ended the process without one."""
+    from fsdp_research.cli.simulate import main
+
+    assert main(["model=llama_70b", "world_size=2", "trainer.global_batch_size=2", "trainer.micro_batch_size=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: world_size: this rank's parameter shards, gradients")
