@@ -3,7 +3,7 @@
 # together): the CUDA tests (1-GPU run against the CPU reference, bf16 MFU and the planner's peak against
 # torch.cuda.max_memory_allocated, cpu_offload, compile), the trainer's overhead against a bare fully_shard loop
 # (eager and compiled), our trainer against Accelerate's FSDP2, Muon's step against AdamW's, and llama_1b's MFU in
-# bf16, and tp=2 against tp=1 where there are 2 GPUs. Each step has its own time limit (under 8 minutes in all, set-up included; the CUDA tests' limit leaves
+# bf16, and tp=2 against tp=1 and ep=2 against ep=1 where there are 2 GPUs. Each step has its own time limit (under 8 minutes in all, set-up included; the CUDA tests' limit leaves
 # room for Inductor's cold compile); a failed step does not stop the others. Figures go to stdout and
 # $OUT/gpu_check.log (OUT: the device tool's folder, else outputs/gpu_check).
 # It sets up its own environment, assuming no .venv: a venv over the machine's python3 (which holds CUDA torch and
@@ -59,8 +59,18 @@ if [[ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]]; t
             trainer.eval_interval=0 trainer.log_interval=5 checkpoint.save=false checkpoint.export=false logger=none \
             distributed.nproc_per_node=2 parallel.tp=$tp hydra.run.dir="$OUT/tp$tp"
     done
+    # Expert parallel (NCCL's all-to-all): an MoE of qwen3_moe's shapes at ep=2 against ep=1, the same losses.
+    for ep in 1 2; do
+        step 60 "expert parallel, ep=$ep on 2 GPUs" "$PY" train.py model=custom model.model_type=qwen3_moe \
+            model.config.hidden_size=512 model.config.intermediate_size=1024 model.config.moe_intermediate_size=512 \
+            model.config.num_experts=8 model.config.num_experts_per_tok=2 model.config.num_hidden_layers=4 \
+            model.config.num_attention_heads=8 model.config.num_key_value_heads=8 model.config.vocab_size=8192 \
+            precision=bf16 data=synthetic data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=4 \
+            trainer.max_steps=20 trainer.eval_interval=0 trainer.log_interval=5 checkpoint.save=false \
+            checkpoint.export=false logger=none distributed.nproc_per_node=2 parallel.ep=$ep hydra.run.dir="$OUT/ep$ep"
+    done
 else
-    echo "== tensor parallel: skipped (one GPU; tp=2 needs two)"
+    echo "== tensor and expert parallel: skipped (one GPU; tp=2 and ep=2 need two)"
 fi
 "$PY" -m fsdp_research plan model=llama_1b precision=bf16 data.seq_len=2048 trainer.global_batch_size=8 \
     trainer.micro_batch_size=8 world_size=1 --device cuda | grep -E "peak|gathered"

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp_research.checkpoint.consolidate import INDEX, consolidate, write_index
 from fsdp_research.config.sizes import export_shard_size
@@ -138,22 +139,21 @@ def _groups(model: torch.nn.Module, names: list[str]) -> list[list[str]]:
 
 def _gather_to(value: torch.Tensor, owner: int) -> torch.Tensor | None:
     """The full tensor on rank `owner`, None on the others (a collective). FSDP's layout (rows cut as torch.chunk
-    cuts them, over every rank) goes to the owner alone, each rank sending its rows, padded to a chunk; any other
-    layout (HSDP's two dimensions) is gathered by every rank."""
+    cuts them, over every rank) goes to the owner alone, each rank sending its rows, padded to a chunk; so do other
+    layouts where each rank holds a block of rows (FSDP's rows of tp's or ep's); any other (HSDP's replicas) is
+    gathered by every rank."""
     if not isinstance(value, DTensor):
         return value if dist.get_rank() == owner else None
     mesh, world = value.device_mesh, dist.get_world_size()
+    if value.dim() == 0 or value.shape[0] == 0 or mesh.size() != world:
+        return _everywhere(value, owner)
     in_order = mesh.mesh.tolist() == list(range(world))  # the mesh's coordinate i is rank i: alike on every rank
-    if not in_order or value.placements != (Shard(0),) or value.dim() == 0 or value.shape[0] == 0:
-        full = value.full_tensor()
-        return full if dist.get_rank() == owner else None
+    if not (in_order and value.placements == (Shard(0),)):
+        return _blocks_to(value, owner) if all(_rows(p) for p in value.placements) else _everywhere(value, owner)
     rows = value.shape[0]
     chunk = -(-rows // world)
     local = value.to_local()
-    # On the group's device: a shard offloaded to the CPU goes to the accelerator for NCCL.
-    kind = mesh.device_type
-    device = torch.device(kind, torch.get_device_module(kind).current_device()) if kind != "cpu" else "cpu"
-    padded = torch.zeros((chunk, *value.shape[1:]), dtype=local.dtype, device=device)
+    padded = torch.zeros((chunk, *value.shape[1:]), dtype=local.dtype, device=_device(mesh))
     padded[: local.shape[0]] = local
     if dist.get_rank() != owner:
         dist.gather(padded, None, dst=owner, group=mesh.get_group())
@@ -161,6 +161,43 @@ def _gather_to(value: torch.Tensor, owner: int) -> torch.Tensor | None:
     full = padded.new_empty((chunk * world, *value.shape[1:]))  # each rank's rows land in place: no concatenation
     dist.gather(padded, list(full.split(chunk)), dst=owner, group=mesh.get_group())
     return full[:rows]
+
+
+def _rows(placement) -> bool:
+    """A placement that splits rows (FSDP's over tp's or ep's is a _StridedShard of dim 0)."""
+    return isinstance(placement, Shard) and placement.dim == 0
+
+
+def _device(mesh) -> torch.device | str:
+    """The group's device: a shard offloaded to the CPU goes to the accelerator for NCCL."""
+    kind = mesh.device_type
+    return torch.device(kind, torch.get_device_module(kind).current_device()) if kind != "cpu" else "cpu"
+
+
+def _everywhere(value: DTensor, owner: int) -> torch.Tensor | None:
+    full = value.full_tensor()
+    return full if dist.get_rank() == owner else None
+
+
+def _blocks_to(value: DTensor, owner: int) -> torch.Tensor | None:
+    """Each rank's block of rows (where it starts: its shard's global offset) to the owner, padded to the largest."""
+    local, device = value.to_local(), _device(value.device_mesh)
+    _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    span = torch.tensor([offset[0], local.shape[0]], device=device)
+    spans = [torch.empty_like(span) for _ in range(dist.get_world_size())]
+    dist.all_gather(spans, span)
+    spans = [tuple(s.tolist()) for s in spans]
+    padded = torch.zeros((max(rows for _, rows in spans), *value.shape[1:]), dtype=local.dtype, device=device)
+    padded[: local.shape[0]] = local
+    if dist.get_rank() != owner:
+        dist.gather(padded, None, dst=owner)
+        return None
+    received = [torch.empty_like(padded) for _ in spans]
+    dist.gather(padded, received, dst=owner)
+    full = padded.new_empty(value.shape)
+    for (first, rows), part in zip(spans, received):
+        full[first : first + rows] = part[:rows]
+    return full
 
 
 def write_parts(model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtype, shard_size: int) -> None:
