@@ -6,56 +6,39 @@ for qwen3_moe, deepseek_v3 (latent attention, a shared expert, a dense first lay
 mixtral; hsdp on qwen3_moe. A checkpoint saved at ep=2 resumes at ep=1; `simulate` plans one ep rank; bad
 settings are one line before any compute."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.metrics.sinks import read_records
-from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.train.validation import checked_plan
-from tests.conftest import FAST
-from tests.helpers.cli import subprocess_env
 from tests.helpers.dist import ok, train_distributed
-from tests.helpers.reference import reference_run, save_initial
-from tests.helpers.zoo import from_config, hf_config
+from tests.helpers.parallel import (
+    BASE,
+    assert_export_matches,
+    assert_simulated_as_planned,
+    loading,
+    refused,
+    simulated_phases,
+    train_families,
+)
+from tests.helpers.reference import reference_run
+from tests.helpers.zoo import from_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
-BASE = FAST + [
-    "trainer.max_steps=4",
-    "trainer.global_batch_size=4",
-    "trainer.micro_batch_size=2",
-    "checkpoint.export=true",
-    "checkpoint.interval=2",
-]
 RUNS = {2: {"ep2": ["parallel.ep=2"]}, 4: {"ep2xdp2": ["parallel.ep=2", "trainer.micro_batch_size=1"]}}
 KNOBS = {4: {"ep2+hsdp": ["parallel.ep=2", "sharding=hsdp", "sharding.replicate=2", "trainer.micro_batch_size=1"]}}
-
-
-def _base(initial: str) -> list[str]:
-    return BASE + ["model=pretrained", f"model.name_or_path={initial}"]
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ep")
-    initials = {f: save_initial(hf_config(f), str(out / "initial" / f)) for f in FAMILIES}
-    runs = {}
-    for world in (2, 4):
-        named = {f"{f}/{n}": compose(_base(initials[f]) + extra) for f in FAMILIES for n, extra in RUNS[world].items()}
-        for n, extra in KNOBS.get(world, {}).items():
-            named[f"qwen3_moe/{n}"] = compose(_base(initials["qwen3_moe"]) + extra)
-        runs.update(train_distributed(named, world, str(out / f"w{world}")))
+    initials, runs = train_families(out, FAMILIES, BASE, RUNS, KNOBS, "qwen3_moe")
     norms = {f: [] for f in FAMILIES}
     references = {
-        f: (*reference_run(compose(_base(initials[f])), initials[f], norms=norms[f]), norms[f]) for f in FAMILIES
+        f: (*reference_run(compose(loading(BASE, initials[f])), initials[f], norms=norms[f]), norms[f])
+        for f in FAMILIES
     }
     return out, initials, runs, references
 
@@ -74,36 +57,26 @@ def test_losses_and_export_match_the_single_process_reference(results, family, n
     # AdamW hides a gradient's scale from the weights: the experts' gradients divided as the others' are.
     norms = [r["grad_norm"] for r in read_records(str(out / f"w{world}" / family / name)) if "grad_norm" in r]
     torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
-    exported = AutoModelForCausalLM.from_pretrained(str(out / f"w{world}" / family / name / "export")).state_dict()
-    assert exported.keys() == ref_weights.keys()
-    for key, ref in ref_weights.items():
-        torch.testing.assert_close(exported[key], ref, rtol=1e-4, atol=2e-5, msg=lambda m: f"{key}: {m}")
+    assert_export_matches(out / f"w{world}" / family / name / "export", ref_weights)
 
 
 def test_an_ep_checkpoint_resumes_at_ep_1(results, tmp_path):
     out, initials, runs, _ = results
     step_2 = out / "w4" / "deepseek_v3" / "ep2xdp2" / "checkpoints" / "step_2"
-    cfg = compose(_base(initials["deepseek_v3"]) + [f"checkpoint.resume={step_2}", "checkpoint.export=false"])
+    cfg = compose(loading(BASE, initials["deepseek_v3"]) + [f"checkpoint.resume={step_2}", "checkpoint.export=false"])
     resumed = train_distributed({"resumed": cfg}, 2, str(tmp_path))
     assert ok(resumed, "resumed")["losses"] == pytest.approx(ok(runs, "deepseek_v3/ep2xdp2")["losses"][2:], rel=1e-5)
 
 
-def _refused(world: int, *overrides: str) -> str:
-    cfg = compose(FAST + list(overrides))
-    with pytest.raises(ConfigError) as err:
-        checked_plan(cfg, world, build_hf_config(cfg.model), torch.device("cpu"))
-    return str(err.value)
-
-
 def test_bad_expert_parallel_settings_are_one_line():
     moe = from_config("qwen3_moe")
-    assert _refused(2, "parallel.ep=2").startswith("parallel.ep: LlamaForCausalLM has no fused experts")
-    assert _refused(6, *moe, "parallel.ep=3", "trainer.global_batch_size=48").startswith(
+    assert refused(2, "parallel.ep=2").startswith("parallel.ep: LlamaForCausalLM has no fused experts")
+    assert refused(6, *moe, "parallel.ep=3", "trainer.global_batch_size=48").startswith(
         "parallel.ep: 3 does not divide the 4 experts"
     )
-    assert _refused(2, *moe, "parallel.ep=4").startswith("parallel.ep: 4 does not divide the 2 ranks")
-    assert _refused(4, *moe, "parallel.ep=2", "parallel.tp=2").startswith("parallel.tp: expert parallel with tensor")
-    assert _refused(2, *moe, "parallel.ep=2", "sharding=ddp_classic").startswith("sharding: ddp_classic with expert")
+    assert refused(2, *moe, "parallel.ep=4").startswith("parallel.ep: 4 does not divide the 2 ranks")
+    assert refused(4, *moe, "parallel.ep=2", "parallel.tp=2").startswith("parallel.tp: expert parallel with tensor")
+    assert refused(2, *moe, "parallel.ep=2", "sharding=ddp_classic").startswith("sharding: ddp_classic with expert")
 
 
 def test_the_mesh_is_printed_at_start(results):
@@ -115,13 +88,5 @@ def test_the_mesh_is_printed_at_start(results):
 def test_simulate_plans_one_ep_rank_as_the_planner(tmp_path):
     """`fsdp-research simulate ... parallel.ep=2`: one rank of an ep x dp_mod_ep job, on the fake backend, holds the
     shards the planner predicts (its ep rank's experts sharded over dp_mod_ep), through a forward that routes."""
-    report = tmp_path / "rank3.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "fsdp_research", "simulate", *from_config("qwen3_moe"), "world_size=4", "rank=3",
-         "parallel.ep=2", "trainer.global_batch_size=32", "--json", str(report)],
-        env=subprocess_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    phases = {p["name"]: p for p in json.loads(report.read_text())["phases"]}
-    for name in ("init", "optimizer"):  # AdamW's step counters beside its moments: a few bytes a tensor
-        assert phases[name]["tensors"] == pytest.approx(phases[name]["predicted"], rel=1e-3), name
+    args = [*from_config("qwen3_moe"), "world_size=4", "rank=3", "parallel.ep=2", "trainer.global_batch_size=32"]
+    assert_simulated_as_planned(simulated_phases(args, tmp_path / "rank3.json"))

@@ -8,34 +8,25 @@ hsdp (a 3-D mesh), ddp, per_linear, reshard_all, torch.compile, and the EMA and 
 checkpoint saved at tp=2 resumes at tp=1; `simulate` plans one tp rank; bad settings are one line before any
 compute."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
-from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
-from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.train.validation import checked_plan
-from tests.conftest import FAST
-from tests.helpers.cli import subprocess_env
 from tests.helpers.dist import ok, train_distributed
-from tests.helpers.reference import reference_run, save_initial
-from tests.helpers.zoo import hf_config
+from tests.helpers.parallel import (
+    BASE,
+    assert_export_matches,
+    assert_simulated_as_planned,
+    loading,
+    refused,
+    simulated_phases,
+    train_families,
+)
+from tests.helpers.reference import reference_run
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 FAMILIES = ("llama", "qwen2", "gemma2", "phi3")
-BASE = FAST + [
-    "trainer.max_steps=4",
-    "trainer.global_batch_size=4",
-    "trainer.micro_batch_size=2",
-    "checkpoint.export=true",
-    "checkpoint.interval=2",
-]
 RUNS_2 = {"tp2+sp": ["parallel.tp=2"], "tp2": ["parallel.tp=2", "parallel.sequence_parallel=false"]}
 RUNS_4 = {"tp2xdp2": ["parallel.tp=2"]}
 # With the other knobs, on llama: none changes a number.
@@ -57,20 +48,11 @@ KNOBS_4 = {
 }
 
 
-def _base(initial: str) -> list[str]:
-    return BASE + ["model=pretrained", f"model.name_or_path={initial}"]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp")
-    initials = {f: save_initial(hf_config(f), str(out / "initial" / f)) for f in FAMILIES}
-    runs = {}
-    for world, configs, knobs in ((2, RUNS_2, KNOBS_2), (4, RUNS_4, KNOBS_4)):
-        named = {f"{f}/{n}": compose(_base(initials[f]) + extra) for f in FAMILIES for n, extra in configs.items()}
-        named.update({f"llama/{n}": compose(_base(initials["llama"]) + extra) for n, extra in knobs.items()})
-        runs.update(train_distributed(named, world, str(out / f"w{world}")))
-    references = {f: reference_run(compose(_base(initials[f])), initials[f]) for f in FAMILIES}
+    initials, runs = train_families(out, FAMILIES, BASE, {2: RUNS_2, 4: RUNS_4}, {2: KNOBS_2, 4: KNOBS_4}, "llama")
+    references = {f: reference_run(compose(loading(BASE, initials[f])), initials[f]) for f in FAMILIES}
     return out, initials, runs, references
 
 
@@ -84,16 +66,13 @@ def test_losses_and_export_match_the_single_process_reference(results, family, n
     run = ok(runs, f"{family}/{name}")
     torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
     world = 2 if name in {**RUNS_2, **KNOBS_2} else 4
-    exported = AutoModelForCausalLM.from_pretrained(str(out / f"w{world}" / family / name / "export")).state_dict()
-    assert exported.keys() == ref_weights.keys()
-    for key, ref in ref_weights.items():
-        torch.testing.assert_close(exported[key], ref, rtol=1e-4, atol=2e-5, msg=lambda m: f"{key}: {m}")
+    assert_export_matches(out / f"w{world}" / family / name / "export", ref_weights)
 
 
 def test_a_tp_checkpoint_resumes_at_tp_1(results, tmp_path):
     out, initials, runs, _ = results
     step_2 = out / "w4" / "llama" / "tp2xdp2" / "checkpoints" / "step_2"
-    cfg = compose(_base(initials["llama"]) + [f"checkpoint.resume={step_2}", "checkpoint.export=false"])
+    cfg = compose(loading(BASE, initials["llama"]) + [f"checkpoint.resume={step_2}", "checkpoint.export=false"])
     resumed = train_distributed({"resumed": cfg}, 2, str(tmp_path))
     assert ok(resumed, "resumed")["losses"] == pytest.approx(ok(runs, "llama/tp2xdp2")["losses"][2:], rel=1e-5)
 
@@ -101,35 +80,20 @@ def test_a_tp_checkpoint_resumes_at_tp_1(results, tmp_path):
 def test_simulate_plans_one_tp_rank_as_the_planner(tmp_path):
     """`fsdp-research simulate ... parallel.tp=2`: one rank's shards of a tp x dp job, on the fake backend, hold
     what the planner predicts (its tp part of each split Linear, sharded over the data-parallel ranks)."""
-    report = tmp_path / "rank3.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "fsdp_research", "simulate", "model=llama_tiny", "world_size=4", "rank=3",
-         "parallel.tp=2", "trainer.global_batch_size=16", "--json", str(report)],
-        env=subprocess_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    phases = {p["name"]: p for p in json.loads(report.read_text())["phases"]}
-    for name in ("init", "optimizer"):  # AdamW's step counters beside its moments: a few bytes a tensor
-        assert phases[name]["tensors"] == pytest.approx(phases[name]["predicted"], rel=1e-3), name
-
-
-def _refused(world: int, *overrides: str) -> str:
-    cfg = compose(FAST + list(overrides))
-    with pytest.raises(ConfigError) as err:
-        checked_plan(cfg, world, build_hf_config(cfg.model), torch.device("cpu"))
-    return str(err.value)
+    args = ["model=llama_tiny", "world_size=4", "rank=3", "parallel.tp=2", "trainer.global_batch_size=16"]
+    assert_simulated_as_planned(simulated_phases(args, tmp_path / "rank3.json"))
 
 
 def test_bad_tensor_parallel_settings_are_one_line():
-    assert _refused(3, "parallel.tp=2").startswith("parallel.tp: 2 does not divide the world size 3")
-    assert _refused(4, "parallel.tp=4", "model.config.num_key_value_heads=2").startswith(
+    assert refused(3, "parallel.tp=2").startswith("parallel.tp: 2 does not divide the world size 3")
+    assert refused(4, "parallel.tp=4", "model.config.num_key_value_heads=2").startswith(
         "parallel.tp: 4 does not divide"
     )
-    assert _refused(2, "parallel.tp=2", "sharding=ddp_classic").startswith("sharding: ddp_classic with tensor")
-    assert _refused(2, "parallel.tp=2", "data.seq_len=63").startswith("parallel.sequence_parallel: data.seq_len=63")
-    assert _refused(2, "parallel.tp=2", "parallel.tp_plan={nothing.*:colwise}").startswith(
+    assert refused(2, "parallel.tp=2", "sharding=ddp_classic").startswith("sharding: ddp_classic with tensor")
+    assert refused(2, "parallel.tp=2", "data.seq_len=63").startswith("parallel.sequence_parallel: data.seq_len=63")
+    assert refused(2, "parallel.tp=2", "parallel.tp_plan={nothing.*:colwise}").startswith(
         "parallel.tp_plan: nothing.* names no module"
     )
-    assert "style 'sideways' is not supported" in _refused(
+    assert "style 'sideways' is not supported" in refused(
         2, "parallel.tp=2", "parallel.tp_plan={layers.*.mlp:sideways}"
     )
