@@ -252,6 +252,8 @@ def check_expert_parallel(cfg: DictConfig, world_size: int) -> None:
         ("sharding", strategy is Strategy.ddp_classic, "ddp_classic with expert parallel is not supported"),
         ("sharding.cpu_offload", cfg.sharding.cpu_offload, "CPU offload with expert parallel is not supported yet"),
         ("model.lora", lora_enabled(cfg.model.lora), "LoRA with expert parallel is not supported yet"),
+        # Its dispatch reads the token counts on the host: a graph break and new shapes every step.
+        ("trainer.compile", cfg.trainer.compile, "torch.compile with expert parallel is not supported yet"),
     ]
     for key, bad, reason in refused:
         if bad:

@@ -28,7 +28,14 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 FAMILIES = ("qwen3_moe", "deepseek_v3", "mixtral")
 RUNS = {2: {"ep2": ["parallel.ep=2"]}, 4: {"ep2xdp2": ["parallel.ep=2", "trainer.micro_batch_size=1"]}}
-KNOBS = {4: {"ep2+hsdp": ["parallel.ep=2", "sharding=hsdp", "sharding.replicate=2", "trainer.micro_batch_size=1"]}}
+KNOBS = {
+    2: {
+        # The dispatch's all-to-alls again in the recomputed forward (every block; selective: what it keeps).
+        "ep2+ac": ["parallel.ep=2", "activation_checkpointing=every_block"],
+        "ep2+selective": ["parallel.ep=2", "activation_checkpointing=selective"],
+    },
+    4: {"ep2+hsdp": ["parallel.ep=2", "sharding=hsdp", "sharding.replicate=2", "trainer.micro_batch_size=1"]},
+}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +84,7 @@ def test_bad_expert_parallel_settings_are_one_line():
     assert refused(2, *moe, "parallel.ep=4").startswith("parallel.ep: 4 does not divide the 2 ranks")
     assert refused(4, *moe, "parallel.ep=2", "parallel.tp=2").startswith("parallel.tp: expert parallel with tensor")
     assert refused(2, *moe, "parallel.ep=2", "sharding=ddp_classic").startswith("sharding: ddp_classic with expert")
+    assert refused(2, *moe, "parallel.ep=2", "trainer.compile=true").startswith("trainer.compile: torch.compile with")
 
 
 def test_the_mesh_is_printed_at_start(results):
