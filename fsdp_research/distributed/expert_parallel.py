@@ -98,10 +98,15 @@ class _ExpertParallelForward:
         places (views of the DTensors, so the gradients reach them) and num_experts the local count."""
         module = self.module
         params = dict(module._parameters)
-        module._parameters.update({name: p.to_local() for name, p in params.items()})
+        local = {name: p.to_local() for name, p in params.items()}
+        module._parameters.update(local)
         module.num_experts = self.local
         try:
-            return self.base(module, *args)
+            outputs = self.base(module, *args)
+            # No token for these experts: still a gradient (of zeros), which FSDP's reduction needs.
+            if not len(args[0]):
+                outputs = outputs + 0 * sum(p.sum() for p in local.values())
+            return outputs
         finally:
             module._parameters.update(params)
             module.num_experts = self.local * dist.get_world_size(self.group)
