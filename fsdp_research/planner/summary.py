@@ -188,18 +188,9 @@ class Run:
 def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) -> ModelSummary:
     """The plan's units with the parameter shapes each one owns (a unit owns what no deeper unit owns)."""
     paths = [u.path for u in plan.units] or [""]
-    owned: dict[str, list[tuple[str, tuple[int, int]]]] = {p: [] for p in paths}
-    frozen: dict[str, list[tuple[int, int]]] = {p: [] for p in paths}
     tp, ep = cfg.parallel.tp, cfg.parallel.ep
-    split = tp_plan(model, cfg.parallel) if tp > 1 else {}
     experts = {u.path for u in plan.units if u.experts}
-    for name, param in model.named_parameters():
-        shape = _tp_shape(param, split.get(clean_name(name).rpartition(".")[0]), name, tp)
-        if name.rpartition(".")[0] in experts:  # one ep rank's experts
-            shape = (shape[0] // ep, shape[1])
-        owned[owner(name, paths)].append((name, shape))
-        if not param.requires_grad:
-            frozen[owner(name, paths)].append(shape)
+    owned, frozen = _owned(cfg, model, paths, experts)
 
     def block_of(name: str) -> int | None:
         return next((i for i, b in enumerate(plan.blocks) if name == b or name.startswith(b + ".")), None)
@@ -255,6 +246,23 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         ep=ep,
         moe_blocks=tuple(sorted({block_of(p) for p in fused_experts(model)} - {None})),
     )
+
+
+def _owned(cfg: DictConfig, model: nn.Module, paths: list[str], experts: set[str]) -> tuple[dict, dict]:
+    """({unit path: [(parameter name, one rank's [rows, elements per row])]}, {unit path: its frozen shapes}): a tp
+    rank's part of each split Linear, an ep rank's experts."""
+    owned: dict[str, list[tuple[str, tuple[int, int]]]] = {p: [] for p in paths}
+    frozen: dict[str, list[tuple[int, int]]] = {p: [] for p in paths}
+    tp, ep = cfg.parallel.tp, cfg.parallel.ep
+    split = tp_plan(model, cfg.parallel) if tp > 1 else {}
+    for name, param in model.named_parameters():
+        shape = _tp_shape(param, split.get(clean_name(name).rpartition(".")[0]), name, tp)
+        if name.rpartition(".")[0] in experts:  # one ep rank's experts
+            shape = (shape[0] // ep, shape[1])
+        owned[owner(name, paths)].append((name, shape))
+        if not param.requires_grad:
+            frozen[owner(name, paths)].append(shape)
+    return owned, frozen
 
 
 def _tp_shape(param: nn.Parameter, style: str | None, name: str, tp: int) -> tuple[int, int]:

@@ -235,21 +235,10 @@ def check_parallel(cfg: DictConfig, world_size: int) -> None:
 
 
 def check_expert_parallel(cfg: DictConfig, world_size: int) -> None:
-    p, strategy = cfg.parallel, Strategy(cfg.sharding.strategy)
-    shard = world_size // p.tp
-    if strategy is Strategy.hsdp:
-        shard //= cfg.sharding.replicate
-    elif strategy is Strategy.ddp:
-        shard = 1
-    if p.ep < 1 or shard % p.ep:
-        raise ConfigError(
-            "parallel.ep",
-            f"{p.ep} does not divide the {shard} ranks of the shard dimension (world {world_size} / tp / replicas)",
-            "use a divisor of it",
-        )
+    p, classic = cfg.parallel, Strategy(cfg.sharding.strategy) is Strategy.ddp_classic
     refused = [
         ("parallel.tp", p.tp > 1, "expert parallel with tensor parallel is not supported yet"),
-        ("sharding", strategy is Strategy.ddp_classic, "ddp_classic with expert parallel is not supported"),
+        ("sharding", classic, "ddp_classic with expert parallel is not supported"),
         ("sharding.cpu_offload", cfg.sharding.cpu_offload, "CPU offload with expert parallel is not supported yet"),
         ("model.lora", lora_enabled(cfg.model.lora), "LoRA with expert parallel is not supported yet"),
         # Its dispatch reads the token counts on the host: a graph break and new shapes every step.
@@ -258,6 +247,13 @@ def check_expert_parallel(cfg: DictConfig, world_size: int) -> None:
     for key, bad, reason in refused:
         if bad:
             raise ConfigError(key, reason, "use parallel.ep=1")
+    shard = layout(cfg, world_size).shard_group
+    if p.ep < 1 or shard % p.ep:
+        raise ConfigError(
+            "parallel.ep",
+            f"{p.ep} does not divide the {shard} ranks of the shard dimension (world {world_size} / tp / replicas)",
+            "use a divisor of it",
+        )
 
 
 def check_precision(cfg: PrecisionConfig, device: torch.device) -> None:
