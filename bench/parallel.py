@@ -5,8 +5,10 @@ train.py ...`, alternated, each run's median step after the first few), at the s
 - `tp` (the default): llama_mid on 4 ranks, tp=2 x dp_shard=2 (sequence parallel on, then off) against dp_shard=4.
 - `ep`: an MoE (qwen3_moe shapes, 8 experts, top-2) on 2 ranks, ep=2 against FSDP alone; on 4 ranks, ep=2 x
   dp_mod_ep=2 and ep=4 against FSDP alone.
+- `cp` (run it with --seq-len 4096): llama_mid on 2 ranks, each sequence split over cp=2 against dp_shard=2 (each
+  rank a whole sequence), a sequence per micro-batch, 2 a step.
 
-    .venv/bin/python bench/parallel.py [--suite tp|ep] [--steps 12] [--repeats 2] [--seq-len 256] [overrides ...]
+    .venv/bin/python bench/parallel.py [--suite tp|ep|cp] [--steps 12] [--repeats 2] [--seq-len 256] [overrides ...]
 """
 
 import argparse
@@ -29,10 +31,13 @@ MOE = [
     "model.config.num_experts_per_tok=2", "model.config.num_hidden_layers=4", "model.config.num_attention_heads=4",
     "model.config.num_key_value_heads=4", "model.config.max_position_embeddings=1024",
 ]  # fmt: skip
-# suite -> (model overrides, description, {ranks: {case: overrides}}); the first case of each world is the baseline.
+BATCH = ["trainer.global_batch_size=16", "trainer.micro_batch_size=4"]
+BATCH_CP = ["trainer.global_batch_size=2", "trainer.micro_batch_size=1"]
+# suite -> (model and batch overrides, description, {ranks: {case: overrides}}); the first case of each world is the
+# baseline.
 SUITES = {
     "tp": (
-        ["model=llama_mid"],
+        ["model=llama_mid", *BATCH],
         "llama_mid",
         {
             4: {
@@ -43,12 +48,17 @@ SUITES = {
         },
     ),
     "ep": (
-        MOE,
+        [*MOE, *BATCH],
         "qwen3_moe shapes (8 experts, top-2, hidden 256, 4 blocks)",
         {
             2: {"dp_shard 2": [], "ep 2": ["parallel.ep=2"]},
             4: {"dp_shard 4": [], "dp_mod_ep 2 x ep 2": ["parallel.ep=2"], "ep 4": ["parallel.ep=4"]},
         },
+    ),
+    "cp": (
+        ["model=llama_mid", "model.config.max_position_embeddings=8192", *BATCH_CP],
+        "llama_mid",
+        {2: {"dp_shard 2": [], "dp_shard 1 x cp 2": ["parallel.cp=2"]}},
     ),
 }
 
@@ -57,8 +67,8 @@ def _run(tmp: str, world: int, case: list[str], run_dir: str, args) -> dict:
     cmd = [
         sys.executable, os.path.join(ROOT, "train.py"), "data=synthetic", "precision=fp32",
         f"data.seq_len={args.seq_len}", "logger=none", "trainer.log_interval=1", "trainer.eval_interval=0",
-        f"trainer.max_steps={args.steps}", "trainer.global_batch_size=16", "trainer.micro_batch_size=4",
-        "checkpoint.save=false", "checkpoint.export=false", f"distributed.nproc_per_node={world}",
+        f"trainer.max_steps={args.steps}", "checkpoint.save=false", "checkpoint.export=false",
+        f"distributed.nproc_per_node={world}",
         f"hydra.run.dir={run_dir}", *SUITES[args.suite][0], *case, *args.overrides,
     ]  # fmt: skip
     subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tmp)
@@ -81,7 +91,9 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     _, model, worlds = SUITES[args.suite]
-    print(f"{model}, seq_len {args.seq_len}, global batch 16 in micro-batches of 4, fp32;")
+    batch = {o.split("=")[0].split(".")[1]: o.split("=")[1] for o in SUITES[args.suite][0] if "batch_size" in o}
+    print(f"{model}, seq_len {args.seq_len}, global batch {batch['global_batch_size']} in micro-batches of "
+          f"{batch['micro_batch_size']}, fp32;")  # fmt: skip
     print(f"medians of {args.repeats} alternated runs of {args.steps} steps (steps > {WARMUP})")
     with tempfile.TemporaryDirectory() as tmp:
         for world, cases in worlds.items():

@@ -94,6 +94,9 @@ class ParallelConfig:
     # Expert parallel: ranks each MoE layer's routed experts are split over (tokens sent to them by all-to-all);
     # a divisor of the data-parallel shard dimension, whose ranks they are.
     ep: int = 1
+    # Context parallel: ranks each sequence is split over (2 x cp chunks, attention gathered by all-to-all over
+    # heads); the inner part of the shard dimension (dp_shard x cp), the data-parallel ranks world / tp / cp.
+    cp: int = 1
 
 
 @dataclass

@@ -183,6 +183,12 @@ def experts_mesh(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
     return split["ep"], split[data if len(data) > 1 else data[0]]
 
 
+def context_mesh(mesh: DeviceMesh, cp: int) -> DeviceMesh:
+    """The cp mesh a sequence is split over: the shard dimension seen as dp_shard x cp, the cp ranks neighbours."""
+    shard = mesh.size(mesh.mesh_dim_names.index("shard"))
+    return mesh._unflatten("shard", (shard // cp, cp), ("dp_shard", "cp"))["cp"]
+
+
 def apply_prefetch(model: nn.Module, plan: ShardingPlan, cfg: ShardingConfig) -> None:
     """Each block unit all-gathers the next prefetch_forward blocks as its forward starts, and the next
     prefetch_backward blocks (in backward's order) as its backward starts; 0 leaves FSDP2's implicit prefetch."""

@@ -1,5 +1,5 @@
-"""How a step is laid out over the ranks: the tensor-parallel groups, the shard group, the replica groups, the
-micro-batches per step.
+"""How a step is laid out over the ranks: the tensor-parallel groups, the shard group (with its context-parallel part),
+the replica groups, the micro-batches per step.
 Pure functions of the config and the launch, the same for the trainer, the doctor and the planner."""
 
 from dataclasses import dataclass
@@ -24,10 +24,15 @@ class Layout:
     tp: int = 1
     # Expert-parallel ranks (parallel.ep): a divisor of the shard group, whose ranks (neighbours) split the experts.
     ep: int = 1
+    # Context-parallel ranks (parallel.cp): the inner part of the shard group (dp_shard x cp), splitting each
+    # sequence; the data-parallel ranks are world_size / tp / cp.
+    cp: int = 1
 
     def describe_mesh(self) -> str:
         replicas = f"dp_replicate {self.replicas} x " if self.replicas > 1 else ""
-        line = f"mesh: {replicas}dp_shard {self.shard_group}"
+        line = f"mesh: {replicas}dp_shard {self.shard_group // self.cp}"
+        if self.cp > 1:
+            line += f" x cp {self.cp} (FSDP over dp_shard x cp)"
         if self.ep > 1:
             line += f" (experts: dp_mod_ep {self.shard_group // self.ep} x ep {self.ep})"
         if self.tp > 1:
@@ -36,7 +41,7 @@ class Layout:
 
 
 def layout(cfg: DictConfig, world_size: int, nodes: int = 1) -> Layout:
-    strategy, tp = Strategy(cfg.sharding.strategy), cfg.parallel.tp
+    strategy, tp, cp = Strategy(cfg.sharding.strategy), cfg.parallel.tp, cfg.parallel.cp
     dp = world_size // tp
     replicas = {Strategy.hsdp: cfg.sharding.replicate, Strategy.ddp: dp}.get(strategy, 1)
     t = cfg.trainer
@@ -45,7 +50,8 @@ def layout(cfg: DictConfig, world_size: int, nodes: int = 1) -> Layout:
         nodes=nodes,
         replicas=replicas,
         shard_group=1 if strategy is Strategy.ddp_classic else dp // replicas,
-        micro_steps=t.global_batch_size // (t.micro_batch_size * dp),
+        micro_steps=t.global_batch_size // (t.micro_batch_size * (dp // cp)),
         tp=tp,
         ep=cfg.parallel.ep,
+        cp=cp,
     )

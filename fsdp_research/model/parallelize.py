@@ -1,6 +1,6 @@
 """The model as training runs it, in the order the recipe needs: on the meta device -> activation checkpointing
--> compile -> tensor parallel (parallel.tp, on the wrapped modules' own paths) -> expert parallel (parallel.ep)
--> the sharding plan applied with
+-> compile -> tensor parallel (parallel.tp, on the wrapped modules' own paths) -> context parallel (parallel.cp)
+-> expert parallel (parallel.ep) -> the sharding plan applied with
 fully_shard (innermost first) -> this rank's shards materialized, initialised or read from a checkpoint -> torch's
 DDP for the classic baseline."""
 
@@ -11,6 +11,7 @@ from omegaconf import DictConfig
 from fsdp_research.config.schema import Strategy
 from fsdp_research.distributed.activation_checkpointing import apply_activation_checkpointing
 from fsdp_research.distributed.compile import apply_compile
+from fsdp_research.distributed.context_parallel import apply_cp
 from fsdp_research.distributed.expert_parallel import apply_ep, split_experts
 from fsdp_research.distributed.precision import build_mp_policy, dtypes, kept_in_fp32
 from fsdp_research.distributed.sharding import (
@@ -19,6 +20,7 @@ from fsdp_research.distributed.sharding import (
     apply_fsdp,
     build_mesh,
     build_plan,
+    context_mesh,
     data_mesh,
     experts_mesh,
 )
@@ -53,11 +55,13 @@ def planned_model(cfg: DictConfig, hf_config, values: bool = True) -> tuple[nn.M
 
 
 def apply_parallelism(model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device_type: str, world_size: int) -> None:
-    """Tensor parallel on the mesh's tp dimension, the experts over ep ranks, then fully_shard over the data-parallel
-    dimensions (the model may still be on the meta device; a collective)."""
+    """Tensor parallel on the mesh's tp dimension, attention split over cp ranks, the experts over ep ranks, then
+    fully_shard over the data-parallel dimensions (the model may still be on the meta device; a collective)."""
     mesh = build_mesh(cfg.sharding, device_type, world_size, cfg.parallel.tp)
     if cfg.parallel.tp > 1:  # before FSDP shards the same parameters over the data-parallel ranks
         apply_tp(model, list(plan.blocks), mesh["tp"], cfg.parallel)
+    if cfg.parallel.cp > 1:
+        apply_cp(model, context_mesh(mesh, cfg.parallel.cp))
     experts = None
     if cfg.parallel.ep > 1:
         ep, experts = experts_mesh(mesh, cfg.parallel.ep)

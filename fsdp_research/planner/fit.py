@@ -1,8 +1,7 @@
-"""plan --fit: every combination of the knobs that decide memory and speed (tensor parallel within a node, sharding
-and hsdp replicas, reshard to k ranks, activation checkpointing, micro-batch, prefetch depth, cpu_offload, loss
-chunks) planned from one
-model build, those whose predicted peak fits the cap (less its headroom: planner.budget) ranked by predicted
-tokens/s."""
+"""plan --fit: every combination of the knobs that decide memory and speed (tensor parallel within a node, expert and
+context parallel, sharding and hsdp replicas, reshard to k ranks, activation checkpointing, micro-batch, prefetch
+depth, cpu_offload, loss chunks) planned from one model build, those whose predicted peak fits the cap (less its
+headroom: planner.budget) ranked by predicted tokens/s."""
 
 import itertools
 import logging
@@ -15,6 +14,8 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_research.config.schema import typed
+from fsdp_research.data.pipeline import packed
+from fsdp_research.distributed.context_parallel import unsplittable
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.sharding import ShardingPlan
 from fsdp_research.distributed.tensor_parallel import STYLES
@@ -50,6 +51,10 @@ SEARCHED = ("parallel", "sharding", "activation_checkpointing", "trainer.micro_b
 TP = (1, 2, 4, 8)
 # Expert-parallel sizes searched (an MoE; dividing the shard dimension and the experts).
 EP = (1, 2, 4, 8, 16, 32, 64)
+# Context-parallel sizes searched (tp x cp within a node), for sequences of LONG tokens or more: shorter ones'
+# activations are small beside the rest, and the search would take 4 times as long.
+CP = (1, 2, 4, 8)
+LONG = 8192
 # Config attributes naming an MoE layer's routed experts.
 _EXPERTS = ("num_experts", "n_routed_experts", "num_local_experts")
 
@@ -162,6 +167,25 @@ def _eps(cfg: DictConfig, hf_config, world: int, tp: int, keys: dict[str, Any]) 
     return [e for e in EP if not shard % e and not experts % e]
 
 
+def _cps(cfg: DictConfig, hf_config, world: int, tp: int, keys: dict[str, Any], per_node: int) -> list[int]:
+    """The cp sizes worth searching for a sharding: long sequences of a family whose attention splits, on windows of
+    tokens, without CPU offload or LoRA; tp x cp within a node, cp dividing the shard dimension, the heads per tp
+    rank, the sequence in 2 x cp chunks (and tp x cp shards) and the global batch over the data-parallel ranks
+    left."""
+    seq, heads = cfg.data.seq_len, getattr(hf_config, "num_attention_heads", 0)
+    if seq < LONG or not heads or packed(cfg.data) or unsplittable(hf_config, seq):
+        return [1]
+    if cfg.sharding.cpu_offload or cfg.model.lora.r:
+        return [1]
+    shard, batch = world // tp // keys.get("replicate", 1), cfg.trainer.global_batch_size
+    return [
+        c
+        for c in CP
+        if tp * c <= per_node
+        and not (shard % c or (heads // tp) % c or seq % (2 * c * tp) or batch % max(1, world // tp // c))
+    ]
+
+
 def _checkpointed(n_blocks: int, stride: int) -> tuple[bool, ...]:
     return tuple(stride > 0 and i % stride == 0 for i in range(n_blocks))
 
@@ -219,37 +243,39 @@ def candidates(
     hf_config = build_hf_config(base.model)
     chunks = _chunkable(base.loss, hf_config)
     shardings = [
-        (tp, ep, keys)
+        (tp, ep, cp, keys)
         for tp in _tps(base, hf_config, world_size, hw.per_node)
         for keys in _shardings(world_size // tp, hw.per_node // tp)
         for ep in _eps(base, hf_config, world_size, tp, keys)
+        for cp in _cps(base, hf_config, world_size, tp, keys, hw.per_node)
     ]
     variants = [
         typed(
             OmegaConf.merge(
                 base,
                 {
-                    "parallel": {"tp": tp, "sequence_parallel": None, "ep": ep},
+                    "parallel": {"tp": tp, "sequence_parallel": None, "ep": ep, "cp": cp},
                     "sharding": {"replicate": 1, "reshard_after_forward": None, "cpu_offload": False, **keys},
                 },
             )
         )
-        for tp, ep, keys in shardings
+        for tp, ep, cp, keys in shardings
     ]
     found = []
     # One model build for every sharding's plan.
-    for (tp, ep, keys), variant, summary in zip(shardings, variants, summaries_by_sharding(variants, planned)):
+    for (tp, ep, cp, keys), variant, summary in zip(shardings, variants, summaries_by_sharding(variants, planned)):
         run = run_settings(variant, world_size, device_type)
-        per_rank = base.trainer.global_batch_size // (world_size // tp)
+        per_rank = base.trainer.global_batch_size // (world_size // tp // cp)
         named = {
             "parallel.tp": tp,
             "parallel.ep": ep,
+            "parallel.cp": cp,
             "sharding": keys["strategy"],
             "sharding.replicate": keys.get("replicate"),
             "sharding.reshard_after_forward": keys.get("reshard_after_forward"),
         }
-        # On a CPU the state is in host memory already: nothing to offload; nor with tp or ep (refused).
-        offloads = (False, True) if device_type == "cuda" and tp == ep == 1 else (False,)
+        # On a CPU the state is in host memory already: nothing to offload; nor with tp, ep or cp (refused).
+        offloads = (False, True) if device_type == "cuda" and tp == ep == cp == 1 else (False,)
         for ckpt, planned, settings in _variants(summary, run, per_rank, chunks, offloads):
             time = step_time(ckpt, planned, hw)
             found.append(

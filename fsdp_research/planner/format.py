@@ -52,7 +52,8 @@ def format_plan(m: ModelSummary, run: Run) -> str:
     e, mem = run.compute_dtype, memory(m, run)
     replicated = m.strategy is Strategy.ddp_classic
     size = f"{_count(m.n_params)} parameters" + _experts_note(m) + _trained_note(m)
-    layout = "replicated" if replicated else f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units{_tp(m)}"
+    cp = f", cp {run.cp} ({run.tokens // run.micro_batch} tokens of each sequence a rank)" if run.cp > 1 else ""
+    layout = "replicated" if replicated else f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units{_tp(m)}{cp}"
     deferring = run.micro_steps > 1 and run.defer_grad_sync
     lines = [
         f"{m.name}: {size}, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {layout}",
@@ -125,6 +126,8 @@ def _traffic_lines(m: ModelSummary, run: Run) -> list[str]:
         lines.append(f"  {'tensor parallel (activations, tp group)':<44}{_gib(comm.tensor_parallel):>9}")
     if comm.expert_parallel:
         lines.append(f"  {'expert parallel (routed tokens, ep group)':<44}{_gib(comm.expert_parallel):>9}")
+    if comm.context_parallel:
+        lines.append(f"  {'context parallel (attention, cp group)':<44}{_gib(comm.context_parallel):>9}")
     return lines
 
 

@@ -177,12 +177,15 @@ class Run:
     callbacks: Declared = ()
     # On CUDA each process group is an NCCL communicator with buffers of its own on the device.
     nccl: bool = False
-    # Tensor-parallel ranks (the data-parallel ranks are world_size / tp).
+    # Tensor-parallel ranks (the data-parallel ranks are world_size / tp / cp).
     tp: int = 1
+    # Context-parallel ranks: each holds 1/cp of a sequence's tokens (attention: 1/cp of the heads, all tokens).
+    cp: int = 1
 
     @property
     def tokens(self) -> int:
-        return self.micro_batch * self.seq_len
+        """A micro-batch's tokens on one rank."""
+        return self.micro_batch * self.seq_len // self.cp
 
 
 def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) -> ModelSummary:
@@ -359,6 +362,7 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str) -> Run:
         callbacks=declared_state(cfg.callbacks),
         nccl=device_type == "cuda",
         tp=steps.tp,
+        cp=steps.cp,
     )
 
 

@@ -135,6 +135,10 @@ def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
     if m.ep > 1:
         exchanges = run.micro_steps * 6 * len(m.moe_blocks)
         blocking += comm.expert_parallel / _bps(hw, m.ep) + exchanges * hw.latency_s
+    # Context parallel's all-to-alls stand between attention's projections and its kernel.
+    if run.cp > 1:
+        exchanges = run.micro_steps * 8 * m.n_blocks
+        blocking += comm.context_parallel / _bps(hw, run.cp * m.tp) + exchanges * hw.latency_s
     exposed = communication
     if hw.overlap and n > 1:
         # Each micro-batch's first all-gather and last reduce-scatter wait; the rest hides behind compute.

@@ -11,7 +11,9 @@ an all-gather and a reduce-scatter for each, the same bytes), again in a checkpo
 of the payload each, within the tp group. Expert parallel (ep ranks): the routed experts are gathered over the shard
 group's 1/ep, one ep rank's experts each; and per MoE block and micro-batch each token's k hidden states go to their
 experts' ranks and back in forward, their gradients in backward, again in a checkpointed block's recompute: (ep-1)/ep
-of each exchange is received (routing spread evenly).
+of each exchange is received (routing spread evenly). Context parallel (cp ranks): per block and micro-batch, q, k
+and v gathered over the sequence and the attention's output sent back (all-to-alls of the rank's tokens x their
+widths) in forward, their gradients in backward, again in a checkpointed block's recompute: (cp-1)/cp received.
 """
 
 from dataclasses import dataclass
@@ -38,6 +40,8 @@ class Traffic:
     tensor_parallel: int = 0
     # Expert parallel's all-to-alls of the routed tokens, within the ep group.
     expert_parallel: int = 0
+    # Context parallel's all-to-alls of attention's inputs and output, within the cp group.
+    context_parallel: int = 0
 
 
 def traffic(m: ModelSummary, run: Run) -> Traffic:
@@ -71,5 +75,25 @@ def traffic(m: ModelSummary, run: Run) -> Traffic:
     routed = run.tokens * m.experts_per_token * m.hidden * e
     ep = run.micro_steps * exchanges * (m.ep - 1) / m.ep * routed
     return Traffic(
-        int(forward + backward), int(backward), int(reduce), int(across), int(whole), int(regather), int(tp), int(ep)
+        int(forward + backward),
+        int(backward),
+        int(reduce),
+        int(across),
+        int(whole),
+        int(regather),
+        int(tp),
+        int(ep),
+        int(context_parallel(m, run)),
     )
+
+
+def context_parallel(m: ModelSummary, run: Run) -> float:
+    """Bytes a rank receives per step from cp's all-to-alls (key-value heads too few to split go as the query
+    heads' copies)."""
+    cp = run.cp
+    if cp == 1:
+        return 0.0
+    kv_heads = m.kv_dim * m.heads // m.q_width
+    kv = m.kv_dim if kv_heads % cp == 0 else m.q_width
+    passes = 2 * m.n_blocks + sum(m.checkpointed)
+    return run.micro_steps * passes * (cp - 1) / cp * run.tokens * run.compute_bytes * (2 * m.q_width + 2 * kv)

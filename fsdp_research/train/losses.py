@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 from fsdp_research.config.schema import LossConfig
 from fsdp_research.config.targets import check_call, kwargs_of, named_in, resolve
 from fsdp_research.data.packing import IGNORE, INPUTS, LABELS, POSITIONS
+from fsdp_research.distributed.context_parallel import ContextSplit
 from fsdp_research.distributed.sharding import reshard
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import output_layer
@@ -293,13 +294,15 @@ def train_loss(
     loss_fn: LossFn | None = None,
     router: Router | None = None,
     weight: torch.Tensor | None = None,
+    split: ContextSplit | None = None,
 ):
-    """(loss, to log) of a batch of seq_len + 1 tokens, or of packed samples (their summed loss times `weight`:
-    see packed_weight): the configured next-token loss (and its parts to log), plus the router's weighted
-    load-balancing loss; for a mixture of experts, its aux loss and the tokens routed to each expert (summed over
-    its MoE layers) to log, where the family computes them (a router trained without an aux loss has none)."""
+    """(loss, to log) of a batch of seq_len + 1 tokens (this rank's chunks of them under context parallel: `split`),
+    or of packed samples (their summed loss times `weight`: see packed_weight): the configured next-token loss (and
+    its parts to log), plus the router's weighted load-balancing loss; for a mixture of experts, its aux loss and the
+    tokens routed to each expert (summed over its MoE layers) to log, where the family computes them (a router
+    trained without an aux loss has none)."""
     chunked = isinstance(loss_fn, ChunkedCrossEntropy)
-    inputs, labels, kwargs = model_inputs(batch)
+    inputs, labels, kwargs = model_inputs(batch, split)
     with amp, head_bypassed(model) if chunked else contextlib.nullcontext((None, None)) as (head, seen):
         out = model(input_ids=inputs, **kwargs, **({"output_router_logits": True} if router else {}))
         logits = getattr(out, "logits", None)
@@ -328,11 +331,17 @@ def train_loss(
     return loss, stats
 
 
-def model_inputs(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """(input ids, flat labels, other forward arguments) of windows of seq_len + 1 tokens, or of packed samples
-    ([n, 3, seq_len]: their position ids restart at each document)."""
+def model_inputs(
+    batch: torch.Tensor, split: ContextSplit | None = None
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """(input ids, flat labels, other forward arguments) of windows of seq_len + 1 tokens (this rank's chunks and
+    their positions under context parallel), or of packed samples ([n, 3, seq_len]: their position ids restart at
+    each document)."""
     if batch.dim() == 3:
         return batch[:, INPUTS], batch[:, LABELS].flatten(), {"position_ids": batch[:, POSITIONS]}
+    if split is not None:
+        inputs, labels, positions = split.local(batch[:, :-1], batch[:, 1:])
+        return inputs, labels.flatten(), {"position_ids": positions}
     return batch[:, :-1], batch[:, 1:].flatten(), {}
 
 

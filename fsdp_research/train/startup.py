@@ -59,11 +59,11 @@ def open_data(cfg: DictConfig, vocab_size: int) -> Data:
 
 
 def read_ahead(
-    data: Data, t: DictConfig, start: int, device: torch.device, resources: contextlib.ExitStack, tp: int = 1
+    data: Data, t: DictConfig, start: int, device: torch.device, resources: contextlib.ExitStack, group: int = 1
 ) -> Prefetcher:
     """This rank's batches from step `start` on (trainer section `t`), read ahead on a thread (closed when the run
-    ends): its data-parallel rank's (the tp ranks of a group read the same)."""
-    rank, world = data_parallel(tp)
+    ends): its data-parallel rank's (the `group` ranks of a tp x cp group read the same)."""
+    rank, world = data_parallel(group)
     batches = Prefetcher(
         lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
         start,
@@ -90,7 +90,7 @@ def throughput_of(
         f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
         f"starting at step {start}"
     )
-    if cfg.parallel.tp > 1 or cfg.parallel.ep > 1:
+    if max(cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.cp) > 1:
         log.info(layout(cfg, world).describe_mesh())
     if d.unknown:
         log.info(f"MFU: no attention found in {', '.join(d.unknown)}: their parameters counted, not their mixing")

@@ -20,6 +20,7 @@ from fsdp_research.checkpoint.dcp import Checkpointer, config_files
 from fsdp_research.checkpoint.hf_export import export_run
 from fsdp_research.config.schema import Strategy, typed
 from fsdp_research.data.pipeline import Data, Prefetcher, packed
+from fsdp_research.distributed.context_parallel import split_of
 from fsdp_research.distributed.precision import LossScaler, autocast
 from fsdp_research.distributed.processes import broadcast_object, device_for, init_distributed, launch_env, on_rank0
 from fsdp_research.distributed.sharding import ShardingPlan, grad_sync
@@ -166,7 +167,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     throughput = throughput_of(cfg, d, model, plan, device, state.step)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)
-    batches = read_ahead(data, t, state.step, device, resources, cfg.parallel.tp)
+    batches = read_ahead(data, t, state.step, device, resources, cfg.parallel.tp * cfg.parallel.cp)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -221,17 +222,19 @@ def train_step(run: Run, step: int) -> StepResult:
     weight, targets = packed_weight(batch, micro_steps, run.layout.tp)
     if targets is not None:
         totals["targets"] = targets
-    for i, micro in enumerate(batch.split(t.micro_batch_size)):
-        with grad_sync(run.model, i == micro_steps - 1, t.defer_grad_sync):
-            with region("forward"):
-                loss, stats = train_loss(run.model, micro, run.amp, run.loss_fn, run.router, weight)
-                run.anomaly.check_loss(loss)
-                loss = loss / micro_steps
-            with region("backward"):
-                scaler.scale_loss(loss).backward()
-        loss_sum += loss.detach()
-        for k, v in stats.items():
-            totals[k] = totals.get(k, 0) + (v / micro_steps if k in MEAN_LOSSES else v)
+    split = split_of(run.model)
+    with split.splitting() if split else contextlib.nullcontext():
+        for i, micro in enumerate(batch.split(t.micro_batch_size)):
+            with grad_sync(run.model, i == micro_steps - 1, t.defer_grad_sync):
+                with region("forward"):
+                    loss, stats = train_loss(run.model, micro, run.amp, run.loss_fn, run.router, weight, split)
+                    run.anomaly.check_loss(loss)
+                    loss = loss / micro_steps
+                with region("backward"):
+                    scaler.scale_loss(loss).backward()
+            loss_sum += loss.detach()
+            for k, v in stats.items():
+                totals[k] = totals.get(k, 0) + (v / micro_steps if k in MEAN_LOSSES else v)
     with region("optimizer"):
         finite = scaler.unscale_and_check(run.model.parameters())
         run.anomaly.check_grads(skipped=not finite)

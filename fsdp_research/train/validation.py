@@ -26,26 +26,24 @@ from fsdp_research.data.parts import first_file, probe
 from fsdp_research.data.pipeline import check_tokenizer, eval_set_paths, packed, sources
 from fsdp_research.data.tokenizer import check_model_tokenizer
 from fsdp_research.distributed.activation_checkpointing import resolve_op
-from fsdp_research.distributed.expert_parallel import check_ep
 from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.precision import dtypes, parse_dtype
 from fsdp_research.distributed.processes import backend_for
 from fsdp_research.distributed.sharding import ShardingPlan
 from fsdp_research.distributed.step_layout import layout
-from fsdp_research.distributed.tensor_parallel import check_divisible, sequence_parallel, tp_plan
 from fsdp_research.errors import ConfigError
 from fsdp_research.metrics.hardware import GPUS
 from fsdp_research.model.architecture import pretrained_dir
 from fsdp_research.model.dimensions import dims, max_positions
 from fsdp_research.model.document_masking import check_document_masking
 from fsdp_research.model.lora import check_lora
-from fsdp_research.model.lora import enabled as lora_enabled
 from fsdp_research.model.parallelize import planned_model
 from fsdp_research.model.pretrained import check_weights
 from fsdp_research.optim import check_optim
 from fsdp_research.optim.groups import check_patterns
 from fsdp_research.planner.budget import parse_headroom
 from fsdp_research.train.losses import check_chunked, check_loss
+from fsdp_research.train.parallel_checks import check_parallel, check_parallel_planned
 from fsdp_research.train.samples import check_samples
 
 
@@ -197,65 +195,6 @@ def check_sharding(cfg: ShardingConfig, world_size: int) -> None:
             )
 
 
-# With tp > 1, what is tested so far (tests/distributed/test_tensor_parallel.py); the rest is refused.
-_TP_STRATEGIES = (
-    Strategy.blockwise,
-    Strategy.reshard_all,
-    Strategy.no_reshard,
-    Strategy.root_only,
-    Strategy.per_linear,
-    Strategy.hsdp,
-    Strategy.ddp,
-)
-
-
-def check_parallel(cfg: DictConfig, world_size: int) -> None:
-    p = cfg.parallel
-    if p.tp < 1 or world_size % p.tp:
-        raise ConfigError("parallel.tp", f"{p.tp} does not divide the world size {world_size}", "use a divisor")
-    if p.ep != 1:
-        check_expert_parallel(cfg, world_size)
-    if p.tp == 1:
-        return
-    strategy = Strategy(cfg.sharding.strategy)
-    refused = [
-        ("sharding", strategy not in _TP_STRATEGIES, f"{strategy.value} with tensor parallel is not supported yet"),
-        ("sharding.cpu_offload", cfg.sharding.cpu_offload, "CPU offload with tensor parallel is not supported yet"),
-        ("model.lora", lora_enabled(cfg.model.lora), "LoRA with tensor parallel is not supported yet"),
-    ]
-    for key, bad, reason in refused:
-        if bad:
-            raise ConfigError(key, reason, "use parallel.tp=1")
-    if sequence_parallel(p) and cfg.data.seq_len % p.tp:
-        raise ConfigError(
-            "parallel.sequence_parallel",
-            f"data.seq_len={cfg.data.seq_len} does not split into {p.tp} sequence shards",
-            f"use a data.seq_len divisible by {p.tp}, or parallel.sequence_parallel=false",
-        )
-
-
-def check_expert_parallel(cfg: DictConfig, world_size: int) -> None:
-    p, classic = cfg.parallel, Strategy(cfg.sharding.strategy) is Strategy.ddp_classic
-    refused = [
-        ("parallel.tp", p.tp > 1, "expert parallel with tensor parallel is not supported yet"),
-        ("sharding", classic, "ddp_classic with expert parallel is not supported"),
-        ("sharding.cpu_offload", cfg.sharding.cpu_offload, "CPU offload with expert parallel is not supported yet"),
-        ("model.lora", lora_enabled(cfg.model.lora), "LoRA with expert parallel is not supported yet"),
-        # Its dispatch reads the token counts on the host: a graph break and new shapes every step.
-        ("trainer.compile", cfg.trainer.compile, "torch.compile with expert parallel is not supported yet"),
-    ]
-    for key, bad, reason in refused:
-        if bad:
-            raise ConfigError(key, reason, "use parallel.ep=1")
-    shard = layout(cfg, world_size).shard_group
-    if p.ep < 1 or shard % p.ep:
-        raise ConfigError(
-            "parallel.ep",
-            f"{p.ep} does not divide the {shard} ranks of the shard dimension (world {world_size} / tp / replicas)",
-            "use a divisor of it",
-        )
-
-
 def check_precision(cfg: PrecisionConfig, device: torch.device) -> None:
     param, _ = dtypes(cfg)
     # Compute capability 8.0 (Ampere) and up computes bf16 natively; torch.cuda.is_bf16_supported() also says yes
@@ -331,7 +270,7 @@ def check_model(cfg: ModelConfig, hf_config) -> None:
 def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.device) -> None:
     """The whole config, for a launch of world_size ranks on `device` (what needs the model: check_planned)."""
     check_parallel(cfg, world_size)
-    check_trainer(cfg.trainer, world_size // cfg.parallel.tp)
+    check_trainer(cfg.trainer, world_size // (cfg.parallel.tp * cfg.parallel.cp))
     check_model(cfg.model, hf_config)
     check_data(cfg.data, cfg.trainer, hf_config)
     if cfg.data.kind is not DataKind.synthetic:
@@ -355,10 +294,7 @@ def check_planned(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_conf
     one's own against the data, and optim.param_groups' patterns against the parameters' names."""
     if hf_config is None:
         check_data_fits(cfg.data, dims(model, plan.blocks).vocab, None)
-    if cfg.parallel.tp > 1:
-        check_divisible(model, tp_plan(model, cfg.parallel), cfg.parallel.tp)
-    if cfg.parallel.ep > 1:
-        check_ep(model, cfg.parallel.ep)
+    check_parallel_planned(cfg, model)
     names = [clean_name(n) for n, p in model.named_parameters() if p.requires_grad]  # what the optimizer gets
     check_patterns(OmegaConf.to_container(cfg.optim.param_groups, resolve=True), names)
 

@@ -3,25 +3,21 @@
 bias balancing written out from its formula): the same per-step losses and the same exported weights (read back by
 from_pretrained; the routers' expert-score biases among them) with ep=2 on 2 ranks and ep=2 x dp_mod_ep=2 on 4,
 for qwen3_moe, deepseek_v3 (latent attention, a shared expert, a dense first layer, aux-loss-free balancing) and
-mixtral; hsdp on qwen3_moe. A checkpoint saved at ep=2 resumes at ep=1; `simulate` plans one ep rank; bad
-settings are one line before any compute."""
+mixtral; hsdp and context parallel (cp=2 on the ep ranks) on qwen3_moe. A checkpoint saved at ep=2 resumes at ep=1;
+`simulate` plans one ep rank; bad settings are one line before any compute."""
 
 import pytest
-import torch
 
-from fsdp_research.jobs.compose import compose
-from fsdp_research.metrics.sinks import read_records
-from tests.helpers.dist import ok, train_distributed
 from tests.helpers.parallel import (
     BASE,
-    assert_export_matches,
+    assert_matches_reference,
+    assert_resumes_at_one_rank_group,
     assert_simulated_as_planned,
-    loading,
+    cases,
     refused,
     simulated_phases,
-    train_families,
+    trained_with_references,
 )
-from tests.helpers.reference import reference_run
 from tests.helpers.zoo import from_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -33,6 +29,8 @@ KNOBS = {
         # The dispatch's all-to-alls again in the recomputed forward (every block; selective: what it keeps).
         "ep2+ac": ["parallel.ep=2", "activation_checkpointing=every_block"],
         "ep2+selective": ["parallel.ep=2", "activation_checkpointing=selective"],
+        # ep borrowing the cp ranks (the shard dimension is dp_shard x cp): each rank routes its chunks' tokens.
+        "ep2+cp2": ["parallel.ep=2", "parallel.cp=2"],
     },
     4: {"ep2+hsdp": ["parallel.ep=2", "sharding=hsdp", "sharding.replicate=2", "trainer.micro_batch_size=1"]},
 }
@@ -40,39 +38,19 @@ KNOBS = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("ep")
-    initials, runs = train_families(out, FAMILIES, BASE, RUNS, KNOBS, "qwen3_moe")
-    norms = {f: [] for f in FAMILIES}
-    references = {
-        f: (*reference_run(compose(loading(BASE, initials[f])), initials[f], norms=norms[f]), norms[f])
-        for f in FAMILIES
-    }
-    return out, initials, runs, references
+    return trained_with_references(tmp_path_factory.mktemp("ep"), FAMILIES, BASE, RUNS, KNOBS, "qwen3_moe")
 
 
-CASES = [(f, n, w) for w in (2, 4) for f in FAMILIES for n in RUNS[w]] + [
-    ("qwen3_moe", n, w) for w in KNOBS for n in KNOBS[w]
-]
+CASES = cases(FAMILIES, RUNS, KNOBS, "qwen3_moe")
 
 
 @pytest.mark.parametrize(("family", "name", "world"), CASES)
 def test_losses_and_export_match_the_single_process_reference(results, family, name, world):
-    out, _, runs, references = results
-    ref_losses, ref_weights, ref_norms = references[family]
-    run = ok(runs, f"{family}/{name}")
-    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
-    # AdamW hides a gradient's scale from the weights: the experts' gradients divided as the others' are.
-    norms = [r["grad_norm"] for r in read_records(str(out / f"w{world}" / family / name)) if "grad_norm" in r]
-    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
-    assert_export_matches(out / f"w{world}" / family / name / "export", ref_weights)
+    assert_matches_reference(results, family, name, world)
 
 
 def test_an_ep_checkpoint_resumes_at_ep_1(results, tmp_path):
-    out, initials, runs, _ = results
-    step_2 = out / "w4" / "deepseek_v3" / "ep2xdp2" / "checkpoints" / "step_2"
-    cfg = compose(loading(BASE, initials["deepseek_v3"]) + [f"checkpoint.resume={step_2}", "checkpoint.export=false"])
-    resumed = train_distributed({"resumed": cfg}, 2, str(tmp_path))
-    assert ok(resumed, "resumed")["losses"] == pytest.approx(ok(runs, "deepseek_v3/ep2xdp2")["losses"][2:], rel=1e-5)
+    assert_resumes_at_one_rank_group(results, BASE, "deepseek_v3", "ep2xdp2", tmp_path)
 
 
 def test_bad_expert_parallel_settings_are_one_line():

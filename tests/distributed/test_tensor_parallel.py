@@ -12,10 +12,11 @@ import pytest
 import torch
 
 from fsdp_research.jobs.compose import compose
-from tests.helpers.dist import ok, train_distributed
+from tests.helpers.dist import ok
 from tests.helpers.parallel import (
     BASE,
     assert_export_matches,
+    assert_resumes_at_one_rank_group,
     assert_simulated_as_planned,
     loading,
     refused,
@@ -70,11 +71,7 @@ def test_losses_and_export_match_the_single_process_reference(results, family, n
 
 
 def test_a_tp_checkpoint_resumes_at_tp_1(results, tmp_path):
-    out, initials, runs, _ = results
-    step_2 = out / "w4" / "llama" / "tp2xdp2" / "checkpoints" / "step_2"
-    cfg = compose(loading(BASE, initials["llama"]) + [f"checkpoint.resume={step_2}", "checkpoint.export=false"])
-    resumed = train_distributed({"resumed": cfg}, 2, str(tmp_path))
-    assert ok(resumed, "resumed")["losses"] == pytest.approx(ok(runs, "llama/tp2xdp2")["losses"][2:], rel=1e-5)
+    assert_resumes_at_one_rank_group(results, BASE, "llama", "tp2xdp2", tmp_path)
 
 
 def test_simulate_plans_one_tp_rank_as_the_planner(tmp_path):

@@ -1,5 +1,5 @@
-"""What the tests of the parallel axes (tp, ep) share: the export against the reference, a setting's refusal, one
-simulated rank's phases."""
+"""What the tests of the parallel axes (tp, ep, cp) share: the families trained and their references, the losses,
+gradient norms and export against the reference, a setting's refusal, one simulated rank's phases."""
 
 import json
 import subprocess
@@ -87,3 +87,50 @@ def train_families(out, families, base: list[str], runs: dict, knobs: dict, knob
         )
         done.update(train_distributed(named, world, str(out / f"w{world}")))
     return initials, done
+
+
+def trained_with_references(out, families, base: list[str], runs: dict, knobs: dict, knob_family: str):
+    """train_families, then each family's single-process reference (losses, final weights, gradient norms): returns
+    (out, initials, runs, {family: (losses, weights, norms)})."""
+    from tests.helpers.reference import reference_run
+
+    initials, done = train_families(out, families, base, runs, knobs, knob_family)
+    norms = {f: [] for f in families}
+    references = {
+        f: (*reference_run(compose(loading(base, initials[f])), initials[f], norms=norms[f]), norms[f])
+        for f in families
+    }
+    return out, initials, done, references
+
+
+def assert_matches_reference(results, family: str, name: str, world: int) -> None:
+    """A run of trained_with_references against its family's reference: per-step losses and gradient norms (1e-5;
+    AdamW would hide a gradient's wrong scale from the weights), the export read back by from_pretrained."""
+    from fsdp_research.metrics.sinks import read_records
+    from tests.helpers.dist import ok
+
+    out, _, runs, references = results
+    ref_losses, ref_weights, ref_norms = references[family]
+    run = ok(runs, f"{family}/{name}")
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+    norms = [r["grad_norm"] for r in read_records(str(out / f"w{world}" / family / name)) if "grad_norm" in r]
+    torch.testing.assert_close(torch.tensor(norms), torch.tensor(ref_norms), rtol=1e-5, atol=0)
+    assert_export_matches(out / f"w{world}" / family / name / "export", ref_weights)
+
+
+def cases(families, runs: dict, knobs: dict, knob_family: str) -> list[tuple[str, str, int]]:
+    """(family, run name, world) of every run train_families makes."""
+    return [(f, n, w) for w in sorted(runs) for f in families for n in runs[w]] + [
+        (knob_family, n, w) for w in sorted(knobs) for n in knobs[w]
+    ]
+
+
+def assert_resumes_at_one_rank_group(results, base: list[str], family: str, name: str, tmp_path) -> None:
+    """The step-2 checkpoint of a 4-rank run, resumed on 2 ranks with `base` (the axis at 1): the run's last losses."""
+    from tests.helpers.dist import ok, train_distributed
+
+    out, initials, runs, _ = results
+    step_2 = out / "w4" / family / name / "checkpoints" / "step_2"
+    cfg = compose(loading(base, initials[family]) + [f"checkpoint.resume={step_2}", "checkpoint.export=false"])
+    resumed = train_distributed({"resumed": cfg}, 2, str(tmp_path))
+    assert ok(resumed, "resumed")["losses"] == pytest.approx(ok(runs, f"{family}/{name}")["losses"][2:], rel=1e-5)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 from fsdp_research.config.schema import typed
+from fsdp_research.distributed.context_parallel import split_of
 from fsdp_research.distributed.processes import init_distributed
 from fsdp_research.distributed.sharding import grad_sync
 from fsdp_research.distributed.step_layout import layout
@@ -23,11 +24,14 @@ from tests.helpers.dist import run_distributed
 
 
 def train_step(model, optimizer, batches: list[torch.Tensor], cfg) -> None:
-    """One step as the trainer takes it: its micro-batches, the gradient sync on the last, clip, update."""
-    loss_fn = build_loss(cfg.loss)
+    """One step as the trainer takes it: its micro-batches (this rank's chunks of them under context parallel), the
+    gradient sync on the last, clip, update."""
+    loss_fn, split = build_loss(cfg.loss), split_of(model)
     for index, batch in enumerate(batches):
         with grad_sync(model, index == len(batches) - 1, cfg.trainer.defer_grad_sync):
-            (train_loss(model, batch, contextlib.nullcontext(), loss_fn)[0] / len(batches)).backward()
+            with split.splitting() if split else contextlib.nullcontext():
+                loss = train_loss(model, batch, contextlib.nullcontext(), loss_fn, split=split)[0]
+                (loss / len(batches)).backward()
     clip_grad_norm(model, cfg.optim.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -40,7 +44,8 @@ def prepared(container: dict) -> tuple[Any, torch.nn.Module, torch.optim.Optimiz
     hf_config = build_hf_config(cfg.model)
     model, plan = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
     optimizer, _ = build_optimizer(model, cfg, plan.blocks)
-    gen = torch.Generator().manual_seed(dist.get_rank() // cfg.parallel.tp)  # a tp group reads the same batch
+    # A tp x cp group reads the same batch.
+    gen = torch.Generator().manual_seed(dist.get_rank() // (cfg.parallel.tp * cfg.parallel.cp))
     micro = layout(cfg, dist.get_world_size()).micro_steps
     shape = (cfg.trainer.micro_batch_size, cfg.data.seq_len + 1)
     return cfg, model, optimizer, [torch.randint(0, hf_config.vocab_size, shape, generator=gen) for _ in range(micro)]

@@ -97,6 +97,9 @@ CASES_4 = {
     # Expert parallel: a rank gathers its ep rank's experts (an MoE of qwen3_moe's shapes, 8 experts, top-2).
     "moe-4-ep2": MOE + ["parallel.ep=2"],
     "moe-4-ep4": MOE + ["parallel.ep=4"],
+    # Context parallel: a rank's activations of half of each sequence (attention: half the heads, every token).
+    "mid-4-cp2": MID + ["precision=fp32", "parallel.cp=2"],
+    "mid-4-cp2-tp2": MID + ["precision=fp32", "parallel.cp=2", "parallel.tp=2", "trainer.global_batch_size=8"],
 }
 # What the planner does not model of an MoE block yet: its activations (a block not llama's counts Korthikanti's).
 MOE_UNMODELLED = ("activations", "activations_and_temporaries", "peak")
@@ -206,6 +209,26 @@ def test_expert_parallel_gathers_a_rank_s_experts_of_deepseek_v3_671b(capsys):
     assert main(fit) == 0
     best = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("best: "))
     assert " parallel.ep=64 " in best
+
+
+def test_context_parallel_splits_llama_7b_activations_at_32k_tokens(capsys):
+    """32k tokens a sequence on 16 ranks: cp 4 leaves a rank a quarter of each sequence's activations (the same
+    shards), prices attention's all-to-alls, and --fit, searching cp, picks a split of the sequence."""
+    base = ["model=llama_7b", "trainer.global_batch_size=16", "trainer.micro_batch_size=1", "data.seq_len=32768"]
+    base.append("model.config.max_position_embeddings=32768")
+    plans = {}
+    for cp in (1, 4):
+        cfg = compose([*base, f"parallel.cp={cp}"])
+        plans[cp] = memory(summary_for(cfg), run_settings(cfg, 16, "cuda"))
+    assert plans[4].sharded_params == plans[1].sharded_params
+    assert plans[4].activations == pytest.approx(plans[1].activations / 4, rel=0.01)
+    assert main([*base, "world_size=16", "parallel.cp=4", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "cp 4 (8192 tokens of each sequence a rank)" in out
+    assert "context parallel (attention, cp group)" in out
+    assert main([*base, "world_size=16", "--device", "cuda", "--gpu", "h100", "--fit", "80"]) == 0
+    best = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("best: "))
+    assert " parallel.cp=" in best
 
 
 def test_llama_7b_on_8_ranks(capsys):

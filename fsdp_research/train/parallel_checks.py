@@ -1,0 +1,112 @@
+"""The checks of the parallel axes (parallel.tp, .ep, .cp) against the rest of the config and the planned model:
+what combines is what the tests train against the single-process reference; the rest is refused in one line."""
+
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from fsdp_research.config.schema import Strategy
+from fsdp_research.data.pipeline import packed
+from fsdp_research.distributed.context_parallel import check_cp
+from fsdp_research.distributed.expert_parallel import check_ep
+from fsdp_research.distributed.step_layout import layout
+from fsdp_research.distributed.tensor_parallel import check_divisible, sequence_parallel, tp_plan
+from fsdp_research.errors import ConfigError
+from fsdp_research.model.lora import enabled as lora_enabled
+
+# With tp > 1, what is tested so far (tests/distributed/test_tensor_parallel.py); the rest is refused.
+_TP_STRATEGIES = (
+    Strategy.blockwise,
+    Strategy.reshard_all,
+    Strategy.no_reshard,
+    Strategy.root_only,
+    Strategy.per_linear,
+    Strategy.hsdp,
+    Strategy.ddp,
+)
+
+
+def _refuse(refused: list[tuple[str, bool, str]], fix: str) -> None:
+    for key, bad, reason in refused:
+        if bad:
+            raise ConfigError(key, reason, fix)
+
+
+def check_parallel(cfg: DictConfig, world_size: int) -> None:
+    p = cfg.parallel
+    if p.tp < 1 or world_size % p.tp:
+        raise ConfigError("parallel.tp", f"{p.tp} does not divide the world size {world_size}", "use a divisor")
+    if p.cp != 1:
+        check_context_parallel(cfg, world_size)
+    if p.ep != 1:
+        check_expert_parallel(cfg, world_size)
+    if p.tp == 1:
+        return
+    strategy = Strategy(cfg.sharding.strategy)
+    refused = [
+        ("sharding", strategy not in _TP_STRATEGIES, f"{strategy.value} with tensor parallel is not supported yet"),
+        ("sharding.cpu_offload", cfg.sharding.cpu_offload, "CPU offload with tensor parallel is not supported yet"),
+        ("model.lora", lora_enabled(cfg.model.lora), "LoRA with tensor parallel is not supported yet"),
+    ]
+    _refuse(refused, "use parallel.tp=1")
+    # Each cp rank's part of the sequence is split over the tp ranks.
+    if sequence_parallel(p) and cfg.data.seq_len % (p.tp * p.cp):
+        raise ConfigError(
+            "parallel.sequence_parallel",
+            f"data.seq_len={cfg.data.seq_len} does not split into {p.tp * p.cp} sequence shards",
+            f"use a data.seq_len divisible by {p.tp * p.cp}, or parallel.sequence_parallel=false",
+        )
+
+
+def _check_divides_shard(cfg: DictConfig, world_size: int, key: str, n: int) -> None:
+    shard = layout(cfg, world_size).shard_group
+    if n < 1 or shard % n:
+        raise ConfigError(
+            key,
+            f"{n} does not divide the {shard} ranks of the shard dimension (world {world_size} / tp / replicas)",
+            "use a divisor of it",
+        )
+
+
+def check_expert_parallel(cfg: DictConfig, world_size: int) -> None:
+    p, classic = cfg.parallel, Strategy(cfg.sharding.strategy) is Strategy.ddp_classic
+    refused = [
+        ("parallel.tp", p.tp > 1, "expert parallel with tensor parallel is not supported yet"),
+        ("sharding", classic, "ddp_classic with expert parallel is not supported"),
+        ("sharding.cpu_offload", cfg.sharding.cpu_offload, "CPU offload with expert parallel is not supported yet"),
+        ("model.lora", lora_enabled(cfg.model.lora), "LoRA with expert parallel is not supported yet"),
+        # Its dispatch reads the token counts on the host: a graph break and new shapes every step.
+        ("trainer.compile", cfg.trainer.compile, "torch.compile with expert parallel is not supported yet"),
+    ]
+    _refuse(refused, "use parallel.ep=1")
+    _check_divides_shard(cfg, world_size, "parallel.ep", p.ep)
+
+
+def check_context_parallel(cfg: DictConfig, world_size: int) -> None:
+    p, strategy = cfg.parallel, Strategy(cfg.sharding.strategy)
+    refused = [
+        ("sharding", strategy in (Strategy.ddp, Strategy.ddp_classic), f"{strategy.value} with cp is not supported"),
+        ("sharding.cpu_offload", cfg.sharding.cpu_offload, "CPU offload with context parallel is not supported yet"),
+        ("model.lora", lora_enabled(cfg.model.lora), "LoRA with context parallel is not supported yet"),
+        ("trainer.compile", cfg.trainer.compile, "torch.compile with context parallel is not supported yet"),
+        # The split attention is causal over the whole window: documents packed into it would see each other.
+        ("data", packed(cfg.data), "packed documents (chat data, document masking) are not split by cp yet"),
+    ]
+    _refuse(refused, "use parallel.cp=1")
+    _check_divides_shard(cfg, world_size, "parallel.cp", p.cp)
+    if cfg.data.seq_len % (2 * p.cp):
+        raise ConfigError(
+            "parallel.cp",
+            f"data.seq_len={cfg.data.seq_len} does not split into 2 x cp = {2 * p.cp} chunks",
+            f"use a data.seq_len divisible by {2 * p.cp}",
+        )
+
+
+def check_parallel_planned(cfg: DictConfig, model: nn.Module) -> None:
+    """The planned model against the axes: tp's splits, ep's experts, cp's attention."""
+    p = cfg.parallel
+    if p.tp > 1:
+        check_divisible(model, tp_plan(model, p), p.tp)
+    if p.ep > 1:
+        check_ep(model, p.ep)
+    if p.cp > 1:
+        check_cp(model, p.cp, p.tp, cfg.data.seq_len)
