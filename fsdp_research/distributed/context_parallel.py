@@ -100,7 +100,10 @@ def unsplittable(config, seq_len: int) -> str | None:
     """What of a family's config (transformers') makes its attention other than causal over the whole sequence, which
     the split computes; None if nothing."""
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     found = [
+        # Frequencies set from the largest position id a rank sees: each rank would rotate by its own.
+        ("RoPE scaled by the sequence length (dynamic, longrope)", rope.get("rope_type") in ("dynamic", "longrope")),
         ("sliding-window layers", any(t != "full_attention" for t in getattr(config, "layer_types", None) or ())),
         (f"a sliding window of {window} tokens", isinstance(window, int) and window < seq_len),
         ("soft-capped attention scores", getattr(config, "attn_logit_softcapping", None) is not None),
@@ -138,7 +141,8 @@ def apply_cp(model: nn.Module, mesh: DeviceMesh) -> None:
     underneath; its masks as before), and the split kept on the model (split_of)."""
     split = ContextSplit(mesh.get_group(), mesh.size(), mesh.get_local_rank())
     original = attention_of(model)
-    name = f"context_parallel_{original}"
+    # The registry is global: a name of this split's own, so that another model's split does not take its place.
+    name = f"context_parallel_{original}_{id(split)}"
     AttentionInterface.register(name, functools.partial(_attention, split, original))
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])
     model.set_attn_implementation(name)

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn as nn
+from omegaconf import OmegaConf
 from torch.nn.modules.module import register_module_module_registration_hook
 
 from fsdp_research.config.schema import ModelConfig
@@ -47,10 +48,12 @@ def build_hf_config(cfg: ModelConfig):
         raise ConfigError(
             "model.name_or_path", f"{path} does not exist", "give a directory written by save_pretrained, or a hub id"
         )
+    # Plain values: transformers' configs check their nested fields' types (rope_parameters must be a dict).
+    values = OmegaConf.to_container(cfg.config, resolve=True) if OmegaConf.is_config(cfg.config) else dict(cfg.config)
     try:
         if cfg.name_or_path:
-            return AutoConfig.from_pretrained(cfg.name_or_path, **cfg.config)
-        return AutoConfig.for_model(cfg.model_type, **cfg.config)
+            return AutoConfig.from_pretrained(cfg.name_or_path, **values)
+        return AutoConfig.for_model(cfg.model_type, **values)
     except (OSError, ValueError, KeyError) as err:
         key = "model.name_or_path" if cfg.name_or_path else "model.model_type"
         raise ConfigError(

@@ -15,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from fsdp_research.config.schema import typed
 from fsdp_research.data.pipeline import packed
-from fsdp_research.distributed.context_parallel import unsplittable
+from fsdp_research.distributed.context_parallel import SPLITTABLE, unsplittable
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.sharding import ShardingPlan
 from fsdp_research.distributed.tensor_parallel import STYLES
@@ -175,7 +175,8 @@ def _cps(cfg: DictConfig, hf_config, world: int, tp: int, keys: dict[str, Any], 
     seq, heads = cfg.data.seq_len, getattr(hf_config, "num_attention_heads", 0)
     if seq < LONG or not heads or packed(cfg.data) or unsplittable(hf_config, seq):
         return [1]
-    if cfg.sharding.cpu_offload or cfg.model.lora.r:
+    attention = getattr(hf_config, "_attn_implementation", None) or "sdpa"
+    if attention not in SPLITTABLE or cfg.trainer.compile or cfg.sharding.cpu_offload or cfg.model.lora.r is not None:
         return [1]
     shard, batch = world // tp // keys.get("replicate", 1), cfg.trainer.global_batch_size
     return [

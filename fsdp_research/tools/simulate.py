@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from fsdp_research.checkpoint.hf_export import export_dtype, write_parts
 from fsdp_research.config.sizes import export_shard_size
+from fsdp_research.distributed.context_parallel import split_of
 from fsdp_research.distributed.sharding import local_shard
 from fsdp_research.distributed.tensor_parallel import sequence_parallel
 from fsdp_research.errors import ConfigError
@@ -83,7 +84,7 @@ def _fits(cfg: DictConfig, model: torch.nn.Module, blocks: list[str]) -> tuple[b
         return False, "skipped: the blocks are not one list"
     if sequence_parallel(cfg.parallel):  # its hooks split at the first block and gather after the last
         return False, "skipped: sequence parallel needs every block"
-    tokens = cfg.trainer.micro_batch_size * cfg.data.seq_len
+    tokens = cfg.trainer.micro_batch_size * cfg.data.seq_len // cfg.parallel.cp
     inside = {id(p) for path in blocks for p in model.get_submodule(path).parameters()}
     first = sum(p.numel() for p in model.get_submodule(blocks[0]).parameters())
     rest = sum(p.numel() for p in model.parameters() if id(p) not in inside)
@@ -114,8 +115,11 @@ def _first_block_only(model: torch.nn.Module, blocks: list[str]) -> Iterator[Non
 
 def _forward_backward(cfg: DictConfig, model: torch.nn.Module, blocks: list[str], device: torch.device) -> None:
     tokens = torch.randint(0, 2, (cfg.trainer.micro_batch_size, cfg.data.seq_len), device=device)
-    with _first_block_only(model, blocks):
-        logits = model(input_ids=tokens).logits
+    split, kwargs = split_of(model), {}
+    if split:  # a cp rank's chunks of the sequence
+        tokens, _, kwargs["position_ids"] = split.local(tokens, tokens)
+    with _first_block_only(model, blocks), split.splitting() if split else contextlib.nullcontext():
+        logits = model(input_ids=tokens, **kwargs).logits
         logits.float().logsumexp(-1).mean().backward()
     for p in model.parameters():
         p.grad = None

@@ -2,6 +2,7 @@
 (data.eval_paths; data.eval_sources, one set per name): the mean over every target, with the training loss's masks,
 packing and document masking."""
 
+import contextlib
 from collections.abc import Callable
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from fsdp_research.data.pipeline import Data
+from fsdp_research.distributed.context_parallel import ContextSplit, split_of
 from fsdp_research.distributed.processes import data_parallel
 from fsdp_research.train.losses import target_count, token_losses
 
@@ -25,21 +27,26 @@ def held_out_loss(
     amp,
     chunks: int = 1,
     tp: int = 1,
+    split: ContextSplit | None = None,
 ) -> tuple[float, int]:
-    """(loss summed over the targets, targets) of samples 0 .. samples - 1 (`read` gives samples by index), rank r
-    taking r, r + world, ... Every rank runs as many forwards (one with fewer samples pads with a sample weighted
-    0): FSDP's collectives need them all. A collective: every rank calls it."""
-    rank, world = data_parallel(tp)
+    """(loss summed over the targets, targets) of samples 0 .. samples - 1 (`read` gives samples by index), data-
+    parallel rank r taking r, r + world, ... (under context parallel each rank its chunks of them, as in training).
+    Every rank runs as many forwards (one with fewer samples pads with a sample weighted 0): FSDP's collectives need
+    them all. A collective: every rank calls it."""
+    cp = split.cp if split else 1
+    rank, world = data_parallel(tp * cp)
     index = rank + world * np.arange(-(-samples // world))
     weight = torch.from_numpy(index < samples).float().to(device)
     index = np.minimum(index, samples - 1)
     sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss summed over tokens, tokens
     model.eval()
-    for a in range(0, len(index), micro_batch):
-        batch = read(index[a : a + micro_batch]).to(device)
-        w = weight[a : a + micro_batch]
-        per_sample = token_losses(model, batch, amp, chunks).sum(1)
-        sums += torch.stack([(per_sample * w).sum(), (target_count(batch) * w).sum()]).double()
+    with split.splitting() if split else contextlib.nullcontext():
+        for a in range(0, len(index), micro_batch):
+            batch = read(index[a : a + micro_batch]).to(device)
+            w = weight[a : a + micro_batch]
+            per_sample = token_losses(model, batch, amp, chunks, split).sum(1)
+            # A cp rank's share of the targets: windows of tokens, split evenly.
+            sums += torch.stack([(per_sample * w).sum(), (target_count(batch) * w).sum() / cp]).double()
     model.train()
     dist.all_reduce(sums)
     sums /= tp
@@ -52,7 +59,9 @@ def evaluate(model: nn.Module, data: Data, cfg: DictConfig, device: torch.device
     t = cfg.trainer
 
     def loss(read, samples: int) -> tuple[float, int]:
-        return held_out_loss(model, read, samples, t.micro_batch_size, device, amp, cfg.loss.chunks, cfg.parallel.tp)
+        return held_out_loss(
+            model, read, samples, t.micro_batch_size, device, amp, cfg.loss.chunks, cfg.parallel.tp, split_of(model)
+        )
 
     if not data.eval_sets:
         parts = {"": loss(lambda index: data.batch(index, held_out=True), t.eval_batches * t.micro_batch_size)}

@@ -352,10 +352,13 @@ def target_count(batch: torch.Tensor) -> torch.Tensor:
     return torch.full((len(batch),), batch.shape[1] - 1, device=batch.device)
 
 
-def token_losses(model: nn.Module, batch: torch.Tensor, amp, chunks: int = 1) -> torch.Tensor:
-    """Each position's cross-entropy, [batch, seq_len] (0 where it is no target); with chunks > 1 (no grad: eval)
-    the logits of 1/chunks of the tokens at a time, as loss.chunks trains."""
-    inputs, labels, kwargs = model_inputs(batch)
+def token_losses(
+    model: nn.Module, batch: torch.Tensor, amp, chunks: int = 1, split: ContextSplit | None = None
+) -> torch.Tensor:
+    """Each position's cross-entropy, [batch, seq_len] (0 where it is no target; this rank's positions under context
+    parallel); with chunks > 1 (no grad: eval) the logits of 1/chunks of the tokens at a time, as loss.chunks
+    trains."""
+    inputs, labels, kwargs = model_inputs(batch, split)
     if chunks == 1:
         with amp:
             logits = model(input_ids=inputs, **kwargs).logits

@@ -83,6 +83,12 @@ def check_expert_parallel(cfg: DictConfig, world_size: int) -> None:
 
 def check_context_parallel(cfg: DictConfig, world_size: int) -> None:
     p, strategy = cfg.parallel, Strategy(cfg.sharding.strategy)
+    if p.cp < 1 or (world_size // p.tp) % p.cp:  # first: the layout below divides by it
+        raise ConfigError(
+            "parallel.cp",
+            f"{p.cp} does not divide the {world_size // p.tp} ranks of world {world_size} / tp",
+            "use a divisor",
+        )
     refused = [
         ("sharding", strategy in (Strategy.ddp, Strategy.ddp_classic), f"{strategy.value} with cp is not supported"),
         ("sharding.cpu_offload", cfg.sharding.cpu_offload, "CPU offload with context parallel is not supported yet"),

@@ -34,6 +34,7 @@ KNOBS = {
     2: {
         "cp2+ac+eval": ["parallel.cp=2", "activation_checkpointing=every_block", "trainer.eval_interval=2"],
         "cp2+selective": ["parallel.cp=2", "activation_checkpointing=selective"],
+        "eval": ["trainer.eval_interval=2"],  # the evaluation above, without cp
     },
     4: {
         "cp2+hsdp": ["parallel.cp=2", "sharding=hsdp", "sharding.replicate=2", "trainer.micro_batch_size=1"],
@@ -55,11 +56,16 @@ def test_losses_and_export_match_the_single_process_reference(results, family, n
     assert_matches_reference(results, family, name, world)
 
 
-def test_evaluation_runs_on_whole_sequences(results):
+def test_evaluation_splits_the_sequences_as_training_does(results):
+    """Eval under cp (each rank its chunks of the held-out windows) gives the loss eval without cp gives."""
     out, *_ = results
-    evals = [r for r in read_records(str(out / "w2" / "llama" / "cp2+ac+eval")) if "eval_loss" in r]
-    assert [r["step"] for r in evals] == [2, 4]
-    assert all(0 < r["eval_loss"] < 10 for r in evals)
+
+    def evals(name: str) -> dict[int, float]:
+        return {r["step"]: r["eval_loss"] for r in read_records(str(out / "w2" / "llama" / name)) if "eval_loss" in r}
+
+    split, whole = evals("cp2+ac+eval"), evals("eval")
+    assert list(split) == [2, 4]
+    assert split == pytest.approx(whole, rel=1e-5)
 
 
 def test_a_cp_checkpoint_resumes_at_cp_1(results, tmp_path):
@@ -74,6 +80,12 @@ def test_the_mesh_is_printed_at_start(results):
 
 def test_bad_context_parallel_settings_are_one_line():
     assert refused(3, "parallel.cp=2").startswith("parallel.cp: 2 does not divide the 3 ranks")
+    assert refused(2, "parallel.cp=4").startswith("parallel.cp: 4 does not divide the 2 ranks")
+    assert refused(2, "parallel.cp=0").startswith("parallel.cp: 0 does not divide")
+    dynamic = "+model.config.rope_parameters={rope_type:dynamic,factor:2.0,rope_theta:10000.0}"
+    assert refused(2, *from_config("llama"), dynamic, "parallel.cp=2").startswith(
+        "parallel.cp: LlamaForCausalLM has RoPE scaled by the sequence length"
+    )
     assert refused(2, "parallel.cp=2", "data.seq_len=62").startswith(
         "parallel.cp: data.seq_len=62 does not split into 2 x cp = 4 chunks"
     )
