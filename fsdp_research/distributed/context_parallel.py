@@ -120,7 +120,9 @@ def check_cp(model: nn.Module, cp: int, tp: int, seq_len: int) -> None:
     if config is None or not can_set():
         reason = f"{type(model).__name__}'s attention is not transformers' attention interface, which cp splits"
         raise ConfigError("parallel.cp", reason, "use parallel.cp=1")
-    if attention_of(model) not in SPLITTABLE:
+    family = sys.modules[type(model).__module__]
+    eager_unknown = attention_of(model) == "eager" and not hasattr(family, "eager_attention_forward")
+    if attention_of(model) not in SPLITTABLE or eager_unknown:
         reason = f"attention {attention_of(model)!r} is not split here (only {', '.join(SPLITTABLE)})"
         raise ConfigError("parallel.cp", reason, "use parallel.cp=1, or model.config._attn_implementation=sdpa")
     what = unsplittable(config, seq_len) or (
