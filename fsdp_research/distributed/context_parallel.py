@@ -38,6 +38,14 @@ def _positions(seq_len: int, cp: int, chunks, device: torch.device) -> torch.Ten
     return torch.cat([torch.arange(c * size, (c + 1) * size, device=device) for c in chunks])
 
 
+@functools.cache
+def _gathered_order(seq_len: int, cp: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the positions of the gathered sequence's tokens: rank by rank, each rank's two chunks; the gathered index of
+    each position): the same for every attention call of a run, made once."""
+    order = _positions(seq_len, cp, chunk_order(cp), device)
+    return order, torch.argsort(order)
+
+
 class ContextSplit:
     """A cp group's split of the sequence: this rank's tokens, and the switch (`splitting`) under which the model's
     attention gathers the sequence over the group."""
@@ -65,10 +73,6 @@ class ContextSplit:
         finally:
             self.active = False
 
-    def _order(self, seq_len: int, device: torch.device) -> torch.Tensor:
-        """The positions of the gathered sequence's tokens (rank by rank, each rank's two chunks)."""
-        return _positions(seq_len, self.cp, chunk_order(self.cp), device)
-
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """[batch, heads, local tokens, dim] -> [batch, heads / cp, tokens, dim] of the whole sequence, in order:
         this rank keeps the cp-th part of the heads that is its rank."""
@@ -76,13 +80,14 @@ class ContextSplit:
         parts = x.reshape(b, self.cp, h // self.cp, s, d).transpose(0, 1).contiguous()
         received = funcol.all_to_all_single_autograd(parts, None, None, self.group)
         whole = received.permute(1, 2, 0, 3, 4).reshape(b, h // self.cp, self.cp * s, d)
-        return whole[:, :, torch.argsort(self._order(self.cp * s, x.device))]
+        return whole[:, :, _gathered_order(self.cp * s, self.cp, x.device)[1]]
 
     def scatter_sequence(self, y: torch.Tensor) -> torch.Tensor:
         """[batch, tokens, heads / cp, dim] in order -> [batch, local tokens, heads, dim]: the inverse of
         gather_sequence, on attention's output (transformers' functions return it tokens first)."""
         b, s, h, d = y.shape
-        parts = y[:, self._order(s, y.device)].reshape(b, self.cp, s // self.cp, h, d).transpose(0, 1).contiguous()
+        gathered = y[:, _gathered_order(s, self.cp, y.device)[0]]
+        parts = gathered.reshape(b, self.cp, s // self.cp, h, d).transpose(0, 1).contiguous()
         received = funcol.all_to_all_single_autograd(parts, None, None, self.group)
         return received.permute(1, 2, 0, 3, 4).reshape(b, s // self.cp, self.cp * h, d)
 

@@ -43,20 +43,23 @@ def _trained_note(m: ModelSummary) -> str:
     return f" ({_count(trained * m.tp)} trained)" if trained != sum(u.numel for u in units) else ""
 
 
-def _tp(m: ModelSummary) -> str:
-    """Tensor parallel's part of the plan line (ddp_classic, replicated, refuses it)."""
-    return f", tp {m.tp}" + (" with sequence parallel" if m.sequence_parallel else "") if m.tp > 1 else ""
+def _layout(m: ModelSummary, run: Run) -> str:
+    """The plan line's layout: replicated (ddp_classic, which refuses tp and cp), or the shard group, its units, tp
+    and cp."""
+    if m.strategy is Strategy.ddp_classic:
+        return "replicated"
+    tp = f", tp {m.tp}" + (" with sequence parallel" if m.sequence_parallel else "") if m.tp > 1 else ""
+    cp = f", cp {run.cp} ({run.tokens // run.micro_batch} tokens of each sequence a rank)" if run.cp > 1 else ""
+    return f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units{tp}{cp}"
 
 
 def format_plan(m: ModelSummary, run: Run) -> str:
     e, mem = run.compute_dtype, memory(m, run)
     replicated = m.strategy is Strategy.ddp_classic
     size = f"{_count(m.n_params)} parameters" + _experts_note(m) + _trained_note(m)
-    cp = f", cp {run.cp} ({run.tokens // run.micro_batch} tokens of each sequence a rank)" if run.cp > 1 else ""
-    layout = "replicated" if replicated else f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units{_tp(m)}{cp}"
     deferring = run.micro_steps > 1 and run.defer_grad_sync
     lines = [
-        f"{m.name}: {size}, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {layout}",
+        f"{m.name}: {size}, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {_layout(m, run)}",
         f"compute {e}, reduce {run.reduce_dtype}; micro-batch {run.micro_batch} x {run.seq_len} tokens, "
         f"{run.micro_steps} micro-batch(es) per step; {_checkpointing(m.checkpointed)}",
         *([m.optimizer_split] if m.optimizer_split else []),

@@ -5,6 +5,7 @@ batch). Everything in fsdp_research.planner.memory is a pure function of these t
 import functools
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -210,10 +211,6 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         )
         for p in paths
     )
-    root_in_block = [0] * len(plan.blocks)
-    for name, (rows, row) in owned[""]:
-        if block_of(name) is not None:
-            root_in_block[block_of(name)] += rows * row
     embedding = input_embedding(model).weight
     output = output_layer(model)
     tied = output is not None and any(p is embedding for p in output.parameters())
@@ -237,7 +234,7 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         checkpointed=tuple(isinstance(model.get_submodule(b), CheckpointWrapper) for b in plan.blocks),
         units=units[:-1] if plan.units else (),
         root=units[-1],
-        root_in_block=tuple(root_in_block),
+        root_in_block=_root_in_block(owned[""], block_of, len(plan.blocks)),
         input_embedding=0 if tied else embedding.numel(),
         frozen_norms=_frozen_vectors(model),
         **_optimizer(cfg.optim, model, plan),
@@ -249,6 +246,15 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         ep=ep,
         moe_blocks=tuple(sorted({block_of(p) for p in fused_experts(model)} - {None})),
     )
+
+
+def _root_in_block(root_owned: list, block_of: Callable[[str], int | None], n_blocks: int) -> tuple[int, ...]:
+    """The root unit's elements inside each block (norms under per_linear, whole blocks under root_only)."""
+    inside = [0] * n_blocks
+    for name, (rows, row) in root_owned:
+        if block_of(name) is not None:
+            inside[block_of(name)] += rows * row
+    return tuple(inside)
 
 
 def _owned(cfg: DictConfig, model: nn.Module, paths: list[str], experts: set[str]) -> tuple[dict, dict]:
