@@ -63,6 +63,10 @@ MOE = [
     "model.config.num_key_value_heads=4", "precision=fp32", "trainer.micro_batch_size=2", "trainer.global_batch_size=8",
     "data.seq_len=256",
 ]  # fmt: skip
+# The knobs in fp32 (MID32): their terms do not depend on the precision, and bf16 matmuls have no fast path on CPUs
+# without AVX-512 BF16 (a llama_mid step takes a minute there); bf16 is held by llama_tiny, mid, Muon, LoRA and
+# the loss in chunks.
+MID32 = MID + ["precision=fp32"]
 CASES = {
     "llama_tiny": [],
     "llama_tiny-fp32-no_reshard-every_block": [
@@ -71,35 +75,36 @@ CASES = {
         "activation_checkpointing=every_block",
     ],
     "mid": MID,
-    "mid-reshard_all-every_2nd": MID + ["sharding=reshard_all", "activation_checkpointing=every_2nd"],
+    "mid-fp32-reshard_all-every_2nd": MID32 + ["sharding=reshard_all", "activation_checkpointing=every_2nd"],
     # Muon's one momentum per matrix beside AdamW's two moments for the rest.
     "mid-muon": MID + ["optim=muon"],
     # The knobs: op-level checkpointing, explicit prefetch, the loss in chunks (a vocabulary where the
     # logits weigh: 16k x 1024 tokens of fp32 log-probabilities are 64 MiB a rank).
-    "mid-selective": MID + ["activation_checkpointing=selective"],
-    "mid-selective-every_2nd-mm3": MID
+    "mid-fp32-selective": MID32 + ["activation_checkpointing=selective"],
+    "mid-fp32-selective-every_2nd-mm3": MID32
     + [
         "activation_checkpointing=selective",
         "activation_checkpointing.stride=2",
         "activation_checkpointing.mm_save_every=3",
     ],
-    "mid-prefetch": MID + ["sharding.prefetch_forward=2", "sharding.prefetch_backward=3"],
-    "mid-vocab16k": MID + ["model.config.vocab_size=16384"],
+    "mid-fp32-prefetch": MID32 + ["sharding.prefetch_forward=2", "sharding.prefetch_backward=3"],
+    "mid-fp32-vocab16k": MID32 + ["model.config.vocab_size=16384"],
+    # bf16: in fp32 the planner's loss chunks' temporaries come out 13% under the tracker's (not modelled yet).
     "mid-vocab16k-chunks": MID + ["model.config.vocab_size=16384", "loss.chunks=8"],
 }
 # Reshard to groups of 2 after forward needs a shard group of 4.
 CASES_4 = {
-    "mid-4-reshard2": MID + ["trainer.micro_batch_size=4", "sharding.reshard_after_forward=2"],
+    "mid-4-fp32-reshard2": MID32 + ["trainer.micro_batch_size=4", "sharding.reshard_after_forward=2"],
     # Tensor parallel: tp 2 x dp_shard 2 (fp32: gloo's bf16 collectives are fragile), with sequence parallel and
     # without.
-    "mid-4-tp2-sp": MID + ["precision=fp32", "parallel.tp=2"],
-    "mid-4-tp2": MID + ["precision=fp32", "parallel.tp=2", "parallel.sequence_parallel=false"],
+    "mid-4-tp2-sp": MID32 + ["parallel.tp=2"],
+    "mid-4-tp2": MID32 + ["parallel.tp=2", "parallel.sequence_parallel=false"],
     # Expert parallel: a rank gathers its ep rank's experts (an MoE of qwen3_moe's shapes, 8 experts, top-2).
     "moe-4-ep2": MOE + ["parallel.ep=2"],
     "moe-4-ep4": MOE + ["parallel.ep=4"],
     # Context parallel: a rank's activations of half of each sequence (attention: half the heads, every token).
-    "mid-4-cp2": MID + ["precision=fp32", "parallel.cp=2"],
-    "mid-4-cp2-tp2": MID + ["precision=fp32", "parallel.cp=2", "parallel.tp=2", "trainer.global_batch_size=8"],
+    "mid-4-cp2": MID32 + ["parallel.cp=2"],
+    "mid-4-cp2-tp2": MID32 + ["parallel.cp=2", "parallel.tp=2", "trainer.global_batch_size=8"],
 }
 # What the planner does not model of an MoE block yet: its activations (a block not llama's counts Korthikanti's).
 MOE_UNMODELLED = ("activations", "activations_and_temporaries", "peak")
@@ -288,7 +293,7 @@ def test_accumulation_shows_both_ways_of_reducing(capsys):
 # The time model against measured step times: configs of the mid-size llama whose costs differ in compute
 # (checkpointing, selective checkpointing, the batch, the loss in chunks) and in communication (micro-batches,
 # resharding), on 2 CPU ranks in fp32, rates calibrated in the same processes.
-TIMED_BASE = MID + ["precision=fp32", "data.seq_len=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8"]
+TIMED_BASE = MID32 + ["data.seq_len=64", "trainer.global_batch_size=16", "trainer.micro_batch_size=8"]
 TIMED = {
     "plain": [],
     "every_block": ["activation_checkpointing=every_block"],
@@ -454,7 +459,7 @@ def _ema_bytes_and_groups(containers: dict) -> dict:
 
 RESIDENT_4 = {
     "mid-4-ema": MID + ["trainer.micro_batch_size=4", "callbacks=[ema]"],
-    "mid-4-reshard2": CASES_4["mid-4-reshard2"],
+    "mid-4-reshard2": CASES_4["mid-4-fp32-reshard2"],
 }
 
 

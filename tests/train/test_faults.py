@@ -247,8 +247,9 @@ def test_a_dead_rank_stops_the_others_and_is_named(work, launcher):
 
 
 def test_a_kill_between_async_saves_keeps_the_first(work):
-    """The async save of step 6 is published at a step boundary soon after it is written, well before the next save
-    begins; a SIGKILL then loses at most checkpoint.interval steps, and the resume is exact."""
+    """The async save of step 6 is published at a step boundary once every rank has written it, at the latest as the
+    next save begins (on a loaded machine the write can take 6 steps); a SIGKILL then loses at most
+    checkpoint.interval steps, and the resume is exact."""
     overrides = [*SPAWN, "checkpoint.async=true"]
     with ThreadPoolExecutor(2) as pool:
         base = pool.submit(
@@ -260,7 +261,7 @@ def test_a_kill_between_async_saves_keeps_the_first(work):
         logged = _steps(run_dir)
         job.kill()
         assert base.result().returncode == 0
-    assert complete_steps(run_dir) == [INTERVAL] and logged < 2 * INTERVAL, logged
+    assert complete_steps(run_dir) == [INTERVAL] and logged <= 2 * INTERVAL, logged
     resumed = Launch(str(work / "async"), [*overrides, f"hydra.run.dir={run_dir}"]).finish()
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _same_run(run_dir, str(work / "async_base" / "run"))
