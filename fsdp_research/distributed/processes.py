@@ -117,7 +117,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 def _keep_freed_host_memory() -> None:
     """Keep a step's freed host memory for the next step. glibc hands memory freed at the top of its heap back to
     the OS once more than its trim threshold is free, and a CPU step frees its activations there: each step then
-    faults ~48 MB back in, page by page (12k minor faults, ~4% of the issue case's step; bench/overhead.py). A
+    faults ~48 MB back in, page by page (12k minor faults a step; docs/benchmarks/overhead.md). A
     fixed mmap threshold at glibc's own dynamic ceiling (32 MiB), since setting the trim threshold stops glibc
     raising it. Explicit MALLOC_*_ settings win; not glibc: nothing to do."""
     if any(name in os.environ for name in ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_")):

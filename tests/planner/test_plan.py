@@ -459,7 +459,7 @@ def _ema_bytes_and_groups(containers: dict) -> dict:
 
 RESIDENT_4 = {
     "mid-4-ema": MID + ["trainer.micro_batch_size=4", "callbacks=[ema]"],
-    "mid-4-reshard2": CASES_4["mid-4-fp32-reshard2"],
+    "mid-4-fp32-reshard2": CASES_4["mid-4-fp32-reshard2"],
 }
 
 
@@ -478,7 +478,7 @@ def test_resident_state_as_measured():
     assert planned == pytest.approx(measured["mid-4-ema"]["ema"], rel=0.10)
     for name, cfg in configs.items():
         assert extra_groups(summary_for(cfg), run_settings(cfg, 4, "cpu")) == measured[name]["groups"]
-    assert measured["mid-4-reshard2"]["groups"] == 14
+    assert measured["mid-4-fp32-reshard2"]["groups"] == 14
 
 
 def test_callbacks_declare_their_state(capsys):
