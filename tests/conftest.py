@@ -1,6 +1,7 @@
 """Configs are composed with Hydra's compose API (fsdp_research.jobs.compose.compose), exactly as train.py composes
 them; outputs go to tmp dirs."""
 
+import collections
 import glob
 import os
 import sysconfig
@@ -34,6 +35,37 @@ def _offline(tmp_path_factory):
         # Token stores of this session's own, not the user's.
         patch.setenv("FSDP_RESEARCH_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
         yield
+
+
+# Where the suite's time goes (printed at its end, docs/benchmarks/tests.md): seconds and interpreter starts per
+# test module. Every process the tests start imports tests/helpers/startup/sitecustomize.py, which counts it.
+_STARTS = os.path.join(ROOT, ".pytest_cache", f"starts-{os.getpid()}.txt")
+_seconds: collections.Counter = collections.Counter()
+
+
+def pytest_configure(config):
+    os.makedirs(os.path.dirname(_STARTS), exist_ok=True)
+    open(_STARTS, "w").close()
+    os.environ["FSDP_RESEARCH_TEST_STARTS"] = _STARTS
+    startup = os.path.join(ROOT, "tests", "helpers", "startup")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [startup, os.environ.get("PYTHONPATH")]))
+
+
+def pytest_runtest_logreport(report):
+    _seconds[report.nodeid.split("::")[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    with open(_STARTS) as f:
+        starts = collections.Counter(line.strip() for line in f)
+    modules = sorted(set(_seconds) | set(starts) - {"?"}, key=lambda m: -_seconds[m])
+    if not modules:
+        return
+    terminalreporter.section("time per test module")
+    terminalreporter.write_line(f"{'seconds':>8} {'starts':>6}  module")
+    for module in modules:
+        terminalreporter.write_line(f"{_seconds[module]:8.1f} {starts[module]:6d}  {module}")
+    terminalreporter.write_line(f"{sum(_seconds.values()):8.1f} {sum(starts.values()):6d}  total")
 
 
 def pytest_collection_modifyitems(items):
