@@ -132,8 +132,11 @@ def _record_death(run_dir: str, err: ProcessExitedException) -> None:
 
 def run_spawned(cfg: DictConfig, world_size: int, run_dir: str) -> None:
     """Train cfg in run_dir on world_size worker processes of this node, as torchrun would; raises
-    ProcessExitedException when a worker fails (a bad config: exit code 2, said once on stderr)."""
-    spawn(_spawned_worker, world_size, OmegaConf.to_container(cfg, resolve=True), run_dir)
+    ProcessExitedException when a worker fails (a bad config: exit code 2, said once on stderr). CPU workers are
+    forked from a forkserver that imports the trainer once for all of them (CUDA cannot be forked: spawn)."""
+    cpu = device_for(cfg.trainer.device, 0).type == "cpu"
+    preload = ("fsdp_research.jobs.launch",) if cpu else ()
+    spawn(_spawned_worker, world_size, OmegaConf.to_container(cfg, resolve=True), run_dir, preload=preload)
 
 
 def check_job(cfg: DictConfig) -> None:

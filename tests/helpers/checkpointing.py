@@ -6,7 +6,6 @@ import hashlib
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from fsdp_research.model.parallelize import build_sharded_model
 from tests.conftest import ROOT
 from tests.helpers.cli import read_metrics, subprocess_env
 from tests.helpers.dist import full_state, run_distributed
+from tests.helpers.forked import Forked
 
 
 def with_overrides(base: Sequence[str], *changes: str) -> list[str]:
@@ -46,23 +46,17 @@ class Run:
 
 
 class Job:
-    """`python train.py <overrides> hydra.run.dir=<run_dir>`, started in a new session; its output goes to
-    <logs>.stdout and .stderr (default: beside the run dir), so a run dir holds only what the run wrote."""
+    """`python train.py <overrides> hydra.run.dir=<run_dir>` (forked: tests/helpers/forked.py), in a new session;
+    its output goes to <logs>.stdout and .stderr (default: beside the run dir), so a run dir holds only what the run
+    wrote."""
 
     def __init__(self, run_dir: str, overrides: Sequence[str], hf_cache: str, logs: str | None = None):
         self.run_dir = run_dir
         logs = logs or run_dir.rstrip("/")
         self._logs = (logs + ".stdout", logs + ".stderr")
         env = {**subprocess_env(), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "HF_DATASETS_CACHE": hf_cache}
-        with open(self._logs[0], "w") as out, open(self._logs[1], "w") as err:
-            self.proc = subprocess.Popen(
-                [sys.executable, os.path.join(ROOT, "train.py"), *overrides, f"hydra.run.dir={run_dir}"],
-                cwd=ROOT,
-                env=env,
-                stdout=out,
-                stderr=err,
-                start_new_session=True,
-            )
+        args = [*overrides, f"hydra.run.dir={run_dir}"]
+        self.proc = Forked(os.path.join(ROOT, "train.py"), args, ROOT, env, new_session=True, logs=self._logs)
 
     def finish(self, timeout: float = 300) -> Run:
         try:

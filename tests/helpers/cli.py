@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tests.conftest import ROOT
+from tests.helpers.forked import Forked
 
 TRAIN = os.path.join(ROOT, "train.py")
 
@@ -37,8 +38,11 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-def start(overrides: Sequence[str], cwd: str, torchrun_nproc: int = 0) -> subprocess.Popen:
-    """`python train.py <overrides>` in cwd (torchrun with torchrun_nproc workers when > 0)."""
+def start(overrides: Sequence[str], cwd: str, torchrun_nproc: int = 0, real: bool = False) -> subprocess.Popen | Forked:
+    """`python train.py <overrides>` in cwd (torchrun with torchrun_nproc workers when > 0): forked from the suite's
+    forkserver, unless `real` or torchrun (a test about the launch itself starts a real interpreter)."""
+    if not (real or torchrun_nproc):
+        return Forked(TRAIN, overrides, cwd, subprocess_env())
     launcher = [sys.executable]
     if torchrun_nproc:
         launcher += ["-m", "torch.distributed.run", "--nproc_per_node", str(torchrun_nproc)]
@@ -52,7 +56,7 @@ def start(overrides: Sequence[str], cwd: str, torchrun_nproc: int = 0) -> subpro
     )
 
 
-def finish(proc: subprocess.Popen, timeout: float = 300) -> Finished:
+def finish(proc: subprocess.Popen | Forked, timeout: float = 300) -> Finished:
     stdout, stderr = proc.communicate(timeout=timeout)
     return Finished(proc.returncode, stdout, stderr)
 

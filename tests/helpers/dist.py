@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.processes import spawn
 from fsdp_research.train.trainer import train
+from tests.helpers.forked import PRELOAD
 
 
 def _run_and_keep(fn: Callable, args: tuple, path: str) -> None:
@@ -38,10 +39,11 @@ def _run_and_keep(fn: Callable, args: tuple, path: str) -> None:
 
 def run_distributed(fn: Callable, world_size: int, *args: Any) -> Any:
     """fn(*args) on world_size new processes (a module-level function; it joins the process group through the
-    library's init_distributed, as the trainer does); returns what rank 0's call returned."""
+    library's init_distributed, as the trainer does); returns what rank 0's call returned. The processes are
+    forked from the suite's forkserver: each test's ranks are new processes, with nothing left by another test."""
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.pt")
-        spawn(_run_and_keep, world_size, fn, args, path)
+        spawn(_run_and_keep, world_size, fn, args, path, preload=PRELOAD)
         return torch.load(path, weights_only=False)
 
 

@@ -44,9 +44,9 @@ def runs(tmp_path_factory):
     Each runs in its own cwd so that every file a launch creates can be accounted for."""
     cwds = {name: str(tmp_path_factory.mktemp(name)) for name in LAUNCHES}
     procs = {
-        "single": start(OVERRIDES + [f"hydra.run.dir={cwds['single']}/run"], cwds["single"]),
+        "single": start(OVERRIDES + [f"hydra.run.dir={cwds['single']}/run"], cwds["single"], real=True),
         # W&B where it matters: more than one rank, only rank 0 may log.
-        "spawn": start(OVERRIDES + ["logger=wandb", "distributed.nproc_per_node=2"], cwds["spawn"]),
+        "spawn": start(OVERRIDES + ["logger=wandb", "distributed.nproc_per_node=2"], cwds["spawn"], real=True),
         "torchrun": start(OVERRIDES + ["logger=wandb"], cwds["torchrun"], torchrun_nproc=2),
     }
     results = {name: finish(proc) for name, proc in procs.items()}
