@@ -8,6 +8,8 @@ import sysconfig
 
 import pytest
 
+from tests.helpers import beside
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A few standard-library modules: real text, on every machine, small enough to tokenize in a second.
 TEXT = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "[a-c]*.py")))
@@ -66,11 +68,20 @@ def pytest_terminal_summary(terminalreporter):
     for module in modules:
         terminalreporter.write_line(f"{_seconds[module]:8.1f} {starts[module]:6d}  {module}")
     terminalreporter.write_line(f"{sum(_seconds.values()):8.1f} {sum(starts.values()):6d}  total")
+    if _beside:
+        title = f"{beside.FOLDER}: {_beside.count} test(s) run beside the rest (deselected above), exit code"
+        terminalreporter.section(f"{title} {_beside.returncode}")
+        terminalreporter.write(_beside.report())
 
 
-def pytest_collection_modifyitems(items):
-    """The markers whole folders carry: tests/slurm (a real cluster, many launches) and tests/census (every family)
-    are slow; tests/slurm is distributed and slurm too."""
+_beside: beside.Beside | None = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(config, items):
+    """The markers whole folders carry (before -m and -k choose): tests/slurm (a real cluster, many launches) and
+    tests/census (every family) are slow; tests/slurm is distributed and slurm too. Then, of what was chosen, the
+    SLURM tests go to a pytest of their own beside this one."""
     for item in items:
         parts = item.nodeid.split("/")
         if parts[1:2] == ["slurm"]:
@@ -78,3 +89,14 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.distributed)
         if parts[1:2] in (["slurm"], ["census"]):
             item.add_marker(pytest.mark.slow)
+    yield
+    global _beside
+    _beside = beside.split(items, config)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _beside and _beside.finish(failed=exitstatus != 0) not in (
+        pytest.ExitCode.OK,
+        pytest.ExitCode.NO_TESTS_COLLECTED,
+    ):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

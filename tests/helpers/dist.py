@@ -47,6 +47,21 @@ def run_distributed(fn: Callable, world_size: int, *args: Any) -> Any:
         return torch.load(path, weights_only=False)
 
 
+def _as_rank_0_of(world_size: int, fn: Callable, args: tuple) -> Any:
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
+
+    os.environ.update(WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    return fn(*args)
+
+
+def run_fake(fn: Callable, world_size: int, *args: Any) -> Any:
+    """fn(*args) as rank 0 of `world_size` ranks on torch's fake process group, in one forked process (torchtitan
+    checks an N-GPU configuration so): collectives return at once and move no data, so a rank's shapes, buffers and
+    memory are as on real ranks, its values are not. For what depends on shapes alone (the planner's tracker)."""
+    return run_distributed(_as_rank_0_of, 1, world_size, fn, args)
+
+
 def full_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The full, unsharded weights on CPU (a collective: every rank calls it)."""
     model = getattr(model, "module", model)

@@ -8,7 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
-from tests.helpers.dist import run_distributed
+from tests.helpers.dist import run_distributed, run_fake
 from tests.helpers.timing import prepared, train_step
 
 # The planner's categories as sums of the tracker's.
@@ -70,8 +70,9 @@ def _measure_each(configs: dict[str, Any]) -> dict[str, dict[str, int]]:
     return peaks
 
 
-def measure_step_memory(configs: dict[str, Any], world_size: int) -> dict[str, dict[str, int]]:
+def measure_step_memory(configs: dict[str, Any], world_size: int, fake: bool = False) -> dict[str, dict[str, int]]:
     """Rank 0's peak bytes per group (and the optimizer state) in one tracked step of each config, all on the same
-    `world_size` processes (gloo, CPU); the ranks hold equal shares."""
+    `world_size` processes (gloo, CPU; the ranks hold equal shares), or, with `fake`, as rank 0 of `world_size`
+    fake ranks in one process (what a rank allocates depends on shapes alone, except where the data sets them)."""
     containers = {name: OmegaConf.to_container(cfg, resolve=True) for name, cfg in configs.items()}
-    return run_distributed(_measure_each, world_size, containers)
+    return (run_fake if fake else run_distributed)(_measure_each, world_size, containers)

@@ -1,0 +1,45 @@
+"""tests/slurm in a second pytest process beside the rest of the session: their wall time is mostly the
+scheduler's (job starts, requeues), so the rest runs meanwhile. The child runs exactly the SLURM tests this
+session selected; its report is printed at the end and its failure fails the session."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+FOLDER = "tests/slurm/"
+
+
+class Beside:
+    def __init__(self, nodeids: list[str], config: pytest.Config):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="slurm-beside-", suffix=".log")
+        args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-ra", f"--maxfail={config.option.maxfail}"]
+        self.process = subprocess.Popen(
+            [*args, *nodeids], cwd=config.rootpath, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.returncode: int | None = None
+        self.count = len(nodeids)
+
+    def finish(self, failed: bool) -> int:
+        """Waits for the child (stops it once the session has failed anyway); returns its exit code."""
+        if failed:
+            os.killpg(self.process.pid, signal.SIGTERM)
+        self.returncode = self.process.wait()
+        return self.returncode
+
+    def report(self) -> str:
+        self.log.seek(0)
+        return self.log.read()
+
+
+def split(items: list[pytest.Item], config: pytest.Config) -> Beside | None:
+    """Takes the SLURM tests out of `items` into a child pytest, when the session has others to run meanwhile."""
+    slurm = [item for item in items if item.nodeid.startswith(FOLDER)]
+    if not slurm or len(slurm) == len(items) or config.option.collectonly:
+        return None
+    items[:] = [item for item in items if not item.nodeid.startswith(FOLDER)]
+    config.hook.pytest_deselected(items=slurm)
+    return Beside([item.nodeid for item in slurm], config)
