@@ -5,6 +5,7 @@ import contextlib
 import ctypes
 import datetime
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,6 +32,23 @@ class LaunchEnv:
 
 
 def _free_port() -> int:
+    """A free port for a new group's store, chosen below the kernel's ephemeral range: a port the kernel hands out
+    (bind to 0) can be taken by any outgoing connection (gloo's, another job's) before the store binds it, which
+    failed a run with EADDRINUSE; one outside that range only by another explicit choice (drawn apart from OS
+    entropy, never from the training's random state)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral = 32768
+    draw = random.SystemRandom()
+    for _ in range(64 if ephemeral > 20000 else 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", draw.randrange(20000, ephemeral)))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
