@@ -9,6 +9,7 @@ from those files by byte copies (fsdp_research.checkpoint.consolidate). `fsdp-re
 converts any resume checkpoint offline, with no process group and no GPU."""
 
 import contextlib
+import copy
 import logging
 import os
 import shutil
@@ -70,6 +71,14 @@ def _hf_writer(hf_config, dtype: torch.dtype, shard_size: int) -> Writer:
         twin.save_pretrained(out_dir, state_dict=tensors, max_shard_size=shard_size)
 
     return write
+
+
+def untied(hf_config):
+    """A copy of the config whose output head is its own weight, not the input embedding's."""
+    config = copy.deepcopy(hf_config)
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        part.tie_word_embeddings = False
+    return config
 
 
 def write_hf_dir(
@@ -200,11 +209,14 @@ def _blocks_to(value: DTensor, owner: int) -> torch.Tensor | None:
     return full
 
 
-def write_parts(model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtype, shard_size: int) -> None:
-    """This rank's part of an export (a collective, every rank calls it): group i of the model's weights is
-    gathered to rank i % world, which writes it into parts/<i>/, one round of world groups at a time."""
+def write_parts(
+    model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtype, shard_size: int, replaced: dict
+) -> None:
+    """This rank's part of an export (a collective, every rank calls it): group i of the model's weights (or their
+    `replaced` values) is gathered to rank i % world, which writes it into parts/<i>/, one round of world groups at
+    a time."""
     inner = getattr(model, "module", model)
-    state = get_model_state_dict(inner)
+    state = {k: replaced.get(clean_name(k), v) for k, v in get_model_state_dict(inner).items()}
     rank, world = dist.get_rank(), dist.get_world_size()
     write = _hf_writer(hf_config, dtype, shard_size) if hf_config is not None else _state_writer(dtype, shard_size)
     groups = _groups(inner, list(state))
@@ -221,12 +233,18 @@ def write_parts(model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtyp
 
 
 def export_model(
-    model: torch.nn.Module, hf_config, out_dir: str, dtype: torch.dtype, shard_size: int, tokenizer: str | None
+    model: torch.nn.Module,
+    hf_config,
+    out_dir: str,
+    dtype: torch.dtype,
+    shard_size: int,
+    tokenizer: str | None,
+    replaced: dict[str, torch.Tensor] | None = None,
 ) -> None:
     """Write the weights as a Hugging Face directory (hf_config None: a model of one's own) from every rank, none
     holding more than a group at a time (a collective, every rank calls it): each rank's part into
     <out_dir>.parts/ (write_parts), the shards consolidated from those files by every rank, the index, config and
-    tokenizer by rank 0."""
+    tokenizer by rank 0. `replaced`: weights written instead of the model's, by name (laid out as those)."""
     rank, world, group = dist.get_rank(), dist.get_world_size(), control_group()
     parts = f"{os.path.normpath(out_dir)}.parts"
     if rank == 0:
@@ -236,7 +254,7 @@ def export_model(
             if name.endswith(".safetensors") or name == INDEX:
                 os.remove(os.path.join(out_dir, name))
     dist.barrier(group=group)
-    write_parts(model, hf_config, parts, dtype, shard_size)
+    write_parts(model, hf_config, parts, dtype, shard_size, replaced or {})
     dist.barrier(group=group)
     files = [
         os.path.join(parts, d, f)
@@ -265,8 +283,11 @@ def export_run(model: torch.nn.Module, cfg: DictConfig, hf_config, out_dir: str)
     shard_size = export_shard_size(cfg.checkpoint.export_shard_size)
     lora = lora_enabled(cfg.model.lora)
     if not lora or cfg.checkpoint.export_merged:
-        with merged(model) if lora else contextlib.nullcontext():
-            export_model(model, hf_config, out_dir, export_dtype(cfg), shard_size, cfg.data.tokenizer)
+        with merged(model) if lora else contextlib.nullcontext({}) as apart:
+            if apart:
+                log.info(f"{', '.join(apart)}: adapted and tied to another module; the merged export unties them")
+                hf_config = untied(hf_config)
+            export_model(model, hf_config, out_dir, export_dtype(cfg), shard_size, cfg.data.tokenizer, apart)
     adapter = os.path.join(out_dir, ADAPTER_DIR)
     if lora:
         export_adapter(model, cfg.model, adapter)

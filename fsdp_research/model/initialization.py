@@ -45,14 +45,11 @@ def materialize(model: nn.Module, params: torch.device, device: torch.device) ->
             if param is not None:
                 places.setdefault(id(param), []).append((module, name))
     model.to_empty(device=params)
-    # to_empty gives each module its own new tensor, which unties shared weights: tie them again (transformers'
-    # models by their own rule, any other as they were).
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    else:
-        for (first, first_name), *others in places.values():
-            for module, name in others:
-                module._parameters[name] = first._parameters[first_name]
+    # to_empty gives each module its own new tensor, which unties shared weights: tie them again as they were (not by
+    # transformers' tie_weights, which cannot reach a head that LoRA wrapped: the weight is its base layer's).
+    for (first, first_name), *others in places.values():
+        for module, name in others:
+            module._parameters[name] = first._parameters[first_name]
     for (module, name), buf in buffers.items():
         module._buffers[name] = buf
 

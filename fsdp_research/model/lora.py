@@ -4,6 +4,7 @@ with the adapters set aside; the adapters initialised as PEFT initialises them (
 from its own seed, whole on every rank, so alike at any world size; and the adapters merged into the base for an
 export."""
 
+import collections
 import contextlib
 import hashlib
 import math
@@ -243,24 +244,40 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def merged(model: nn.Module) -> Iterator[nn.Module]:
+def merged(model: nn.Module) -> Iterator[dict[str, torch.Tensor]]:
     """The adapters merged into the base weights (PEFT's get_delta_weight: B A x alpha / r, transposed for a
     fan-in-fan-out layer) and the base view of the model, for as long as the context lasts; the base's shards as
-    they were after (a collective: every rank calls it)."""
+    they were after (a collective: every rank calls it). Yields the merged weights an export writes apart, by name:
+    those of adapted layers whose weight another module shares (a head tied to the input embedding), left as they
+    are in the model, where an added delta would change the other module too."""
     # An eval's forward left units gathered: their shards are what the export reads and what is restored.
     reshard(model)
-    kept = []
-    for _, layer in lora_layers(model):
+    kept, apart = [], {}
+    uses = collections.Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    for name, layer in lora_layers(model):
         weight = layer.base_layer.weight
-        kept.append((weight, local_shard(weight).detach().to("cpu", copy=True)))
         a, b = _full(layer.lora_A[ADAPTER].weight.detach()), _full(layer.lora_B[ADAPTER].weight.detach())
         delta = (b.float() @ a.float()) * layer.scaling[ADAPTER]
-        with torch.no_grad():  # each rank adds its rows of the delta to its shard
-            local_shard(weight).add_(_local_part(weight, delta.T if layer.fan_in_fan_out else delta))
+        part = _local_part(weight, delta.T if layer.fan_in_fan_out else delta)  # this rank's rows of the delta
+        if uses[id(weight)] > 1:
+            apart[f"{clean_name(name)}.weight"] = _like(weight, local_shard(weight).detach() + part)
+            continue
+        kept.append((weight, local_shard(weight).detach().to("cpu", copy=True)))
+        with torch.no_grad():
+            local_shard(weight).add_(part)
     try:
         with base_view(model):
-            yield model
+            yield apart
     finally:
         for weight, value in kept:
             with torch.no_grad():
                 local_shard(weight).copy_(value)
+
+
+def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """A tensor laid out as param (a DTensor's placements) with `local` as this rank's part."""
+    if not isinstance(param, DTensor):
+        return local
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )

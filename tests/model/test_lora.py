@@ -26,11 +26,11 @@ from fsdp_research.model.lora import apply_lora, base_identity, initial_a
 from fsdp_research.model.parallelize import planned_model
 from fsdp_research.train.state import TrainState
 from fsdp_research.train.validation import checked_plan
-from tests.conftest import ROOT
+from tests.conftest import FAST, ROOT
 from tests.helpers.chats import CONVERSATIONS, chat_llama, write_chats
 from tests.helpers.cli import finish, read_metrics, start
 from tests.helpers.reference import decay_groups, factor_at
-from tests.helpers.zoo import hf_config, pretrained
+from tests.helpers.zoo import hf_config, initial_weights, pretrained
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -239,3 +239,31 @@ def test_the_frozen_base_is_stored_in_the_compute_dtype(runs):
     assert {dtypes[n] for n, p in model.named_parameters() if p.requires_grad} == {torch.float32}
     assert {dtypes[n] for n, p in model.named_parameters() if not p.requires_grad} == {torch.bfloat16}
     assert dtypes["lm_head.modules_to_save.default.weight"] == torch.float32
+
+
+def test_an_adapted_tied_head_is_exported_untied(tmp_path):
+    """Llama-3.2's head, tied to the input embedding, among LoRA's targets at 2 ranks: the merged export unties it
+    (the head with its adapter merged, the embedding as it was), so its logits are those of the adapted model as
+    PEFT loads the exported adapter onto the base; merged into the shared weight, they differed by ~0.8."""
+    base = initial_weights("llama", str(tmp_path / "base"), tie_word_embeddings=True)
+    run = tmp_path / "run"
+    overrides = [*pretrained(base), "model.lora.r=4", "model.lora.target_modules=[q_proj,v_proj,lm_head]"]
+    train = [o for o in FAST if not o.startswith(("data.paths=", "checkpoint.export="))] + ["data=synthetic"]
+    settings = [
+        "optim.lr=0.01",
+        "schedule.warmup_steps=0",
+        "trainer.max_steps=2",
+        "distributed.nproc_per_node=2",
+        "checkpoint.save=false",
+    ]
+    done = finish(
+        start([*train, *overrides, *settings, "checkpoint.export_dtype=float32", f"hydra.run.dir={run}"], str(tmp_path))
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), str(run / "export" / "adapter"))
+    exported = AutoModelForCausalLM.from_pretrained(str(run / "export"))
+    with torch.no_grad():
+        torch.testing.assert_close(exported(ids).logits, adapted(ids).logits, rtol=1e-6, atol=1e-5)
+    assert not exported.config.tie_word_embeddings
+    assert "lm_head.weight: adapted and tied to another module; the merged export unties them" in done.stdout
