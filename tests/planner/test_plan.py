@@ -39,7 +39,7 @@ from fsdp_research.metrics.hardware import (
     gpu,
 )
 from fsdp_research.optim.muon import newton_schulz
-from fsdp_research.planner.activations import recompute_share
+from fsdp_research.planner.activations import block_activation_bytes, recompute_share
 from fsdp_research.planner.budget import budget
 from fsdp_research.planner.calibrate import ADAMW_BYTES, cpu_hardware, cpu_optimizer_rate
 from fsdp_research.planner.fit import candidates, fit
@@ -287,6 +287,14 @@ def test_checkpointing_trades_activations_for_recompute():
     assert recompute_share((True,) * 4) == pytest.approx(1 / 3)
     every, half, none = (memory(summary, run, ckpt).activations for ckpt in ((True,) * 4, None, (False,) * 4))
     assert every < half < none
+
+
+@pytest.mark.parametrize("tp,sp,per_token", [(8, True, 34 / 8 * 1024), (16, False, (10 + 24 / 16) * 1024)])
+def test_korthikanti_activations_of_a_block_not_llama_s(tp, sp, per_token):
+    """A family whose block the planner does not know: Korthikanti et al.'s (10 + 24/t) x h x e/2 bytes a token,
+    34/t with sequence parallel (h 1024, 16-bit), not rounded down by t first."""
+    m = replace(summary_for(compose([])), model_type="gpt2", hidden=1024, sdpa=True, tp=tp, sequence_parallel=sp)
+    assert block_activation_bytes(m, 2, 4096) == per_token
 
 
 def test_bad_batch_is_refused_like_the_trainer(capsys):
