@@ -6,8 +6,9 @@ attention function on it (causal, in order), and sends each rank its tokens back
 
 The cp ranks hold the same parameters: they are the inner part of the shard dimension (`dp_shard x cp`), which FSDP
 shards over and averages gradients over as over data-parallel ranks (each rank's loss is the mean over as many
-tokens). Training's forward and backward split attention (ContextSplit.splitting); evaluation, samples and the
-checks' forwards run the family's attention on whole sequences."""
+tokens). Training's and evaluation's forwards split attention (ContextSplit.splitting), each rank its chunks of
+the eval windows as of the training's; samples (generate) and the checks' forwards run the family's attention on
+whole sequences."""
 
 import contextlib
 import functools
