@@ -1,8 +1,10 @@
 """Hydra wiring, for train.py, the command-line tools and the tests (the library never imports it): the schema
 in Hydra's ConfigStore, the resolvers conf/ uses, and compose() for a config without @hydra.main."""
 
+import contextlib
 import difflib
 import os
+import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -135,6 +137,10 @@ def continue_run(cfg: DictConfig) -> DictConfig:
     path = os.path.join(folder, HISTORY)
     history = OmegaConf.to_container(OmegaConf.load(path)) if os.path.exists(path) else None
     if resuming and (not os.path.isdir(run_dir) or set(os.listdir(run_dir)) <= {".hydra"}):  # Hydra has just made it
+        if history is None and hydra.output_subdir:  # not left made: a mistyped path would look like a run
+            shutil.rmtree(folder, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                os.rmdir(run_dir)
         raise ConfigError(
             "checkpoint.resume",
             f"{cfg.checkpoint.resume} does not exist (or holds no run)",

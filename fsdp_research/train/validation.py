@@ -12,6 +12,7 @@ from fsdp_research.config.schema import (
     ActivationCheckpointingConfig,
     CheckpointConfig,
     CheckpointMode,
+    DistributedConfig,
     DoctorConfig,
     ModelConfig,
     PrecisionConfig,
@@ -267,8 +268,18 @@ def check_model(cfg: ModelConfig, hf_config) -> None:
     check_lora(cfg.lora, cfg.load_weights)
 
 
+def check_distributed(cfg: DistributedConfig) -> None:
+    if cfg.nproc_per_node < 1:
+        raise ConfigError(
+            "distributed.nproc_per_node", f"{cfg.nproc_per_node} is below 1", "use 1 or more processes on this machine"
+        )
+    if cfg.timeout_s <= 0:
+        raise ConfigError("distributed.timeout_s", f"{cfg.timeout_s} is not a time to wait", "use e.g. 600")
+
+
 def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.device) -> None:
     """The whole config, for a launch of world_size ranks on `device` (what needs the model: check_planned)."""
+    check_distributed(cfg.distributed)
     check_parallel(cfg, world_size)
     check_trainer(cfg.trainer, world_size // (cfg.parallel.tp * cfg.parallel.cp))
     check_model(cfg.model, hf_config)

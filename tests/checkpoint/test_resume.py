@@ -74,6 +74,7 @@ def test_a_resume_continues_with_the_runs_own_config(run_dir, tmp_path):
         f"error: checkpoint.resume: {tmp_path / 'nope'} does not exist (or holds no run); fix: give a run dir or "
         "one of its checkpoints/step_<N> dirs"
     )
+    assert not os.path.exists(tmp_path / "nope")  # a mistyped path is not left made
     assert open(os.path.join(run_dir, ".hydra", "overrides.yaml")).read() == before
     resumed = finish(start([f"checkpoint.resume={run_dir}", "trainer.max_steps=8"], ROOT))
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -46,6 +46,7 @@ APP_ERRORS = {
     "no_model_dir": ("model.name_or_path", ["model=pretrained", "model.name_or_path=/no/such/model"]),
     "optim_target": ("optim._target_", ["optim._target_=mypkg.opt.Lion"]),
     "param_group": ("optim.param_groups[0].match", ["optim.param_groups=[{match: nothing_here}]"]),
+    "no_processes": ("distributed.nproc_per_node", ["distributed.nproc_per_node=0"]),
     "nccl_on_cpu": ("distributed.backend", ["distributed.backend=nccl", "trainer.device=cpu"]),
     "nccl_spawned": ("distributed.backend", ["distributed.nproc_per_node=2", "distributed.backend=nccl"]),
     "reshard_int": (
