@@ -156,7 +156,7 @@ def bare_loop(cfg, steps: int) -> float:
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
 
     def step(s: int) -> None:
-        batch = data.rank_batch(s, t.global_batch_size, rank, world).to(device)
+        batch = data.rank_batch(s * t.global_batch_size, t.global_batch_size, rank, world).to(device)
         logits = model(input_ids=batch[:, :-1]).logits
         F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).backward()
         if cfg.optim.grad_clip > 0:
@@ -262,7 +262,7 @@ def itemize(cfg, out: str, calls: int = 300) -> None:
     batch = itertools.count()
     items = {
         (EVERY_STEP, "the next batch (read ahead on a thread: cores and the interpreter lock)"): lambda: (
-            data.rank_batch(next(batch), t.global_batch_size, rank, world)
+            data.rank_batch(next(batch) * t.global_batch_size, t.global_batch_size, rank, world)
         ),
         (EVERY_STEP, "the learning-rate schedule's step"): lambda: scheduler.step(),
         (EVERY_STEP, f"the gradient norm and clipping (optim.grad_clip={cfg.optim.grad_clip:g})"): lambda: (

@@ -60,7 +60,7 @@ def accelerate_loop(cfg, steps: int) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def step(s: int) -> None:
-        batch = data.rank_batch(s, t.global_batch_size, rank, world).to(accelerator.device)
+        batch = data.rank_batch(s * t.global_batch_size, t.global_batch_size, rank, world).to(accelerator.device)
         logits = model(input_ids=batch[:, :-1]).logits
         accelerator.backward(F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()))
         accelerator.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)

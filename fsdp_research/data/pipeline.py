@@ -139,15 +139,17 @@ class Data:
     def eval_batch(self, name: str, index: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(self.eval_sets[name].read(index))
 
-    def rank_batch(self, step: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
-        """This rank's slice of the global batch of `step` (0-based): samples step * batch_size + [0, batch_size)."""
+    def rank_batch(self, first: int, batch_size: int, rank: int, world_size: int) -> torch.Tensor:
+        """This rank's slice of the global batch of samples first + [0, batch_size): a run reads on from the samples
+        it consumed, whatever batch size each of its steps had."""
         if self.overfit_batches:
-            step %= self.overfit_batches
+            first %= self.overfit_batches * batch_size
         per_rank = batch_size // world_size
-        return self.batch(step * batch_size + rank * per_rank + np.arange(per_rank))
+        return self.batch(first + rank * per_rank + np.arange(per_rank))
 
     def global_batch(self, step: int, batch_size: int) -> torch.Tensor:
-        return self.rank_batch(step, batch_size, 0, 1)
+        """The global batch of `step` (0-based) of a run at one batch size throughout."""
+        return self.rank_batch(step * batch_size, batch_size, 0, 1)
 
     def describe(self) -> str:
         out = []

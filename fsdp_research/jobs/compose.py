@@ -78,9 +78,14 @@ def compose(overrides: Sequence[str] = ()) -> DictConfig:
 # In <run dir>/.hydra/: the overrides of each launch of the run, its first then each resume's (Hydra rewrites
 # overrides.yaml at every launch with that launch's alone).
 HISTORY = "overrides_history.yaml"
-# What a resume cannot change: the shapes of the checkpoint's weights, the ids and the order of the data.
+# What a resume cannot change: the shapes of the checkpoint's weights, the ids and the order of the data (its
+# windows: their count, the held-out split, the chat rendering and packing), the eval sets. The global batch size
+# may change: the data goes on from the samples consumed.
 FIXED = ("model.", "data.kind", "data.paths", "data.sources", "data.text_field", "data.seq_len", "data.tokenizer",
-         "data.hub_", "data.split", "data.eval_fraction", "trainer.seed")  # fmt: skip
+         "data.hub_", "data.split", "data.eval_fraction", "data.max_windows", "data.max_documents",
+         "data.num_sequences", "data.eval_paths", "data.eval_sources", "data.messages_field", "data.prompt_field",
+         "data.completion_field", "data.chat_template", "data.loss_on", "data.truncation", "data.packing",
+         "data.document_masking", "trainer.seed")  # fmt: skip
 # A resume's weights are the checkpoint's; the MoE balancing rate is a training setting.
 CHANGEABLE = ("model.load_weights", "model.moe.")
 

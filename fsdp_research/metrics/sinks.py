@@ -165,7 +165,9 @@ class WandbSink:
                 self.log(record)
             else:
                 for key, value in record.items():
-                    if key != "step":
+                    if key == "samples":  # the completions' record; a step row's "samples" is a count
+                        self.samples(record["step"], value)
+                    elif key != "step":
                         self.note(record["step"], key, value)
 
     def log(self, metrics: dict[str, Any]) -> None:
@@ -184,7 +186,7 @@ class WandbSink:
         table = wandb.Table(
             columns=["step", "prompt", "completion"], data=[[step, r["prompt"], r["completion"]] for r in rows]
         )
-        self.run.log({"samples": table}, step=step)
+        self.run.log({"completions": table}, step=step)  # "samples" is the count of samples trained on
 
     def finish(self, failed: bool = False) -> None:
         # A run that raised is marked failed in W&B, not left running.

@@ -59,14 +59,21 @@ def open_data(cfg: DictConfig, vocab_size: int) -> Data:
 
 
 def read_ahead(
-    data: Data, t: DictConfig, start: int, device: torch.device, resources: contextlib.ExitStack, group: int = 1
+    data: Data,
+    t: DictConfig,
+    start: tuple[int, int],
+    device: torch.device,
+    resources: contextlib.ExitStack,
+    group: int = 1,
 ) -> Prefetcher:
-    """This rank's batches from step `start` on (trainer section `t`), read ahead on a thread (closed when the run
-    ends): its data-parallel rank's (the `group` ranks of a tp x cp group read the same)."""
+    """This rank's batches from `start` on ((step, samples consumed before it); trainer section `t`), read ahead on
+    a thread (closed when the run ends): its data-parallel rank's (the `group` ranks of a tp x cp group read the
+    same). The samples go on from those consumed, so a resume at another global batch size trains on the next."""
     rank, world = data_parallel(group)
+    step0, consumed = start
     batches = Prefetcher(
-        lambda step: data.rank_batch(step, t.global_batch_size, rank, world),
-        start,
+        lambda step: data.rank_batch(consumed + (step - step0) * t.global_batch_size, t.global_batch_size, rank, world),
+        step0,
         t.max_steps,
         pin=device.type == "cuda",
     )

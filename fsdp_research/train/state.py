@@ -18,6 +18,8 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: LossScaler
     step: int = 0
+    # The samples (windows) trained on: where the data goes on, whatever the global batch size of each step was.
+    samples: int = 0
     tokens_seen: int = 0
     wandb_run_id: str = field(default_factory=new_run_id)
     # LoRA: what identifies the frozen base the adapters train on (fsdp_research.model.lora.base_identity).
@@ -26,6 +28,7 @@ class TrainState:
     def state_dict(self, world_size: int) -> dict[str, Any]:
         return {
             "step": self.step,
+            "samples": self.samples,
             "tokens_seen": self.tokens_seen,
             "wandb_run_id": self.wandb_run_id,
             "world_size": world_size,
@@ -34,7 +37,8 @@ class TrainState:
             "base_weights": self.base_weights,
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], seq_len: int) -> None:
+        """`seq_len`: the run's window, which counts the samples of a checkpoint from before they were kept."""
         if state.get("base_weights") != self.base_weights:
             raise ConfigError(
                 "model.name_or_path",
@@ -44,6 +48,7 @@ class TrainState:
                 "resume with the run's own model settings",
             )
         self.step, self.tokens_seen, self.wandb_run_id = state["step"], state["tokens_seen"], state["wandb_run_id"]
+        self.samples = state.get("samples", self.tokens_seen // seq_len)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
 

@@ -160,14 +160,14 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         trainer_state, callback_state = checkpointer.load(
             resume_dir, model, optimizer, callbacks.state_dict(), configured_keys(cfg.optim)
         )
-        state.load_state_dict(trainer_state)
+        state.load_state_dict(trainer_state, cfg.data.seq_len)
         state.scheduler = continue_schedule(state.scheduler, cfg, base_lrs, resume_dir)
         callbacks.load_state_dict(callback_state)
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
     throughput = throughput_of(cfg, d, model, plan, device, state.step)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)
-    batches = read_ahead(data, t, state.step, device, resources, cfg.parallel.tp * cfg.parallel.cp)
+    batches = read_ahead(data, t, (state.step, state.samples), device, resources, cfg.parallel.tp * cfg.parallel.cp)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -246,6 +246,7 @@ def train_step(run: Run, step: int) -> StepResult:
     lr = run.state.scheduler.get_last_lr()[0]
     run.state.scheduler.step()
     run.state.step = step + 1
+    run.state.samples += t.global_batch_size
     run.state.tokens_seen += t.global_batch_size * run.cfg.data.seq_len
     # Skipped for the callbacks (the EMA's average stays): by one of them, or by the loss scaler's overflow.
     return StepResult(loss_sum, norm, lr, totals, mean_loss, skipped or not finite)
@@ -344,6 +345,7 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> dic
         "loss": out.mean_loss if out.mean_loss is not None else mean_over_ranks(out.loss),
         "lr": out.lr,
         "grad_norm": out.grad_norm.item(),
+        "samples": run.state.samples,
         **loss_metrics(out.stats),
         **run.throughput.stop(steps),
         **run.peak.window(),

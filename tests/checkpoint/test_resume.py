@@ -2,13 +2,17 @@
 the run with its own config (its groups and keys as it started, then the overrides given now, which win), keeps
 the history of overrides in .hydra/, refuses what cannot change on a resume, and a path that does not exist."""
 
+import json
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import yaml
 
+from fsdp_research.data.pipeline import build_data
+from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST, ROOT
 from tests.helpers.checkpointing import with_overrides
 from tests.helpers.cli import finish, read_metrics, start
@@ -64,6 +68,7 @@ def test_a_resume_continues_with_the_runs_own_config(run_dir, tmp_path):
     bad = {
         "seq_len": start([f"checkpoint.resume={run_dir}", "data.seq_len=32"], ROOT),
         "missing": start([f"checkpoint.resume={tmp_path / 'nope'}"], ROOT),
+        "max_windows": start([f"checkpoint.resume={run_dir}", "data.max_windows=50"], ROOT),
     }
     refused = {name: finish(proc) for name, proc in bad.items()}
     assert refused["seq_len"].returncode == 2 and refused["seq_len"].last_error_line() == (
@@ -75,6 +80,9 @@ def test_a_resume_continues_with_the_runs_own_config(run_dir, tmp_path):
         "one of its checkpoints/step_<N> dirs"
     )
     assert not os.path.exists(tmp_path / "nope")  # a mistyped path is not left made
+    # A window count moves the held-out split into what was trained on.
+    assert refused["max_windows"].returncode == 2
+    assert refused["max_windows"].last_error_line().startswith("error: data.max_windows: cannot change on a resume")
     assert open(os.path.join(run_dir, ".hydra", "overrides.yaml")).read() == before
     resumed = finish(start([f"checkpoint.resume={run_dir}", "trainer.max_steps=8"], ROOT))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -89,3 +97,23 @@ def test_a_resume_continues_with_the_runs_own_config(run_dir, tmp_path):
     with open(os.path.join(run_dir, ".hydra", "config.yaml")) as f:
         config = yaml.safe_load(f)
     assert (config["schedule"]["name"], config["trainer"]["max_steps"]) == ("constant", 8)
+
+
+def test_a_resume_at_another_global_batch_size_reads_on_from_the_samples_trained(tmp_path):
+    """Batch-size warm-up: 4 steps at a global batch of 8, then a resume at 16 for 2 steps. The model's inputs are
+    the first 4 x 8 + 2 x 16 windows of the epoch order, each once and in order (at 16, reading from step x batch
+    size skipped 32 of them); metrics.jsonl counts the samples trained on."""
+    run_dir = str(tmp_path / "run")
+    record = "+callbacks.inputs._target_=tests.helpers.plugins.InputRecorder"
+    overrides = [*FIRST, record, "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "trainer.log_interval=1"]
+    first = finish(start([*overrides, f"hydra.run.dir={run_dir}"], ROOT))
+    assert first.returncode == 0, first.stderr[-3000:]
+    more = ["trainer.max_steps=6", "trainer.global_batch_size=16"]
+    resumed = finish(start([f"checkpoint.resume={run_dir}", *more], ROOT))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    with open(os.path.join(run_dir, "inputs_rank0.jsonl")) as f:
+        seen = [window for line in f for window in json.loads(line)]
+    cfg = compose(overrides)
+    windows = build_data(cfg.data, 0, cfg.trainer.seed).batch(np.arange(64))[:, :-1]
+    assert seen == windows.tolist()
+    assert [m["samples"] for m in read_metrics(run_dir)] == [8, 16, 24, 32, 48, 64]

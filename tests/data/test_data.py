@@ -44,7 +44,7 @@ def test_permutation_is_a_bijection(n):
 def test_global_batch_is_the_same_whatever_the_world_size(world_size):
     data = _data(eval_fraction=0.1)
     for step in range(8):
-        ranks = [data.rank_batch(step, BATCH, rank, world_size) for rank in range(world_size)]
+        ranks = [data.rank_batch(step * BATCH, BATCH, rank, world_size) for rank in range(world_size)]
         assert all(len(r) == BATCH // world_size for r in ranks)
         assert torch.equal(torch.cat(ranks), data.global_batch(step, BATCH))
 

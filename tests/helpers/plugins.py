@@ -187,3 +187,18 @@ class BlowsUp(nn.Module):
         for layer in self.layers:
             x = layer(x)
         return Output(self.head(x))
+
+
+class InputRecorder:
+    """Appends each training forward's input ids, as the model received them, to <run dir>/inputs_rank<r>.jsonl
+    (one line a micro-batch): which windows a run trained on, in order."""
+
+    def setup(self, run) -> None:
+        path = os.path.join(run.run_dir, f"inputs_rank{run.rank}.jsonl")
+
+        def record(module, args) -> None:
+            if module.training:
+                with open(path, "a") as f:
+                    f.write(json.dumps(args[0].tolist()) + "\n")
+
+        run.model.get_input_embeddings().register_forward_pre_hook(record)

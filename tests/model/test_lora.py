@@ -188,7 +188,7 @@ def test_checkpoints_hold_the_adapters_and_a_resume_is_exact(runs):
     changed.save_pretrained(str(other))
     state = TrainState(None, None, base_weights=base_identity(compose(pretrained(str(other)) + LORA).model))
     with pytest.raises(ConfigError, match="model.name_or_path: is not the base the checkpoint's adapters trained on"):
-        state.load_state_dict({"base_weights": before})
+        state.load_state_dict({"base_weights": before}, 64)
     assert base_identity(compose(pretrained(model_dir)).model) is None
 
 
@@ -199,7 +199,7 @@ def test_the_samples_are_transformers_generate_of_the_export(runs):
     samples = {}
     for name in ("one", "two"):
         with open(tmp / name / "metrics.jsonl") as f:
-            [samples[name]] = [row["samples"] for row in map(json.loads, f) if "samples" in row][-1]
+            [samples[name]] = [row["samples"] for row in map(json.loads, f) if isinstance(row.get("samples"), list)][-1]
     sample = samples["one"]
     assert sample["prompt"] == PROMPT and samples["two"] == sample  # every rank extends alike
     for extra in ([], ["--adapter"]):

@@ -214,7 +214,7 @@ def test_overfit_batches_repeat_exactly_at_any_world_size():
     for step in range(6):
         batch = data.global_batch(step, 8)
         assert torch.equal(batch, data.global_batch(step % 2, 8))
-        assert torch.equal(torch.cat([data.rank_batch(step, 8, r, 4) for r in range(4)]), batch)
+        assert torch.equal(torch.cat([data.rank_batch(step * 8, 8, r, 4) for r in range(4)]), batch)
     assert not torch.equal(data.global_batch(0, 8), data.global_batch(1, 8))
 
 
