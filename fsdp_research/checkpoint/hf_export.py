@@ -10,6 +10,7 @@ converts any resume checkpoint offline, with no process group and no GPU."""
 
 import contextlib
 import copy
+import json
 import logging
 import os
 import shutil
@@ -27,7 +28,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from fsdp_research.checkpoint.consolidate import INDEX, consolidate, write_index
 from fsdp_research.config.sizes import export_shard_size
-from fsdp_research.data.chat import chat_tokenizer
+from fsdp_research.data.chat import PROMPTS, chat_tokenizer, prompt_rendering
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.precision import fp32_names, parse_dtype
@@ -293,6 +294,8 @@ def export_run(model: torch.nn.Module, cfg: DictConfig, hf_config, out_dir: str)
         export_adapter(model, cfg.model, adapter)
     if dist.get_rank() != 0:
         return
+    with open(os.path.join(out_dir, PROMPTS), "w") as f:  # generate tokenizes prompts as the run's samples did
+        json.dump({"rendering": prompt_rendering(cfg.data)}, f)
     # The run's tokenizer beside its adapter; with data.chat_template, the template the data was rendered with (not
     # the tokenizer's own) beside the weights too.
     tok = chat_tokenizer(cfg.data) if cfg.data.chat_template else load_tokenizer(cfg.data.tokenizer).hf

@@ -1,7 +1,9 @@
 """fsdp-research generate <export dir | run dir> --prompt TEXT [--prompt TEXT ...] [--max-new-tokens N] [--adapter]:
 a run's export continued by transformers' generate (greedy), in this process alone: the merged model, or with
---adapter (or where no merged model was written) the base with the LoRA adapter through PEFT. A chat model's
-prompts are user messages rendered with its chat template."""
+--adapter (or where no merged model was written) the base with the LoRA adapter through PEFT. Prompts are tokenized
+as the run's samples were (its export's prompts.json): a user's message in the chat template for conversations, as
+the data tokenizes a pair's prompt for prompt/completion data, plain text otherwise; an export without the record
+(made elsewhere): the chat template where the tokenizer has one."""
 
 import argparse
 import json
@@ -9,7 +11,7 @@ import os
 from collections.abc import Sequence
 
 from fsdp_research.cli.common import fail
-from fsdp_research.data.chat import end_of_turn
+from fsdp_research.data.chat import PROMPTS, end_of_turn
 from fsdp_research.model.lora import ADAPTER_DIR
 
 
@@ -41,6 +43,15 @@ def _load(export: str, adapter: bool):
     return model.eval(), tokenizer
 
 
+def _rendering(export: str, tokenizer) -> str:
+    """How the run tokenized its prompts (fsdp_research.data.chat.prompt_rendering), as its export records it."""
+    try:
+        with open(os.path.join(export, PROMPTS)) as f:
+            return json.load(f)["rendering"]
+    except (OSError, ValueError, KeyError):
+        return "chat" if tokenizer.chat_template else "text"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fsdp-research generate", description=__doc__.split(":", 1)[1].strip())
     parser.add_argument("path", help="a run's export dir, or its run dir")
@@ -50,20 +61,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     import torch
 
+    export = _export_dir(args.path)
     try:
-        model, tokenizer = _load(_export_dir(args.path), args.adapter)
+        model, tokenizer = _load(export, args.adapter)
     except (OSError, ValueError, KeyError) as err:
         return fail(f"{args.path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
+    rendering = _rendering(export, tokenizer)
     # The end of the document, and of the assistant's turn (as the trainer's samples stop).
-    stop = [tokenizer.eos_token_id, *([end_of_turn(tokenizer)] if tokenizer.chat_template else [])]
+    stop = [tokenizer.eos_token_id, *([end_of_turn(tokenizer)] if rendering == "chat" else [])]
     stop = [i for i in stop if i is not None]
     for prompt in args.prompt:
-        if tokenizer.chat_template:
+        if rendering == "chat":
             messages = [{"role": "user", "content": prompt}]
             text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         else:
             text = prompt
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        ids = tokenizer(text, add_special_tokens=rendering == "pair", return_tensors="pt")["input_ids"]
         with torch.no_grad():
             out = model.generate(
                 input_ids=ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stop or None

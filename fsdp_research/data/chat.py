@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fsdp_research.config.data_schema import DataConfig, LossOn, Truncation
+from fsdp_research.config.data_schema import DataConfig, DataKind, LossOn, Truncation
 from fsdp_research.data.formats import hub_records, read_records
 from fsdp_research.data.parts import first_file, resolve_files
 from fsdp_research.data.tokenizer import load_tokenizer
@@ -27,6 +27,17 @@ _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 class Document:
     ids: np.ndarray  # int64 token ids
     targets: np.ndarray  # bool: token j is trained on (predicted from the tokens before it)
+
+
+# How a run's prompts are tokenized (its samples, and `generate` on its export): a user's message in the chat
+# template, a prompt/completion pair's prompt as the data tokenizes it (special tokens too), or plain text.
+PROMPTS = "prompts.json"
+
+
+def prompt_rendering(cfg: DataConfig) -> str:
+    if cfg.kind is not DataKind.chat:
+        return "text"
+    return "pair" if cfg.prompt_field else "chat"
 
 
 def chat_tokenizer(cfg: DataConfig):

@@ -10,8 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
 
-from fsdp_research.config.data_schema import DataKind
-from fsdp_research.data.chat import chat_tokenizer, end_of_turn
+from fsdp_research.data.chat import chat_tokenizer, end_of_turn, prompt_rendering
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.errors import ConfigError
 
@@ -43,10 +42,11 @@ def _encoder(cfg: DictConfig) -> tuple[Callable[[str], list[int]], set[int]]:
     pairs: as the pair's prompt is tokenized; text: its tokens, stopping at the end of the document."""
     base = load_tokenizer(cfg.data.tokenizer)
     eos = base.eos_id
-    if cfg.data.kind is not DataKind.chat:
+    rendering = prompt_rendering(cfg.data)
+    if rendering == "text":
         return base.prompt_ids, {eos}
     tok = chat_tokenizer(cfg.data)
-    if cfg.data.prompt_field:
+    if rendering == "pair":
         return lambda prompt: tok(prompt)["input_ids"], {eos}
 
     def encode(prompt: str) -> list[int]:

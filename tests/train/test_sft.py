@@ -10,9 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from fsdp_research.cli.generate import main as generate
 from fsdp_research.data.packing import IGNORE, INPUTS, LABELS, POSITIONS
 from fsdp_research.data.pipeline import build_data
 from fsdp_research.jobs.compose import compose
+from fsdp_research.metrics.sinks import read_records
 from tests.conftest import ROOT
 from tests.helpers.chats import CHATML_MARKED, CONVERSATIONS, chat_llama, chat_tokenizer, write_chats
 from tests.helpers.cli import finish, read_metrics, start
@@ -43,8 +45,24 @@ def runs(tmp_path_factory):
         "trainer.global_batch_size=4",
         "checkpoint.interval=0",
     ]
+    pairs = _write_pairs(str(tmp / "data" / "pairs.jsonl"))
     procs = {
         1: start([*common, "trainer.micro_batch_size=2", f"hydra.run.dir={tmp / 'one'}"], ROOT),
+        # Prompt/completion pairs, sampled at the last eval.
+        "pairs": start(
+            [
+                *common,
+                f"data.paths=[{pairs}]",
+                f"data.eval_paths=[{pairs}]",
+                "data.prompt_field=prompt",
+                "data.completion_field=completion",
+                f"trainer.sample_prompts=[{PAIR_PROMPT}]",
+                "trainer.sample_tokens=6",
+                "trainer.micro_batch_size=2",
+                f"hydra.run.dir={tmp / 'pairs'}",
+            ],
+            ROOT,
+        ),
         2: start(
             [*common, "trainer.micro_batch_size=1", "checkpoint.export=false", f"hydra.run.dir={tmp / 'two'}"],
             ROOT,
@@ -69,9 +87,21 @@ def runs(tmp_path_factory):
         ),
     }
     done = {name: finish(proc) for name, proc in procs.items()}
-    for name in (1, 2, "sets"):
+    for name in (1, 2, "sets", "pairs"):
         assert done[name].returncode == 0, done[name].stderr[-3000:]
     return common, model, tmp, done
+
+
+PAIR_PROMPT = "What is x + 1 when x is 2?"
+
+
+def _write_pairs(path: str) -> str:
+    """Each conversation's first user message and the answer to it, as prompt/completion records."""
+    with open(path, "w") as f:
+        for messages in CONVERSATIONS * 8:
+            turns = [m for m in messages if m["role"] != "system"]
+            f.write(json.dumps({"prompt": turns[0]["content"], "completion": turns[1]["content"]}) + "\n")
+    return path
 
 
 def _hf_labels(labels: torch.Tensor) -> torch.Tensor:
@@ -134,3 +164,14 @@ def test_a_record_without_the_messages_field_is_one_line(runs):
     assert bad.last_error_line().startswith("error: data.messages_field: ")
     assert "has no field 'conversation' (its fields: messages)" in bad.last_error_line()
     assert not (runs[2] / "bad" / "metrics.jsonl").exists()
+
+
+def test_generate_on_a_pair_run_prompts_as_its_samples_did(runs, capsys):
+    """Prompt/completion data with a tokenizer that has a chat template: `fsdp-research generate` tokenizes the
+    prompt as the pairs were (no template), so its continuation is the run's last sample (wrapped in the template,
+    it continued something else)."""
+    _, _, tmp, _ = runs
+    [sample] = [r["samples"] for r in read_records(str(tmp / "pairs")) if isinstance(r.get("samples"), list)][-1]
+    assert sample["prompt"] == PAIR_PROMPT
+    assert generate([str(tmp / "pairs"), "--prompt", PAIR_PROMPT, "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == f"{PAIR_PROMPT} -> {sample['completion']}\n"
