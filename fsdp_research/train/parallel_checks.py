@@ -1,6 +1,7 @@
 """The checks of the parallel axes (parallel.tp, .ep, .cp) against the rest of the config and the planned model:
 what combines is what the tests train against the single-process reference; the rest is refused in one line."""
 
+import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
@@ -8,6 +9,7 @@ from fsdp_research.config.schema import Strategy
 from fsdp_research.data.pipeline import packed
 from fsdp_research.distributed.context_parallel import check_cp
 from fsdp_research.distributed.expert_parallel import check_ep
+from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.distributed.tensor_parallel import check_divisible, sequence_parallel, tp_plan
 from fsdp_research.errors import ConfigError
@@ -79,6 +81,15 @@ def check_expert_parallel(cfg: DictConfig, world_size: int) -> None:
     ]
     _refuse(refused, "use parallel.ep=1")
     _check_divides_shard(cfg, world_size, "parallel.ep", p.ep)
+    # torch 2.13 divides a lone rank's gradients by the factor as well as by its pre/post factors of fp16.
+    reduce = dtypes(cfg.precision)[1]
+    if layout(cfg, world_size).shard_group == p.ep and reduce not in (torch.float32, torch.bfloat16):
+        raise ConfigError(
+            "precision.reduce_dtype",
+            f"{reduce} with parallel.ep={p.ep} leaves each expert one data-parallel rank, where torch divides its "
+            "gradients twice",
+            "use precision.reduce_dtype=float32 (or bfloat16), or more data-parallel ranks than ep",
+        )
 
 
 def check_context_parallel(cfg: DictConfig, world_size: int) -> None:

@@ -8,6 +8,9 @@ mixtral; hsdp and context parallel (cp=2 on the ep ranks) on qwen3_moe. A checkp
 
 import pytest
 
+from fsdp_research.jobs.compose import compose
+from fsdp_research.train.parallel_checks import check_parallel
+from tests.conftest import FAST
 from tests.helpers.parallel import (
     BASE,
     assert_matches_reference,
@@ -63,6 +66,10 @@ def test_bad_expert_parallel_settings_are_one_line():
     assert refused(4, *moe, "parallel.ep=2", "parallel.tp=2").startswith("parallel.tp: expert parallel with tensor")
     assert refused(2, *moe, "parallel.ep=2", "sharding=ddp_classic").startswith("sharding: ddp_classic with expert")
     assert refused(2, *moe, "parallel.ep=2", "trainer.compile=true").startswith("trainer.compile: torch.compile with")
+    # fp16's pre/post divide factors and a lone rank's own divide: expert gradients divided twice in torch 2.13.
+    fp16 = ["precision.param_dtype=float16", "precision.reduce_dtype=float16"]
+    assert refused(2, *moe, "parallel.ep=2", *fp16).startswith("precision.reduce_dtype: torch.float16 with parallel.ep")
+    check_parallel(compose(FAST + [*moe, "parallel.ep=2", *fp16]), 4)  # 2 ranks an expert: one division
 
 
 def test_the_mesh_is_printed_at_start(results):
