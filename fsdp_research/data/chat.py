@@ -83,8 +83,12 @@ def _assistant_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, in
     for k, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        prompt = tok.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True) if k else ""
         upto = tok.apply_chat_template(messages[: k + 1], tokenize=False)
+        if k:
+            prompt = tok.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
+        else:  # a first turn: what the template puts before it (a default system message, its header) is no target
+            content = message.get("content") or ""
+            prompt = upto[: upto.rindex(content)] if content else upto
         if not (text.startswith(upto) and upto.startswith(prompt)):
             raise ConfigError(
                 "data.chat_template",

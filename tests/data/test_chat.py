@@ -21,7 +21,7 @@ from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.document_masking import check_document_masking
 from fsdp_research.train.losses import token_losses
 from fsdp_research.train.validation import check_config
-from tests.helpers.chats import CHATML_MARKED, CONVERSATIONS, chat_llama, chat_tokenizer, write_chats
+from tests.helpers.chats import CHATML, CHATML_MARKED, CONVERSATIONS, chat_llama, chat_tokenizer, write_chats
 from tests.helpers.zoo import hf_config, pretrained
 
 
@@ -195,3 +195,29 @@ def test_text_documents_masked_apart_lose_what_each_piece_loses_alone(tmp_path):
                 ids = tokens[a:end][None]
                 alone = model(input_ids=ids, labels=ids).loss.item() * (end - a - 1)
                 assert ours[a:b].sum().item() == pytest.approx(alone, rel=1e-5, abs=1e-5)
+
+
+# A template that opens with a default system message where a conversation has none (Qwen2.5's way).
+DEFAULT_SYSTEM = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+)
+
+
+def test_an_assistant_first_turn_is_a_target_and_the_default_system_message_is_not(setup, tmp_path):
+    """A conversation that opens with the assistant, under a template that puts a default system message first:
+    the targets are transformers' assistant masks of the same template marked with {% generation %}."""
+    messages = [
+        {"role": "assistant", "content": "Hello, ask me."},
+        {"role": "user", "content": "What is x + 1 when x is 2?"},
+        {"role": "assistant", "content": "It is 3."},
+    ]
+    template = tmp_path / "template.jinja"
+    template.write_text(DEFAULT_SYSTEM + CHATML)
+    path = write_chats(str(tmp_path / "first.jsonl"), [messages])
+    [doc] = documents(_cfg(setup, f"data.paths=[{path}]", f"data.chat_template={template}").data, [path], "x", 1024)
+    tok = AutoTokenizer.from_pretrained(setup[1])
+    tok.chat_template = DEFAULT_SYSTEM + CHATML_MARKED
+    ref = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    assert doc.ids.tolist() == ref["input_ids"]
+    assert doc.targets.tolist() == [bool(m) for m in ref["assistant_masks"]]
+    assert "helpful" not in tok.decode(doc.ids[doc.targets])
