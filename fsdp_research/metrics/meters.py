@@ -20,35 +20,37 @@ def peak_tflops(device: torch.device, dtype: torch.dtype, override: float | None
     return peak_for(torch.cuda.get_device_name(device), dtype)
 
 
-def flops_per_token(model: ModelDims, matmul_params: int, seq_len: int) -> float:
-    """Training FLOPs per token (forward and backward): 6 per parameter a token is multiplied with, plus each
-    attention's scores and weighted sum, 6 * T * heads * (qk head size + v head size) per block (12 * L * d * T
-    where the two sizes are equal; unmasked, as torch's FlopCounterMode counts them)."""
+def flops_per_token(model: ModelDims, matmul_params: int, seq_len: int, frozen: int = 0) -> float:
+    """Training FLOPs per token (forward and backward): 6 per parameter a token is multiplied with (2 forward, 2
+    for the input's gradient, 2 for the weight's), 4 for the `frozen` ones among them (no weight gradient: LoRA's
+    base), plus each attention's scores and weighted sum, 6 * T * heads * (qk head size + v head size) per block
+    (12 * L * d * T where the two sizes are equal; unmasked, as torch's FlopCounterMode counts them)."""
     attention = sum(a.heads * (a.qk_dim + a.v_dim) for a in model.attention if a)
-    return 6.0 * matmul_params + 6.0 * attention * seq_len
+    return 6.0 * matmul_params - 2.0 * frozen + 6.0 * attention * seq_len
 
 
-def matmul_parameters(model: torch.nn.Module, d: ModelDims) -> int:
+def matmul_parameters(model: torch.nn.Module, d: ModelDims, frozen: bool = False) -> int:
     """The parameters a token is multiplied with: the active ones less the embedding tables, which are looked up
-    (a tied output embedding is a matmul, and stays)."""
+    (a tied output embedding is a matmul, and stays); `frozen`: only those that take no gradient."""
+    counted = (lambda p: not p.requires_grad) if frozen else (lambda p: True)
     kept = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
     lookups = {
         id(p): p.numel()
         for m in model.modules()
         if isinstance(m, torch.nn.Embedding)
         for p in m.parameters(recurse=False)
-        if id(p) not in kept
+        if id(p) not in kept and counted(p)
     }
-    return active_parameters(model, d) - sum(lookups.values())
+    return active_parameters(model, d, counted) - sum(lookups.values())
 
 
-def active_parameters(model: torch.nn.Module, d: ModelDims) -> int:
-    """The parameters a token passes through: all of a dense model's; of a mixture of experts, its routed experts'
-    in the proportion top-k / experts."""
-    total = sum(p.numel() for p in model.parameters())
+def active_parameters(model: torch.nn.Module, d: ModelDims, counted=lambda p: True) -> int:
+    """The parameters a token passes through (those `counted`): all of a dense model's; of a mixture of experts,
+    its routed experts' in the proportion top-k / experts."""
+    total = sum(p.numel() for p in model.parameters() if counted(p))
     if not d.experts:
         return total
-    experts = sum(p.numel() for m in expert_modules(model) for p in m.parameters())
+    experts = sum(p.numel() for m in expert_modules(model) for p in m.parameters() if counted(p))
     return total - experts + experts * d.experts_per_token // d.experts
 
 
@@ -158,7 +160,7 @@ class Throughput:
             batch * seq_len,
             batch,
             world,
-            flops_per_token(d, matmul_parameters(model, d), seq_len),
+            flops_per_token(d, matmul_parameters(model, d), seq_len, matmul_parameters(model, d, frozen=True)),
             peak_tflops(device, dtype, peak),
             device,
         )

@@ -239,7 +239,9 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         frozen_norms=_frozen_vectors(model),
         **_optimizer(cfg.optim, model, plan),
         **_checkpointing(cfg.activation_checkpointing),
-        flops_per_token=flops_per_token(d, matmul_parameters(model, d), cfg.data.seq_len),
+        flops_per_token=flops_per_token(
+            d, matmul_parameters(model, d), cfg.data.seq_len, matmul_parameters(model, d, frozen=True)
+        ),
         head_flops_per_token=2.0 * d.hidden * d.vocab if output is not None else 0.0,
         tp=tp,
         sequence_parallel=sequence_parallel(cfg.parallel),

@@ -1,6 +1,7 @@
 """MFU's numerator and denominator. FLOPs per token against torch's FlopCounterMode over a real forward and backward
 of transformers' own model (eager attention and experts, whose matmuls the counter sees), on a large vocabulary
-(where counting the embedding lookup as a matmul inflated MFU 1.6x), a tied one, and mixtures of experts. The peak
+(where counting the embedding lookup as a matmul inflated MFU 1.6x), a tied one, mixtures of experts, and PEFT's
+LoRA (a frozen base takes no weight gradient). The peak
 table on the device names torch.cuda.get_device_name() returns."""
 
 import pytest
@@ -38,6 +39,24 @@ def test_flops_per_token_match_the_flop_counter(family, changes):
     d = dims(model)
     claimed = flops_per_token(d, matmul_parameters(model, d), SEQ)
     assert claimed == pytest.approx(counted, rel=0.02)  # the issue asks for 10%; measured: 0.5% or better
+
+
+def test_lora_s_frozen_base_takes_no_weight_gradient():
+    """PEFT's adapters on every Linear of a llama: the frozen base's matmuls cost 4 FLOPs a parameter, not 6
+    (6 counted them 1.48x over)."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = hf_config("llama", vocab_size=8192)
+    base = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    d = dims(base)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear")).base_model.model
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).loss.backward()
+    counted = counter.get_total_flops() / (BATCH * SEQ)
+    claimed = flops_per_token(d, matmul_parameters(model, d), SEQ, matmul_parameters(model, d, frozen=True))
+    assert claimed == pytest.approx(counted, rel=0.02)  # measured: 0.8% over (block 0's inputs take no gradient)
 
 
 def test_embedding_lookups_are_not_matmuls():
