@@ -173,7 +173,11 @@ def _fit(
                 + " ".join(c.overrides(base))
             )
         best = measured[0][1]
-    print("best: " + " ".join([*base_overrides, *best.overrides(base)]))
+    # As train.py takes it: the ranks of a node from distributed.nproc_per_node; more nodes from their launcher.
+    ranks = [f"distributed.nproc_per_node={min(world_size, hw.per_node)}"] if world_size > 1 else []
+    if world_size > hw.per_node:
+        print(f"on {-(-world_size // hw.per_node)} nodes of {hw.per_node}: launch with srun (slurm/train.sbatch)")
+    print("best: " + " ".join([*base_overrides, *ranks, *best.overrides(base)]))
 
 
 def _parser() -> argparse.ArgumentParser:

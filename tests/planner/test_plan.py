@@ -396,7 +396,7 @@ def test_fit_picks_what_fits_and_a_larger_cap_is_never_slower(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     assert "plan --fit 24 GiB less 10% headroom and 0.75 GiB of CUDA context (20.85 GiB) per rank" in "\n".join(out)
     rows = out[out.index(next(line for line in out if line.startswith("rank"))) + 1 : -1]
-    assert len(rows) == 3 and out[-1].startswith("best: ")
+    assert len(rows) == 3 and out[-1].startswith("best: ") and " distributed.nproc_per_node=8 " in out[-1]
     again = compose(out[-1].removeprefix("best: ").split())
     peak = memory(summary_for(again), run_settings(again, 8, "cuda")).peak
     assert peak <= (24 * 0.9 - CUDA_CONTEXT_GIB) * GIB and f"{peak / GIB:.2f}" in rows[0]
@@ -455,7 +455,9 @@ def test_fit_measure_ranks_by_measured_speed(capsys, tmp_path, monkeypatch):
     assert len(measured) == 3
     speeds = [float(m[0].replace(",", "")) for m in measured]
     assert speeds == sorted(speeds, reverse=True)
-    assert out.strip().splitlines()[-1] == f"best: trainer.global_batch_size=8 {measured[0][2]}"
+    assert out.strip().splitlines()[-1] == (
+        f"best: trainer.global_batch_size=8 distributed.nproc_per_node=2 {measured[0][2]}"
+    )
     assert len(list((tmp_path / "outputs" / "plan").glob("*/*/[0-2]"))) == 3
 
 
