@@ -4,7 +4,9 @@ process exits (exit code 2 for bad input), requeueing a preempted SLURM job, and
 
 import logging
 import os
+import signal
 import sys
+import time
 import traceback
 from typing import Any
 
@@ -80,16 +82,24 @@ def _spawned_worker(cfg: Any, run_dir: str) -> None:
     except (ConfigError, CheckpointError) as err:
         # Every rank raises these alike (checks run everywhere, checkpoint failures are made collective):
         # rank 0 says it once.
-        if launch_env().rank == 0:
-            print(f"error: {err}", file=sys.stderr)
+        _say_once(f"error: {err}")
         sys.exit(2)
     except AnomalyError as err:
-        if launch_env().rank == 0:
-            print(f"error: {one_line(err)}", file=sys.stderr)
+        _say_once(f"error: {one_line(err)}")
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED)
     _leave()
+
+
+def _say_once(line: str) -> None:
+    """Rank 0 prints the line; the others wait for it to exit first: the first worker to exit stops the rest, and
+    a rank 1 quicker than rank 0 (still writing status.json) left the line unsaid."""
+    if launch_env().rank == 0:
+        print(line, file=sys.stderr)
+    else:  # until the launcher stops it, once rank 0 has exited (its SIGTERM: no checkpoint to save now)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        time.sleep(30)
 
 
 def _leave() -> None:
