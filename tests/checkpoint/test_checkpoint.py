@@ -485,7 +485,7 @@ def test_export_loads_with_the_trained_weights(baseline):
     from transformers import AutoModelForCausalLM
 
     export = os.path.join(baseline.run_dir, "export")
-    assert sorted(os.listdir(export)) == ["config.json", "generation_config.json", "model.safetensors"]
+    assert sorted(os.listdir(export)) == ["config.json", "generation_config.json", "model.safetensors", "prompts.json"]
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     assert not any(info.values()), info
     torch.testing.assert_close(
