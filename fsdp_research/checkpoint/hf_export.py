@@ -211,13 +211,13 @@ def _blocks_to(value: DTensor, owner: int) -> torch.Tensor | None:
 
 
 def write_parts(
-    model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtype, shard_size: int, replaced: dict
+    model: torch.nn.Module, hf_config, parts: str, dtype: torch.dtype, shard_size: int, replaced: dict | None = None
 ) -> None:
     """This rank's part of an export (a collective, every rank calls it): group i of the model's weights (or their
     `replaced` values) is gathered to rank i % world, which writes it into parts/<i>/, one round of world groups at
     a time."""
     inner = getattr(model, "module", model)
-    state = {k: replaced.get(clean_name(k), v) for k, v in get_model_state_dict(inner).items()}
+    state = {k: (replaced or {}).get(clean_name(k), v) for k, v in get_model_state_dict(inner).items()}
     rank, world = dist.get_rank(), dist.get_world_size()
     write = _hf_writer(hf_config, dtype, shard_size) if hf_config is not None else _state_writer(dtype, shard_size)
     groups = _groups(inner, list(state))
@@ -255,7 +255,7 @@ def export_model(
             if name.endswith(".safetensors") or name == INDEX:
                 os.remove(os.path.join(out_dir, name))
     dist.barrier(group=group)
-    write_parts(model, hf_config, parts, dtype, shard_size, replaced or {})
+    write_parts(model, hf_config, parts, dtype, shard_size, replaced)
     dist.barrier(group=group)
     files = [
         os.path.join(parts, d, f)
