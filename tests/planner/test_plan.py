@@ -28,7 +28,8 @@ from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_research.callbacks.ema import EMA
-from fsdp_research.cli.plan import _budget, main
+from fsdp_research.cli.plan import main
+from fsdp_research.config.sizes import parse_size
 from fsdp_research.distributed.sharding import local_shard
 from fsdp_research.jobs.compose import compose
 from fsdp_research.metrics.hardware import (
@@ -382,7 +383,7 @@ def _h100(link: str = "nvlink"):
 @pytest.mark.parametrize("cap", ["24", "24GiB", "24G", "24576MiB"])
 def test_fit_takes_the_cap_as_people_write_it(cap):
     """GiB bare, or with its unit."""
-    assert _budget(SimpleNamespace(fit=cap, headroom=None), True) == budget(24, 0.1, True)
+    assert parse_size(cap, "--fit", "", unit=GIB) == 24 * GIB  # as plan --fit reads it
 
 
 def test_fit_picks_what_fits_and_a_larger_cap_is_never_slower(capsys):
