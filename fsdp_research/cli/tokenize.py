@@ -1,6 +1,7 @@
 """fsdp-research tokenize <data overrides...>: the config's token stores built ahead of training, with every core
 of this node (data.build_workers), e.g. in a CPU-only SLURM job, where each srun task takes its share of the parts;
-a progress bar while it runs, and the rate at the end. A store that exists is only opened."""
+a progress bar while it runs, and the rate at the end. A store that exists is only opened. data=chat: the
+conversations' stores (fsdp_research.data.chat_store), training and eval."""
 
 import argparse
 import os
@@ -43,9 +44,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         cfg = compose(args.overrides)
-        if cfg.data.kind.value == "chat":
-            print("data=chat has no token store: every rank tokenizes the conversations as a run starts")
-            return 0
         check_sources(cfg.data)
         root = store_root(cfg.data)
         existed = {
@@ -64,11 +62,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         print()
     for store in stores:
         m = store.manifest
+        text = f", {m['text_bytes'] / 1e6:,.1f} MB of text" if m["text_bytes"] else ""  # conversations: not counted
         print(
-            f"token store {store.path}: {m['tokens']:,} tokens ({m['dtype']}), {m['documents']:,} documents, "
-            f"{m['text_bytes'] / 1e6:,.1f} MB of text" + (" (already built)" if m["fingerprint"] in existed else "")
+            f"token store {store.path}: {m['tokens']:,} tokens ({m['dtype']}), {m['documents']:,} documents{text}"
+            + (" (already built)" if m["fingerprint"] in existed else "")
         )
-    built = [s.manifest["text_bytes"] for s in stores if s.manifest["fingerprint"] not in existed]
+    built = [s.manifest for s in stores if s.manifest["fingerprint"] not in existed]
     if built:
-        print(f"built in {seconds:.1f} s: {sum(built) / 1e6 / seconds:,.1f} MB/s of text")
+        text = sum(m["text_bytes"] for m in built)
+        rate = (
+            f"{text / 1e6 / seconds:,.1f} MB/s of text"
+            if text
+            else f"{sum(m['tokens'] for m in built) / seconds:,.0f} tokens/s"
+        )
+        print(f"built in {seconds:.1f} s: {rate}")
     return 0

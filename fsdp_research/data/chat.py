@@ -4,7 +4,6 @@ targets (data.loss_on), rendered with the tokenizer's own chat template. The ass
 the conversation turn by turn: the text each assistant message adds after the generation prompt."""
 
 import copy
-import logging
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,13 +11,11 @@ from typing import Any
 
 import numpy as np
 
-from fsdp_research.config.data_schema import DataConfig, DataKind, LossOn, Truncation
+from fsdp_research.config.data_schema import DataConfig, DataKind, LossOn
 from fsdp_research.data.formats import hub_records, read_records
 from fsdp_research.data.parts import first_file, resolve_files
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.errors import ConfigError
-
-log = logging.getLogger("fsdp_research")
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -100,6 +97,19 @@ def _assistant_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, in
     return text, spans
 
 
+# Prompt/completion records (TRL's field names), and ShareGPT's roles.
+_PAIR = {"prompt", "completion"}
+_SHAREGPT, _SHAREGPT_ROLES = {"from", "value"}, {"human": "user", "gpt": "assistant"}
+
+
+def _messages(messages: Any) -> Any:
+    """Messages as chat templates take them ({"role", "content"}); ShareGPT's ({"from": "human" | "gpt" | "system",
+    "value"}) read as such."""
+    if isinstance(messages, list) and messages and all(isinstance(m, dict) and _SHAREGPT <= m.keys() for m in messages):
+        return [{"role": _SHAREGPT_ROLES.get(m["from"], m["from"]), "content": m["value"]} for m in messages]
+    return messages
+
+
 def _chat_document(tok, messages: list[dict], loss_on: LossOn) -> Document:
     if loss_on is LossOn.all:
         ids = np.asarray(tok.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"], np.int64)
@@ -141,6 +151,12 @@ def _prompt_completion(tok, prompt: str, completion: str, loss_on: LossOn) -> Do
 
 
 def _field(record: Any, key: str, name: str, path: str, where: str) -> Any:
+    if key == "data.messages_field" and isinstance(record, dict) and name not in record and _PAIR <= record.keys():
+        raise ConfigError(
+            "data.prompt_field",
+            f"{path} {where} is a prompt/completion pair, not a conversation",
+            "set data.prompt_field=prompt data.completion_field=completion",
+        )
     if not isinstance(record, dict) or name not in record:
         fields = ", ".join(sorted(map(str, record))) if isinstance(record, dict) else type(record).__name__
         raise ConfigError(key, f"{path} {where} has no field {name!r} (its fields: {fields})", "set it to one of them")
@@ -159,8 +175,8 @@ def records(cfg: DataConfig, paths: list[str] | None, key: str) -> Iterator[tupl
             yield path, where, record
 
 
-def _documents_of(tok, cfg: DataConfig, source: Iterator[tuple[str, str, Any]]) -> Iterator[tuple[str, Document]]:
-    """(source, document) of each record."""
+def _documents_of(tok, cfg: DataConfig, source: Iterator[tuple[str, str, Any]]) -> Iterator[Document]:
+    """The document of each record."""
     for path, where, record in source:
         try:
             if cfg.prompt_field or cfg.completion_field:
@@ -170,10 +186,10 @@ def _documents_of(tok, cfg: DataConfig, source: Iterator[tuple[str, str, Any]]) 
                     raise ConfigError(
                         "data.prompt_field", f"{path} {where}: prompt and completion must be text", "fix that record"
                     )
-                yield path, _prompt_completion(tok, prompt, completion, cfg.loss_on)
+                yield _prompt_completion(tok, prompt, completion, cfg.loss_on)
             else:
                 messages = _field(record, "data.messages_field", cfg.messages_field, path, where)
-                yield path, _chat_document(tok, messages, cfg.loss_on)
+                yield _chat_document(tok, _messages(messages), cfg.loss_on)
         except ConfigError:
             raise
         except Exception as err:  # the template's own complaint (a role it rejects, a malformed message)
@@ -207,24 +223,6 @@ def check_chat(cfg: DataConfig) -> None:
         next(_documents_of(tok, cfg, records(cfg, paths, key)), None)
 
 
-def documents(cfg: DataConfig, paths: list[str] | None, key: str, seq_len: int) -> list[Document]:
-    """Every record of `paths` (see records), in order, each a document of at most seq_len tokens
-    (data.truncation)."""
-    tok = chat_tokenizer(cfg)
-    out, dropped = [], 0
-    for path, doc in _documents_of(tok, cfg, records(cfg, paths, key)):
-        if len(doc.ids) > seq_len:
-            if cfg.truncation is Truncation.error:
-                raise ConfigError(
-                    "data.truncation",
-                    f"a document of {path} has {len(doc.ids)} tokens, more than data.seq_len={seq_len}",
-                    "raise data.seq_len, or set data.truncation=drop or truncate",
-                )
-            if cfg.truncation is Truncation.drop:
-                dropped += 1
-                continue
-            doc = Document(doc.ids[:seq_len], doc.targets[:seq_len])
-        out.append(doc)
-    if dropped:
-        log.info(f"data: {dropped} of {dropped + len(out)} documents longer than data.seq_len={seq_len} dropped")
-    return out
+def documents(cfg: DataConfig, paths: list[str] | None, key: str) -> Iterator[Document]:
+    """Every record of `paths` (see records) as a document, in order."""
+    return _documents_of(chat_tokenizer(cfg), cfg, records(cfg, paths, key))

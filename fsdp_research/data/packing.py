@@ -1,66 +1,160 @@
 """Documents with per-token targets as training samples of seq_len positions, each a [3, seq_len] array: the input
 ids, the labels (the next token where it is a target, else IGNORE, as transformers' losses take them) and the
-position ids. Whole documents are packed in order into windows (data.packing), never split, the rest padded with
-non-targets. With document masking each document's positions start at 0: transformers' packed-sequence path then
-lets each attend to itself only (its mask functions read the restarts); a document's last position predicts
-nothing, so a packed document's loss is the same document's fed alone (DataCollatorWithFlattening's rule)."""
+position ids. Whole documents are packed into windows (data.packing) best-fit decreasing, as TRL's SFTTrainer packs
+(the longest first, each into the window it leaves the least room in), never split, the rest padded with
+non-targets; the windows are then shuffled (a fixed permutation: the packing is a function of the data). With
+document masking each document's positions start at 0: transformers' packed-sequence path then lets each attend to
+itself only (its mask functions read the restarts); a document's last position predicts nothing, so a packed
+document's loss is the same document's fed alone (DataCollatorWithFlattening's rule)."""
 
-from collections.abc import Sequence
+from collections import defaultdict
 
 import numpy as np
 
-from fsdp_research.data.chat import Document
+from fsdp_research.config.data_schema import Truncation
+from fsdp_research.data.store import TokenStore
+from fsdp_research.errors import ConfigError
 
 IGNORE = -100
 INPUTS, LABELS, POSITIONS = 0, 1, 2
 
 
-def _labels(doc: Document) -> np.ndarray:
-    labels = np.full(len(doc.ids), IGNORE, np.int64)
-    labels[:-1] = np.where(doc.targets[1:], doc.ids[1:], IGNORE)
-    return labels
+class _Rooms:
+    """Open windows by the room they have left: the one with the least room of at least n in O(log seq_len) (a
+    tree over room sizes, each node saying whether a window has a room size in its range)."""
+
+    def __init__(self, seq_len: int):
+        self.size = 1 << seq_len.bit_length()
+        self.any = [False] * (2 * self.size)
+        self.windows: dict[int, list[int]] = defaultdict(list)
+
+    def _mark(self, room: int, on: bool) -> None:
+        i = room + self.size
+        self.any[i] = on
+        while i > 1:
+            i >>= 1
+            self.any[i] = self.any[2 * i] or self.any[2 * i + 1]
+
+    def add(self, room: int, window: int) -> None:
+        self.windows[room].append(window)
+        if len(self.windows[room]) == 1:
+            self._mark(room, True)
+
+    def take(self, n: int) -> tuple[int, int] | None:
+        """(room, window): the least room of at least n, taken out; None if no window has n."""
+        i = n + self.size
+        if not self.any[i]:
+            while i > 1 and not (i % 2 == 0 and self.any[i + 1]):
+                i >>= 1
+            if i == 1:
+                return None
+            i += 1
+            while i < self.size:
+                i = 2 * i if self.any[2 * i] else 2 * i + 1
+        room = i - self.size
+        window = self.windows[room].pop()
+        if not self.windows[room]:
+            self._mark(room, False)
+        return room, window
 
 
-def pack(docs: Sequence[Document], seq_len: int, pad_id: int, packing: bool, masking: bool) -> np.ndarray:
-    """[windows, 3, seq_len]: the documents in order, each whole in one window (every one at most seq_len)."""
-    windows: list[list[Document]] = []
-    used = seq_len
-    for doc in docs:
-        if not packing or used + len(doc.ids) > seq_len:
+def assign(lengths: np.ndarray, seq_len: int, packing: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Documents (indices into lengths, each at most seq_len) into windows: (documents, starts), window w holding
+    documents[starts[w]:starts[w + 1]]. Packing: best-fit decreasing, the windows shuffled; else one a window."""
+    if not packing:
+        return np.arange(len(lengths)), np.arange(len(lengths) + 1)
+    windows: list[list[int]] = []
+    rooms = _Rooms(seq_len)
+    for doc in np.argsort(-lengths, kind="stable").tolist():
+        n = int(lengths[doc])
+        found = rooms.take(n)
+        if found is None:
+            room, window = seq_len, len(windows)
             windows.append([])
-            used = 0
-        windows[-1].append(doc)
-        used += len(doc.ids)
-    out = np.empty((len(windows), 3, seq_len), np.int64)
-    for w, window in enumerate(windows):
-        row = out[w]
-        row[INPUTS], row[LABELS] = pad_id, IGNORE
-        at = 0
-        for doc in window:
-            n = len(doc.ids)
-            row[INPUTS, at : at + n] = doc.ids
-            row[LABELS, at : at + n] = _labels(doc)
-            row[POSITIONS, at : at + n] = np.arange(n) if masking else np.arange(at, at + n)
-            at += n
-        # The padding: a document of its own (masking) or the run of positions going on.
-        row[POSITIONS, at:] = np.arange(seq_len - at) if masking else np.arange(at, seq_len)
-    return out
+        else:
+            room, window = found
+        windows[window].append(doc)
+        if room > n:
+            rooms.add(room - n, window)
+    windows = [windows[w] for w in np.random.default_rng(0).permutation(len(windows))]
+    starts = np.cumsum([0, *map(len, windows)])
+    return np.fromiter((d for w in windows for d in w), np.int64, int(starts[-1])), starts
 
 
-class PackedWindows:
-    """Packed samples by index (a source of fsdp_research.data.sampling.Stream)."""
+def fill(row: np.ndarray, docs: list[tuple[np.ndarray, np.ndarray]], pad_id: int, masking: bool) -> None:
+    """One window ([3, seq_len]) of (ids, targets) documents, in order, then padding."""
+    seq_len = row.shape[-1]
+    row[INPUTS], row[LABELS] = pad_id, IGNORE
+    at = 0
+    for ids, targets in docs:
+        n = len(ids)
+        row[INPUTS, at : at + n] = ids
+        row[LABELS, at : at + n - 1] = np.where(targets[1:], ids[1:], IGNORE)
+        row[POSITIONS, at : at + n] = np.arange(n) if masking else np.arange(at, at + n)
+        at += n
+    # The padding: a document of its own (masking) or the run of positions going on.
+    row[POSITIONS, at:] = np.arange(seq_len - at) if masking else np.arange(at, seq_len)
 
-    def __init__(self, samples: np.ndarray, what: str):
-        self.samples, self.what = samples, what
-        self.count, self.shape = len(samples), samples.shape[1:]
-        self.length = samples.shape[-1]
+
+class ChatWindows:
+    """A store of documents with targets (fsdp_research.data.chat_store) packed into samples by index (a source of
+    fsdp_research.data.sampling.Stream): its document index, lengths and target counts in memory (O(documents)),
+    the tokens read as windows are asked for. Documents longer than seq_len are dropped, cut or refused
+    (data.truncation); those with no target token are left out."""
+
+    def __init__(
+        self, store: TokenStore, seq_len: int, pad: int, packing: bool, masking: bool, truncation: Truncation, what: str
+    ):
+        self.store, self.length, self.shape = store, seq_len, (3, seq_len)
+        self.pad_id, self.masking = pad, masking
+        ends = store.document_ends()
+        self.first = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        self.lengths = ends - self.first
+        counts = store.target_counts()
+        longest = int(self.lengths.max(initial=0))
+        if longest > seq_len and truncation is Truncation.error:
+            raise ConfigError(
+                "data.truncation",
+                f"a document of {what} has {longest} tokens, more than data.seq_len={seq_len}",
+                "raise data.seq_len, or set data.truncation=drop or truncate",
+            )
+        keep = counts > 0
+        self.dropped = int((keep & (self.lengths > seq_len)).sum()) if truncation is Truncation.drop else 0
+        if truncation is Truncation.drop:
+            keep &= self.lengths <= seq_len
+        else:  # cut: a cut document's targets counted again over what is left
+            for d in np.flatnonzero(keep & (self.lengths > seq_len)).tolist():
+                counts[d] = int(store.targets(self.first[d] + 1, self.first[d] + seq_len).sum())
+            self.lengths = np.minimum(self.lengths, seq_len)
+            keep &= counts > 0
+        self.untargeted = int((counts == 0).sum())
+        kept = np.flatnonzero(keep)
+        order, self.starts = assign(self.lengths[kept], seq_len, packing)
+        self.docs = kept[order]
+        self.count = len(self.starts) - 1
+        self.targets = int(counts[kept].sum())
+        self.what = what
 
     def read(self, index: np.ndarray) -> np.ndarray:
-        return self.samples[index]
+        out = np.empty((len(index), *self.shape), np.int64)
+        for row, w in zip(out, index.tolist()):
+            docs = []
+            for d in self.docs[self.starts[w] : self.starts[w + 1]].tolist():
+                a, b = int(self.first[d]), int(self.first[d] + self.lengths[d])
+                docs.append((self.store.tokens(a, b), self.store.targets(a, b)))
+            fill(row, docs, self.pad_id, self.masking)
+        return out
 
     def describe(self) -> str:
-        targets = (self.samples[:, LABELS] != IGNORE).sum()
-        return f"{self.what}, {targets / self.samples[:, LABELS].size:.0%} of the positions targets"
+        positions = self.count * self.length
+        filled = int(self.lengths[self.docs].sum())
+        left_out = f"; {self.untargeted:,} with no target token left out" if self.untargeted else ""
+        if self.dropped:
+            left_out += f"; {self.dropped:,} longer than data.seq_len dropped"
+        return (
+            f"{len(self.docs):,} conversations of {self.what} ({filled / positions:.0%} of "
+            f"the positions filled, {self.targets / positions:.0%} targets{left_out})"
+        )
 
 
 class DocumentWindows:

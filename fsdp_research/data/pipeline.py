@@ -1,8 +1,8 @@
 """From the data config to batches: the sources (local files, a mixture of them, a hub dataset, or synthetic
 tokens) -> their token stores (built once, opened by every rank) -> a Stream of windows by global sample index
--> this rank's slice of each step's global batch, read ahead in a background thread. Conversations (data=chat) are
-tokenized by every rank and packed in memory (fsdp_research.data.chat, .packing); data.eval_paths, evaluated
-whole, the same way as the training data."""
+-> this rank's slice of each step's global batch, read ahead in a background thread. Conversations (data=chat) have
+stores of their own (fsdp_research.data.chat_store), packed as they are opened (fsdp_research.data.packing);
+data.eval_paths, evaluated whole, the same way as the training data."""
 
 import functools
 import os
@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from fsdp_research.config.data_schema import DataConfig, DataKind
-from fsdp_research.data.chat import chat_tokenizer, documents
-from fsdp_research.data.packing import IGNORE, LABELS, DocumentWindows, PackedWindows, pack
+from fsdp_research.data.chat import chat_tokenizer
+from fsdp_research.data.chat_store import chat_spec
+from fsdp_research.data.packing import ChatWindows, DocumentWindows
 from fsdp_research.data.parts import default_paths, hub_parts, identity, plan_parts, scan
 from fsdp_research.data.sampling import StoreWindows, Stream, SyntheticWindows
 from fsdp_research.data.store import StoreSpec, TokenStore, store_spec
@@ -59,7 +60,11 @@ def sources(cfg: DataConfig) -> list[Source]:
 
 
 def store_specs(cfg: DataConfig) -> list[StoreSpec]:
-    """Each source's store spec (the files are listed and stat'ed; nothing is read)."""
+    """Each source's store spec (the files are listed and stat'ed; nothing is read); data=chat: the conversations'
+    and each eval set's."""
+    if cfg.kind is DataKind.chat:
+        evals = [chat_spec(cfg, paths, key) for key, paths in eval_set_paths(cfg).values()]
+        return [chat_spec(cfg, None if cfg.hub_name else list(cfg.paths), _chat_key(cfg)), *evals]
     if cfg.kind is DataKind.hub:
         hub = {
             "path": cfg.hub_name,
@@ -129,7 +134,7 @@ class Data:
     # data.overfit_batches: >0, the global batches of steps 0 .. N-1 over and over.
     overfit_batches: int = 0
     # The eval sets read whole (instead of held-out windows), by name: data.eval_paths' ("") or data.eval_sources'.
-    eval_sets: dict[str, StoreWindows | DocumentWindows | PackedWindows] = field(default_factory=dict)
+    eval_sets: dict[str, StoreWindows | DocumentWindows | ChatWindows] = field(default_factory=dict)
 
     def batch(self, index: np.ndarray, held_out: bool = False) -> torch.Tensor:
         """Samples by index: [n, seq_len + 1] tokens, or packed [n, 3, seq_len] (fsdp_research.data.packing)."""
@@ -165,25 +170,31 @@ class Data:
 
 def _describe(windows) -> str:
     store = getattr(windows, "store", None)
+    if isinstance(windows, ChatWindows):
+        return f"{windows.describe()}, token store {store.path}"
     if store:
         masked = ", documents masked apart" if isinstance(windows, DocumentWindows) else ""
         return f"token store {store.path} ({store.n_tokens:,} tokens, {store.n_documents:,} documents{masked})"
-    return windows.describe() if isinstance(windows, PackedWindows) else "synthetic tokens"
+    return "synthetic tokens"
 
 
-def chat_windows(cfg: DataConfig, paths: list[str] | None, key: str) -> PackedWindows:
-    """The conversations of `paths` (None: of data.hub_name), packed (data.packing, data.document_masking: on
-    unless false)."""
-    docs = documents(cfg, paths, key, cfg.seq_len)
+def _chat_key(cfg: DataConfig) -> str:
+    return "data.hub_name" if cfg.hub_name else "data.paths"
+
+
+def chat_windows(cfg: DataConfig, paths: list[str] | None, key: str, build: Build) -> ChatWindows:
+    """The conversations of `paths` (None: of data.hub_name) from their store (built first where there is none),
+    packed (data.packing, data.document_masking: on unless false)."""
+    store = _ensure(chat_spec(cfg, paths, key), store_root(cfg), build)
     what = cfg.hub_name if paths is None else list(paths)
-    if not docs:
-        raise ConfigError(key, f"{what} holds no document of at most data.seq_len tokens", "raise data.seq_len")
     tok = chat_tokenizer(cfg)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    samples = pack(docs, cfg.seq_len, pad, cfg.packing, cfg.document_masking is not False)
-    if not (samples[:, LABELS] != IGNORE).any():
+    windows = ChatWindows(store, cfg.seq_len, pad, cfg.packing, cfg.document_masking is not False, cfg.truncation, key)
+    if not windows.count and windows.untargeted:
         raise ConfigError(key, f"{what} holds no target token (data.loss_on={cfg.loss_on.value})", "check it")
-    return PackedWindows(samples, f"{len(docs):,} conversations of {key}")
+    if not windows.count:
+        raise ConfigError(key, f"{what} holds no document of at most data.seq_len tokens", "raise data.seq_len")
+    return windows
 
 
 def eval_set_paths(cfg: DataConfig) -> dict[str, tuple[str, list[str]]]:
@@ -193,11 +204,11 @@ def eval_set_paths(cfg: DataConfig) -> dict[str, tuple[str, list[str]]]:
     return named
 
 
-def _eval_sets(cfg: DataConfig, build: Build) -> dict[str, StoreWindows | DocumentWindows | PackedWindows]:
+def _eval_sets(cfg: DataConfig, build: Build) -> dict[str, StoreWindows | DocumentWindows | ChatWindows]:
     sets = {}
     for name, (key, paths) in eval_set_paths(cfg).items():
         if cfg.kind is DataKind.chat:
-            sets[name] = chat_windows(cfg, paths, key)
+            sets[name] = chat_windows(cfg, paths, key, build)
         else:
             spec = _local_spec(paths, key, cfg.text_field, cfg.tokenizer)
             sets[name] = _masked(cfg, StoreWindows(_ensure(spec, store_root(cfg), build), cfg.seq_len + 1))
@@ -218,8 +229,8 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int, build: Build = Build
         count = min(cfg.num_sequences, cfg.max_windows or cfg.num_sequences)
         windows, weights, keys = [SyntheticWindows(count, length, vocab_size, seed)], [1.0], ["data"]
     elif cfg.kind is DataKind.chat:
-        key = "data.hub_name" if cfg.hub_name else "data.paths"
-        windows, weights, keys = [chat_windows(cfg, None if cfg.hub_name else list(cfg.paths), key)], [1.0], [key]
+        key, paths = _chat_key(cfg), None if cfg.hub_name else list(cfg.paths)
+        windows, weights, keys = [chat_windows(cfg, paths, key, build)], [1.0], [key]
     else:
         stores = open_stores(cfg, build)
         windows = [_masked(cfg, StoreWindows(store, length, cfg.max_windows)) for store in stores]

@@ -41,6 +41,9 @@ class StoreSpec:
     plan: Callable[[], Sequence[Part]]
     key: str  # JSON
     tokenizer: str
+    # How a part of documents that are not plain text is built in this process: (part, index, build dir) -> its
+    # counts, its files written as build_part writes them (chat: fsdp_research.data.chat_store). None: text.
+    build: Callable[[Part, int, str], dict[str, Any]] | None = None
 
     @functools.cached_property
     def parts(self) -> tuple[Part, ...]:
@@ -94,7 +97,7 @@ class TokenStore:
 
     def __init__(self, path: str):
         self.path = path
-        self._fds: dict[int, int] = {}
+        self._fds: dict[tuple[int, str], int] = {}
         with open(os.path.join(path, MANIFEST)) as f:
             self.manifest = json.load(f)
         self.dtype = np.dtype(self.manifest["dtype"])
@@ -102,22 +105,29 @@ class TokenStore:
         self.n_tokens = int(self.offsets[-1])
         self.n_documents = int(self.manifest["documents"])
 
-    def _fd(self, i: int) -> int:
-        if i not in self._fds:
-            self._fds[i] = os.open(os.path.join(self.path, f"{part_name(i)}.tokens"), os.O_RDONLY)
-        return self._fds[i]
+    def _fd(self, i: int, suffix: str) -> int:
+        if (i, suffix) not in self._fds:
+            self._fds[i, suffix] = os.open(os.path.join(self.path, f"{part_name(i)}{suffix}"), os.O_RDONLY)
+        return self._fds[i, suffix]
 
     def tokens(self, start: int, stop: int) -> np.ndarray:
         """Tokens [start, stop) of the concatenated parts, as int64. Positioned reads (pread), not a memory map:
         mapped pages count toward every rank's resident memory (2 MB per window touched, with large folios),
         while the page cache the two share holds the data either way."""
-        out = np.empty(stop - start, dtype=np.int64)
+        return self._read(start, stop, ".tokens", self.dtype, np.int64)
+
+    def targets(self, start: int, stop: int) -> np.ndarray:
+        """Which of the tokens [start, stop) are trained on (a store of documents with targets: a byte a token)."""
+        return self._read(start, stop, ".targets", np.dtype(np.uint8), bool)
+
+    def _read(self, start: int, stop: int, suffix: str, dtype: np.dtype, out_dtype) -> np.ndarray:
+        out = np.empty(stop - start, dtype=out_dtype)
         part = int(np.searchsorted(self.offsets, start, side="right")) - 1
-        pos, size = start, self.dtype.itemsize
+        pos, size = start, dtype.itemsize
         while pos < stop:
             end = min(stop, int(self.offsets[part + 1]))
-            data = os.pread(self._fd(part), (end - pos) * size, (pos - int(self.offsets[part])) * size)
-            out[pos - start : end - start] = np.frombuffer(data, self.dtype)
+            data = os.pread(self._fd(part, suffix), (end - pos) * size, (pos - int(self.offsets[part])) * size)
+            out[pos - start : end - start] = np.frombuffer(data, dtype)
             pos, part = end, part + 1
         return out
 
@@ -127,11 +137,19 @@ class TokenStore:
 
     def document_ends(self) -> np.ndarray:
         """Where each document ends (exclusive), in global token positions (the document index; loaded whole)."""
-        ends = [
-            np.load(os.path.join(self.path, f"{part_name(i)}.docs.npy")) + self.offsets[i]
+        return self._per_document(".docs.npy", shift=True)
+
+    def target_counts(self) -> np.ndarray:
+        """A store of documents with targets: how many of each document's tokens after its first are targets (the
+        labels its loss counts)."""
+        return self._per_document(".counts.npy")
+
+    def _per_document(self, suffix: str, shift: bool = False) -> np.ndarray:
+        arrays = [
+            np.load(os.path.join(self.path, f"{part_name(i)}{suffix}")) + (self.offsets[i] if shift else 0)
             for i in range(len(self.manifest["parts"]))
         ]
-        return np.concatenate(ends) if ends else np.empty(0, np.int64)
+        return np.concatenate(arrays).astype(np.int64) if arrays else np.empty(0, np.int64)
 
 
 # Building.

@@ -28,11 +28,12 @@ from fsdp_research.errors import ConfigError, DataError
 log = logging.getLogger("fsdp_research")
 
 POLL_S = 0.2
+PartBuild = Callable[[Part, int, str], dict[str, Any]]
 # About a second of one core's work: the text a worker process is worth starting for.
 WORKER_BYTES = {"byte": 100 * 2**20, "other": 4 * 2**20}
 
 
-def _write_atomic(path: str, write: Callable[[Any], None], mode: str = "w") -> None:
+def write_atomic(path: str, write: Callable[[Any], None], mode: str = "w") -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, mode) as f:
@@ -45,13 +46,13 @@ def _write_atomic(path: str, write: Callable[[Any], None], mode: str = "w") -> N
             os.remove(tmp)
 
 
-def _error_record(err: BaseException, build: str) -> dict[str, Any]:
+def error_record(err: BaseException, build: str) -> dict[str, Any]:
     if isinstance(err, ConfigError):
         return {"build": build, "kind": "config", "key": err.key, "problem": err.problem, "fix": err.fix}
     return {"build": build, "kind": "data", "message": str(err)}
 
 
-def _raise_recorded(record: dict[str, Any]) -> None:
+def raise_recorded(record: dict[str, Any]) -> None:
     if record["kind"] == "config":
         raise ConfigError(record["key"], record["problem"], record["fix"])
     raise DataError(record["message"])
@@ -73,19 +74,28 @@ def build_part(part: Part, index: int, build_dir: str, tokenizer_name: str) -> d
             counts["documents"] += len(texts)
             counts["text_bytes"] += text_bytes(texts)
 
-    _write_atomic(prefix + ".tokens", write_tokens, "wb")
-    _write_atomic(prefix + ".docs.npy", lambda f: np.save(f, np.concatenate([np.zeros(0, np.int64), *ends])), "wb")
-    files = {os.path.basename(prefix) + s: os.path.getsize(prefix + s) for s in (".tokens", ".docs.npy")}
-    _write_atomic(prefix + ".json", lambda f: json.dump({**counts, "files": files}, f))
+    write_atomic(prefix + ".tokens", write_tokens, "wb")
+    return finish_part(prefix, np.concatenate([np.zeros(0, np.int64), *ends]), counts, (".tokens",))
+
+
+def finish_part(prefix: str, ends: np.ndarray, counts: dict[str, int], written: Sequence[str]) -> dict[str, int]:
+    """A part's document index (where each document ends), then its completion marker, which lists its files (those
+    with the suffixes `written` and the index) and sizes."""
+    write_atomic(prefix + ".docs.npy", lambda f: np.save(f, ends), "wb")
+    files = {os.path.basename(prefix) + s: os.path.getsize(prefix + s) for s in (*written, ".docs.npy")}
+    write_atomic(prefix + ".json", lambda f: json.dump({**counts, "files": files}, f))
     return counts
 
 
-def build_parts(jobs: Iterable[tuple[int, Part]], build_dir: str, tokenizer_name: str, build: str) -> Iterator[dict]:
-    """Build each (index, part), yielding {"index", "tokens", "documents", "text_bytes"} as each is done; a part
-    that fails leaves an error marker for the ranks that wait on it, and raises."""
+def build_parts(
+    jobs: Iterable[tuple[int, Part]], build_dir: str, tokenizer_name: str, build: str, make: PartBuild | None = None
+) -> Iterator[dict]:
+    """Build each (index, part) (text, or by `make`), yielding {"index", "tokens", "documents", "text_bytes"} as
+    each is done; a part that fails leaves an error marker for the ranks that wait on it, and raises."""
     for index, part in jobs:
         try:
-            yield {"index": index, **build_part(part, index, build_dir, tokenizer_name)}
+            counts = make(part, index, build_dir) if make else build_part(part, index, build_dir, tokenizer_name)
+            yield {"index": index, **counts}
         except (ConfigError, OSError) as err:
             error = err
             if isinstance(err, OSError):
@@ -96,7 +106,7 @@ def build_parts(jobs: Iterable[tuple[int, Part]], build_dir: str, tokenizer_name
                 )
             marker = os.path.join(build_dir, f"{part_name(index)}.error")
             try:
-                _write_atomic(marker, lambda f: json.dump(_error_record(error, build), f))
+                write_atomic(marker, lambda f: json.dump(error_record(error, build), f))
             except OSError:
                 pass  # a full disk may refuse even this: the launcher stops the waiting ranks when this one exits
             raise error from None
@@ -125,7 +135,7 @@ def _recorded_error(build_dir: str, build: str) -> None:
             except (OSError, ValueError):
                 continue
             if record.get("build") == build:
-                _raise_recorded(record)
+                raise_recorded(record)
 
 
 def _worker_count(jobs: Sequence[tuple[int, Part]], tokenizer_name: str, workers: int) -> int:
@@ -170,9 +180,9 @@ def _run_workers(
 ) -> None:
     """The parts jobs yields on `workers` processes (in this one when one is enough; as many as the parts of
     `estimate` are worth), each taking the next part when it is done with one; tick() now and then."""
-    workers = _worker_count(estimate, spec.tokenizer, workers)
+    workers = 1 if spec.build else _worker_count(estimate, spec.tokenizer, workers)
     if workers == 1:
-        for _ in build_parts(jobs, build_dir, spec.tokenizer, build):
+        for _ in build_parts(jobs, build_dir, spec.tokenizer, build, spec.build):
             tick()
         return
     # One thread each: the processes are the parallelism.
@@ -249,8 +259,8 @@ def _publish(build_dir: str, path: str, spec: StoreSpec) -> None:
     }
     try:
         # The key (every source file's path, size and time) beside the manifest, which every start reads.
-        _write_atomic(os.path.join(build_dir, KEY), lambda f: f.write(spec.key))
-        _write_atomic(os.path.join(build_dir, MANIFEST), lambda f: json.dump(manifest, f, indent=1))
+        write_atomic(os.path.join(build_dir, KEY), lambda f: f.write(spec.key))
+        write_atomic(os.path.join(build_dir, MANIFEST), lambda f: json.dump(manifest, f, indent=1))
         for name in os.listdir(build_dir):  # the builds' claims and heartbeats
             if name.startswith(("claims-", "alive-")):
                 shutil.rmtree(os.path.join(build_dir, name), ignore_errors=True)
@@ -293,7 +303,7 @@ def ensure_store(
         os.makedirs(build_dir, exist_ok=True)
         mine = [(i, p) for i, p in enumerate(spec.parts) if i % world == rank and _done(build_dir, i) is None]
         jobs = _claimed(build_dir, build, rank, world, spec.parts)
-        with _heartbeat(build_dir, build, rank, min(5.0, timeout_s / 4)):
+        with heartbeat(build_dir, build, rank, min(5.0, timeout_s / 4)):
             _run_workers(jobs, mine, build_dir, spec, build, workers, lambda: progress.update(build_dir))
         if rank == 0:
             _wait(build_dir, build, timeout_s, progress, lambda: _done_count(build_dir) == len(spec.parts))
@@ -313,7 +323,7 @@ LOOK_S = 5.0
 
 
 @contextlib.contextmanager
-def _heartbeat(build_dir: str, build: str, rank: int, every_s: float) -> Iterator[None]:
+def heartbeat(build_dir: str, build: str, rank: int, every_s: float) -> Iterator[None]:
     """While this rank builds: a file of its own touched every every_s, which tells the waiters it is alive however
     long a part takes (not while it waits: a rank waiting for a dead one must not keep the build alive)."""
     path = os.path.join(build_dir, f"alive-{build}-{rank}")
@@ -335,7 +345,7 @@ def _heartbeat(build_dir: str, build: str, rank: int, every_s: float) -> Iterato
         thread.join()
 
 
-def _alive(build_dir: str, build: str, within_s: float) -> bool:
+def alive(build_dir: str, build: str, within_s: float) -> bool:
     """Whether a builder of this build has touched its heartbeat in the last within_s seconds."""
     try:
         names = [name for name in os.listdir(build_dir) if name.startswith(f"alive-{build}-")]
@@ -368,7 +378,7 @@ def _wait(build_dir: str, build: str, timeout_s: float, progress: _Progress, fin
             if finished():
                 return
         if now - changed > timeout_s:
-            if _alive(build_dir, build, timeout_s):
+            if alive(build_dir, build, timeout_s):
                 changed = now
             else:
                 raise DataError(

@@ -87,6 +87,8 @@ def check_sources(cfg: DataConfig) -> None:
             )
         for source in sources(cfg):
             probe(first_file(source.paths, source.key), source.text_field)
+    if cfg.kind is DataKind.chat:
+        check_chat(cfg)
     if cfg.build_workers < 0:
         raise ConfigError("data.build_workers", f"{cfg.build_workers} is negative", "use 0 (all cores) or N")
 
@@ -120,9 +122,7 @@ def check_data(cfg: DataConfig, t: TrainerConfig, hf_config) -> None:
         )
     if cfg.document_masking and cfg.kind is DataKind.synthetic:
         raise ConfigError("data.document_masking", "synthetic tokens have no documents", "leave it unset")
-    if cfg.kind is DataKind.chat:
-        check_chat(cfg)
-    else:
+    if cfg.kind is not DataKind.chat:
         for key, paths in eval_set_paths(cfg).values():
             probe(first_file(paths, key), cfg.text_field)
     if cfg.eval_paths and cfg.eval_sources:

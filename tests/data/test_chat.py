@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_research.data.chat import documents, end_of_turn
-from fsdp_research.data.packing import IGNORE, LABELS, pack
+from fsdp_research.data.packing import IGNORE, LABELS, ChatWindows, assign, fill
 from fsdp_research.data.pipeline import build_data
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
@@ -44,7 +44,7 @@ def _cfg(setup, *overrides):
 @pytest.mark.parametrize("loss_on", ["assistant", "last_assistant", "all"])
 def test_targets_are_transformers_assistant_masks(setup, loss_on):
     _, marked, path, _ = setup
-    docs = documents(_cfg(setup, f"data.loss_on={loss_on}").data, [path], "data.paths", 1024)
+    docs = list(documents(_cfg(setup, f"data.loss_on={loss_on}").data, [path], "data.paths"))
     tok = AutoTokenizer.from_pretrained(marked)
     for doc, messages in zip(docs, CONVERSATIONS, strict=True):
         ref = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
@@ -67,16 +67,16 @@ def test_parquet_and_saved_datasets_hold_the_same_conversations(setup, tmp_path)
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "chats.parquet")
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
     cfg = _cfg(setup).data
-    expected = documents(cfg, [setup[2]], "data.paths", 1024)
+    expected = list(documents(cfg, [setup[2]], "data.paths"))
     for path in (tmp_path / "chats.parquet", tmp_path / "saved"):
-        got = documents(cfg, [str(path)], "data.paths", 1024)
+        got = list(documents(cfg, [str(path)], "data.paths"))
         assert [d.ids.tolist() for d in got] == [d.ids.tolist() for d in expected]
         assert [d.targets.tolist() for d in got] == [d.targets.tolist() for d in expected]
     # data.hub_name: what load_dataset reads (a hub name; here a directory of JSON Lines, as no hub is reachable).
     (tmp_path / "hub").mkdir()
     shutil.copy(setup[2], tmp_path / "hub" / "train.jsonl")
     hub = [*pretrained(setup[0]), "data=chat", f"data.hub_name={tmp_path / 'hub'}", f"data.cache_dir={tmp_path}/c"]
-    got = documents(compose(hub).data, None, "data.hub_name", 1024)
+    got = list(documents(compose(hub).data, None, "data.hub_name"))
     assert [d.ids.tolist() for d in got] == [d.ids.tolist() for d in expected]
     assert [d.targets.tolist() for d in got] == [d.targets.tolist() for d in expected]
     assert f"{len(expected)} conversations of data.hub_name" in build_data(compose(hub).data, 0, 0).describe()
@@ -91,7 +91,7 @@ def test_prompt_completion_pairs_train_on_the_completion(setup, tmp_path):
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps({"prompt": "What is x + 1?", "completion": " It is 3."}) + "\n")
     cfg = _cfg(setup, "data.prompt_field=prompt", "data.completion_field=completion")
-    [doc] = documents(cfg.data, [str(path)], "data.paths", 1024)
+    [doc] = list(documents(cfg.data, [str(path)], "data.paths"))
     tok = AutoTokenizer.from_pretrained(setup[0])
     assert tok.decode(doc.ids[doc.targets]) == " It is 3." + tok.eos_token
     assert tok.decode(doc.ids[~doc.targets]) == "What is x + 1?"
@@ -104,11 +104,19 @@ def _alone(model, doc) -> float:
     return out.loss.item() * int(doc.targets[1:].sum())
 
 
+def _pack(docs, seq_len: int, packing: bool, masking: bool) -> torch.Tensor:
+    order, starts = assign(np.array([len(d.ids) for d in docs]), seq_len, packing)
+    out = np.empty((len(starts) - 1, 3, seq_len), np.int64)
+    for row, a, b in zip(out, starts, starts[1:]):
+        fill(row, [(docs[d].ids, docs[d].targets) for d in order[a:b]], 0, masking)
+    return torch.from_numpy(out)
+
+
 @pytest.mark.parametrize("packing", [True, False])
 def test_a_packed_document_loses_what_it_loses_alone(setup, packing):
     model = setup[3]
-    docs = documents(_cfg(setup).data, [setup[2]], "data.paths", 1024) * 2
-    samples = torch.from_numpy(pack(docs, 256, 0, packing=packing, masking=True))
+    docs = list(documents(_cfg(setup).data, [setup[2]], "data.paths")) * 2
+    samples = _pack(docs, 256, packing, masking=True)
     assert len(samples) == (2 if packing else len(docs))
     with torch.no_grad():
         ours = token_losses(model, samples, torch.autocast("cpu", enabled=False)).sum().item()
@@ -116,7 +124,7 @@ def test_a_packed_document_loses_what_it_loses_alone(setup, packing):
         assert (samples[:, LABELS] != IGNORE).sum() == sum(int(d.targets[1:].sum()) for d in docs)
         assert ours == pytest.approx(reference, rel=1e-5)
         # Without document masking the later documents see the earlier ones: another loss.
-        unmasked = torch.from_numpy(pack(docs, 256, 0, packing=True, masking=False))
+        unmasked = _pack(docs, 256, packing=True, masking=False)
         seen = token_losses(model, unmasked, torch.autocast("cpu", enabled=False)).sum().item()
         assert abs(seen - reference) > 100 * max(abs(ours - reference), 1e-7 * reference)
 
@@ -125,14 +133,25 @@ def test_a_model_that_keeps_documents_apart_passes_the_start_check(setup):
     check_document_masking(setup[3], torch.device("cpu"))
 
 
+def _windows(setup, *overrides) -> ChatWindows:
+    [windows] = build_data(_cfg(setup, *overrides).data, 0, 0).stream.windows
+    return windows
+
+
 def test_long_conversations_are_dropped_cut_or_refused(setup):
-    docs = documents(_cfg(setup).data, [setup[2]], "data.paths", 1024)
+    docs = list(documents(_cfg(setup).data, [setup[2]], "data.paths"))
     limit = max(len(d.ids) for d in docs) - 1
-    assert len(documents(_cfg(setup).data, [setup[2]], "data.paths", limit)) == len(docs) - 1
-    cut = documents(_cfg(setup, "data.truncation=truncate").data, [setup[2]], "data.paths", limit)
-    assert max(len(d.ids) for d in cut) == limit
+    assert len(_windows(setup, f"data.seq_len={limit}").docs) == len(docs) - 1
+    cut = _windows(setup, f"data.seq_len={limit}", "data.truncation=truncate")
+    assert len(cut.docs) == len(docs) and cut.lengths.max() == limit
+    longest = max(range(len(docs)), key=lambda d: len(docs[d].ids))
+    w = next(w for w in range(cut.count) if longest in cut.docs[cut.starts[w] : cut.starts[w + 1]])
+    members = cut.docs[cut.starts[w] : cut.starts[w + 1]].tolist()
+    at = sum(int(cut.lengths[d]) for d in members[: members.index(longest)])
+    [row] = cut.read(np.array([w]))
+    assert row[0, at : at + limit].tolist() == docs[longest].ids[:limit].tolist()
     with pytest.raises(ConfigError, match="data.truncation"):
-        documents(_cfg(setup, "data.truncation=error").data, [setup[2]], "data.paths", limit)
+        _windows(setup, f"data.seq_len={limit}", "data.truncation=error")
 
 
 def _refused(cfg) -> str:
@@ -214,10 +233,80 @@ def test_an_assistant_first_turn_is_a_target_and_the_default_system_message_is_n
     template = tmp_path / "template.jinja"
     template.write_text(DEFAULT_SYSTEM + CHATML)
     path = write_chats(str(tmp_path / "first.jsonl"), [messages])
-    [doc] = documents(_cfg(setup, f"data.paths=[{path}]", f"data.chat_template={template}").data, [path], "x", 1024)
+    [doc] = list(documents(_cfg(setup, f"data.paths=[{path}]", f"data.chat_template={template}").data, [path], "x"))
     tok = AutoTokenizer.from_pretrained(setup[1])
     tok.chat_template = DEFAULT_SYSTEM + CHATML_MARKED
     ref = tok.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     assert doc.ids.tolist() == ref["input_ids"]
     assert doc.targets.tolist() == [bool(m) for m in ref["assistant_masks"]]
     assert "helpful" not in tok.decode(doc.ids[doc.targets])
+
+
+def _many(n: int) -> list[list[dict]]:
+    """n conversations of different lengths (one with no assistant turn in every 100)."""
+    out = []
+    for i in range(n):
+        turns = [{"role": "user", "content": f"what is {i} + {i % 7}?" + " and" * (i % 13)}]
+        if i % 100:
+            turns.append({"role": "assistant", "content": f"It is {i + i % 7}." + " so" * (i % 29)})
+        out.append(turns)
+    return out
+
+
+def test_conversations_are_tokenized_once_into_a_store(setup, tmp_path, monkeypatch):
+    """2,000 conversations: the first start builds the store, the second reads it (nothing tokenized) and packs the
+    same windows; the ids in the store's dtype; the ones with no assistant turn left out and counted."""
+    import fsdp_research.data.chat_store as chat_store
+
+    path = write_chats(str(tmp_path / "many.jsonl"), _many(2000))
+    cfg = _cfg(setup, f"data.paths=[{path}]", f"data.store_dir={tmp_path}/stores", "data.seq_len=256").data
+    first = build_data(cfg, 0, 0)
+    [windows] = first.stream.windows
+    assert windows.store.dtype == np.uint16 and windows.untargeted == 20 and len(windows.docs) == 1980
+    assert "20 with no target token left out" in first.describe()
+
+    def tokenize(*args):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(chat_store, "documents", tokenize)
+    again = build_data(cfg, 0, 0)
+    index = np.arange(windows.count)
+    assert np.array_equal(again.stream.windows[0].read(index), windows.read(index))
+    # Every kept document once, as the tokenizer renders it.
+    docs = [d for d in documents(cfg, [path], "data.paths") if d.targets[1:].any()]
+    rows = windows.read(index)
+    assert sorted(len(d.ids) for d in docs) == sorted(windows.lengths[windows.docs].tolist())
+    assert (rows[:, LABELS] != IGNORE).sum() == sum(int(d.targets[1:].sum()) for d in docs)
+
+
+def test_packing_fills_windows_as_trls_best_fit_decreasing_does(setup, tmp_path):
+    """The same conversations packed by TRL's pack_dataset (strategy bfd, SFTTrainer's): no more windows than
+    TRL's, so at least its share of target positions."""
+    from datasets import Dataset
+    from trl.data_utils import pack_dataset
+
+    path = write_chats(str(tmp_path / "many.jsonl"), _many(300))
+    cfg = _cfg(setup, f"data.paths=[{path}]", f"data.store_dir={tmp_path}/stores", "data.seq_len=256").data
+    [windows] = build_data(cfg, 0, 0).stream.windows
+    docs = [d for d in documents(cfg, [path], "data.paths") if d.targets[1:].any()]
+    trl = pack_dataset(Dataset.from_dict({"input_ids": [d.ids.tolist() for d in docs]}), 256, strategy="bfd")
+    assert windows.count <= len(trl) < len(docs) // 2
+
+
+def test_sharegpt_records_are_read_as_conversations(setup, tmp_path):
+    roles = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = [[{"from": roles[m["role"]], "value": m["content"]} for m in c] for c in CONVERSATIONS]
+    path = write_chats(str(tmp_path / "sharegpt.jsonl"), sharegpt, field="conversations")
+    cfg = _cfg(setup, "data.messages_field=conversations").data
+    got = list(documents(cfg, [path], "data.paths"))
+    expected = list(documents(_cfg(setup).data, [setup[2]], "data.paths"))
+    assert [d.ids.tolist() for d in got] == [d.ids.tolist() for d in expected]
+    assert [d.targets.tolist() for d in got] == [d.targets.tolist() for d in expected]
+
+
+def test_a_prompt_completion_file_given_as_conversations_names_the_pair_fields(setup, tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps({"prompt": "What is x + 1?", "completion": " It is 3."}) + "\n")
+    assert "set data.prompt_field=prompt data.completion_field=completion" in _refused(
+        _cfg(setup, f"data.paths=[{path}]")
+    )

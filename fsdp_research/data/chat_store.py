@@ -1,0 +1,63 @@
+"""Conversations (and prompt/completion pairs) tokenized once, into a token store (fsdp_research.data.store): the
+documents' token ids in the store's dtype, a byte a token saying which are targets, and per document its target
+count, built by one rank and read by every rank and every later start at the positions it packs
+(fsdp_research.data.packing.ChatWindows). Its fingerprint is of the files (or hub dataset), the tokenizer, the chat
+template's text, the fields and data.loss_on: what decides the ids and targets. Sequence length, packing and
+truncation are not in it: they apply when it is read."""
+
+import functools
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from fsdp_research.config.data_schema import DataConfig
+from fsdp_research.data.chat import chat_tokenizer, documents
+from fsdp_research.data.parts import Part, identity, scan
+from fsdp_research.data.store import VERSION, StoreSpec, part_name
+from fsdp_research.data.store_builder import finish_part, write_atomic
+from fsdp_research.data.tokenizer import load_tokenizer
+
+
+def chat_spec(cfg: DataConfig, paths: list[str] | None, key: str) -> StoreSpec:
+    """The store of the conversations of `paths` (None: of the hub dataset data.hub_name) as data.* renders them."""
+    tok = load_tokenizer(cfg.tokenizer)
+    if paths is None:
+        source: Any = {"hub": cfg.hub_name, "config": cfg.hub_config, "split": cfg.split}
+    else:
+        source = identity(scan(paths, key))
+    spec = {
+        "version": VERSION,
+        "kind": "chat",
+        "source": source,
+        "tokenizer": tok.fingerprint,
+        "template": chat_tokenizer(cfg).chat_template,
+        "fields": [cfg.messages_field, cfg.prompt_field, cfg.completion_field],
+        "loss_on": cfg.loss_on.value,
+        "dtype": tok.dtype.name,
+    }
+    part = Part(tuple(paths or [cfg.hub_name]), "chat", "")
+    build = functools.partial(_build, cfg, paths, key, tok.dtype)
+    return StoreSpec(lambda: [part], json.dumps(spec, sort_keys=True), cfg.tokenizer, build)
+
+
+def _build(cfg: DataConfig, paths: list[str] | None, key: str, dtype: np.dtype, _part, index: int, build_dir: str):
+    """Every document written as it is tokenized (nothing held but its end and target count)."""
+    prefix = os.path.join(build_dir, part_name(index))
+    ends: list[int] = []
+    targets: list[int] = []
+    counts = {"tokens": 0, "documents": 0, "text_bytes": 0}
+
+    def write(tokens_file, targets_file) -> None:
+        for doc in documents(cfg, paths, key):
+            tokens_file.write(doc.ids.astype(dtype).tobytes())
+            targets_file.write(doc.targets.astype(np.uint8).tobytes())
+            counts["tokens"] += len(doc.ids)
+            counts["documents"] += 1
+            ends.append(counts["tokens"])
+            targets.append(int(doc.targets[1:].sum()))
+
+    write_atomic(prefix + ".tokens", lambda f: write_atomic(prefix + ".targets", lambda g: write(f, g), "wb"), "wb")
+    write_atomic(prefix + ".counts.npy", lambda f: np.save(f, np.asarray(targets, np.int64)), "wb")
+    return finish_part(prefix, np.asarray(ends, np.int64), counts, (".tokens", ".targets", ".counts.npy"))
