@@ -67,8 +67,8 @@ BREAKS: list[Break] = [
     Break(
         "chat_loss_mask",
         "_char_targets",
-        "targets[j] = any(",
-        "targets[j] = not any(",
+        "targets += [k % 2 == 1] * len(piece)",
+        "targets += [k % 2 == 0] * len(piece)",
         ("tests/data/test_chat.py::test_targets_are_transformers_assistant_masks",),
     ),
     Break(

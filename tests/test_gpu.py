@@ -76,3 +76,30 @@ def test_compiled_matches_eager(initial, tmp_path):
     compiled = train(compose(overrides + ["trainer.compile=true"]), str(tmp_path / "compiled")).losses
     torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=1e-4, atol=0)
     assert os.path.exists(tmp_path / "compiled" / "metrics.jsonl")
+
+
+def _dropout_on_a_dtensor() -> bool:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from fsdp_research.distributed.processes import init_distributed
+    from fsdp_research.distributed.tensor_parallel import keep_rank_streams
+    from fsdp_research.train.randomness import seed_step, step_seed
+
+    init_distributed(compose(FAST).distributed, torch.device("cuda"))
+    mesh = init_device_mesh("cuda", (dist.get_world_size(),), mesh_dim_names=("tp",))
+    keep_rank_streams(mesh)
+    x = distribute_tensor(torch.ones(64, 64, device="cuda"), mesh, [Replicate()])
+    seed_step(7, 3, 1)
+    ours = torch.nn.functional.dropout(x, 0.5).to_local()
+    torch.manual_seed(step_seed(7, 3, 0))
+    return torch.equal(ours, torch.nn.functional.dropout(torch.ones(64, 64, device="cuda"), 0.5))
+
+
+def test_dtensor_dropout_draws_from_the_rank_s_own_stream():
+    """DTensor's RNG tracker made by keep_rank_streams (no copy of rank 0's generator): a dropout on a DTensor draws
+    from the stream the step's seed gave this rank."""
+    from tests.helpers.dist import run_distributed
+
+    assert run_distributed(_dropout_on_a_dtensor, 1)

@@ -9,6 +9,7 @@ import json
 import os
 import random
 
+import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -63,6 +64,7 @@ def main(out: str, hidden: int = 128, layers: int = 4, n_chats: int = 2000) -> N
         "llama", vocab_size=len(fast), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
     )  # fmt: skip
+    torch.manual_seed(0)  # the same initial weights on every machine: the walkthrough's figures reproduce
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
     print(f"wrote {out}/train.jsonl, {out}/eval.jsonl and {model_dir} (tokenizer with a chat template, llama)")
 

@@ -6,7 +6,8 @@ At the end of training no rank gathers the model: the full tensors of each group
 blocks) are gathered to the rank that owns it alone, one round of groups at a time; each rank writes its groups as
 the family's save_pretrained does into files of its own, and then its share of the final shards, consolidated
 from those files by byte copies (fsdp_research.checkpoint.consolidate). `fsdp-research export <step dir> <out dir>`
-converts any resume checkpoint offline, with no process group and no GPU."""
+converts any resume checkpoint offline, in one process and with no GPU: the weights as they are, or a LoRA run's
+adapters on its base as the run's end exports them."""
 
 import contextlib
 import copy
@@ -27,15 +28,20 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp_research.checkpoint.consolidate import INDEX, consolidate, write_index
+from fsdp_research.checkpoint.dcp import TRAINER_STATE
 from fsdp_research.config.sizes import export_shard_size
 from fsdp_research.data.chat import PROMPTS, chat_tokenizer, prompt_rendering
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.precision import fp32_names, parse_dtype
 from fsdp_research.distributed.processes import control_group
-from fsdp_research.model.architecture import build_model
-from fsdp_research.model.lora import ADAPTER_DIR, export_adapter, merged
+from fsdp_research.errors import CheckpointError
+from fsdp_research.model.architecture import build_model, pretrained_dir
+from fsdp_research.model.initialization import materialize
+from fsdp_research.model.lora import ADAPTER_DIR, base_identity, base_view, export_adapter, init_adapters, merged
 from fsdp_research.model.lora import enabled as lora_enabled
+from fsdp_research.model.parallelize import planned_model
+from fsdp_research.model.pretrained import load_pretrained
 
 log = logging.getLogger("fsdp_research")
 
@@ -289,17 +295,22 @@ def export_run(model: torch.nn.Module, cfg: DictConfig, hf_config, out_dir: str)
                 log.info(f"{', '.join(apart)}: adapted and tied to another module; the merged export unties them")
                 hf_config = untied(hf_config)
             export_model(model, hf_config, out_dir, export_dtype(cfg), shard_size, cfg.data.tokenizer, apart)
-    adapter = os.path.join(out_dir, ADAPTER_DIR)
     if lora:
-        export_adapter(model, cfg.model, adapter)
-    if dist.get_rank() != 0:
-        return
-    with open(os.path.join(out_dir, PROMPTS), "w") as f:  # generate tokenizes prompts as the run's samples did
-        json.dump({"rendering": prompt_rendering(cfg.data)}, f)
-    # The run's tokenizer beside its adapter; with data.chat_template, the template the data was rendered with (not
-    # the tokenizer's own) beside the weights too.
+        export_adapter(model, cfg.model, os.path.join(out_dir, ADAPTER_DIR))
+    if dist.get_rank() == 0:
+        write_prompting(cfg, out_dir)
+
+
+def write_prompting(cfg: DictConfig, out_dir: str) -> None:
+    """Into a run's export, what `generate` reads to prompt it as the run's samples did: prompts.json (the prompts'
+    rendering, the data's tokenizer: `byte` has no files to save) and the run's tokenizer beside its LoRA adapter;
+    with data.chat_template, the template the data was rendered with (not the tokenizer's own) beside the weights
+    too."""
+    with open(os.path.join(out_dir, PROMPTS), "w") as f:
+        json.dump({"rendering": prompt_rendering(cfg.data), "tokenizer": cfg.data.tokenizer}, f)
     tok = chat_tokenizer(cfg.data) if cfg.data.chat_template else load_tokenizer(cfg.data.tokenizer).hf
-    places = ([out_dir] if cfg.data.chat_template else []) + ([adapter] if lora else [])
+    lora = lora_enabled(cfg.model.lora)
+    places = ([out_dir] if cfg.data.chat_template else []) + ([os.path.join(out_dir, ADAPTER_DIR)] if lora else [])
     for where in places if tok is not None else []:
         tok.save_pretrained(where)
 
@@ -316,3 +327,42 @@ def load_checkpoint_weights(step_dir: str) -> dict[str, torch.Tensor]:
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=step_dir, no_dist=True)
     return {k[len("model.") :]: v for k, v in state.items()}
+
+
+def export_adapted(step_dir: str, cfg: DictConfig, hf_config, out_dir: str) -> None:
+    """A LoRA run's checkpoint (its adapters alone) exported as the run's end exports it (export_run: the adapter,
+    the merged model), in this process alone: the model built as the trainer builds it, unsharded, the base read
+    from model.name_or_path, then the checkpoint's adapters; on a process group of this one process (the loading's
+    checks and the export are collectives)."""
+    base = cfg.model.name_or_path
+    try:
+        identity = base_identity(cfg.model)
+    except (OSError, ValueError) as err:  # a directory gone, or a hub id not in the local cache
+        raise CheckpointError(
+            f"{step_dir}: cannot read the base its adapters trained on, {base} ({str(err).splitlines()[0]}); fix: "
+            "put it back where the run's model.name_or_path names it"
+        ) from None
+    if identity != torch.load(os.path.join(step_dir, TRAINER_STATE), weights_only=False).get("base_weights"):
+        raise CheckpointError(
+            f"{step_dir}: {base} is not the base its adapters trained on (its weights changed); fix: put that base "
+            "back there"
+        )
+    adapters = load_checkpoint_weights(step_dir)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model, _ = planned_model(cfg, hf_config)
+        materialize(model, torch.device("cpu"), torch.device("cpu"))
+        with base_view(model):
+            load_pretrained(model, pretrained_dir(base))
+        init_adapters(model, cfg.trainer.seed)  # the frozen originals of modules_to_save, as the trainer sets them
+        params = {clean_name(name): p for name, p in model.named_parameters()}
+        trained = {name for name, p in params.items() if p.requires_grad}
+        if adapters.keys() != trained:  # a train_config.yaml changed since the save
+            odd = sorted(adapters.keys() ^ trained)[0]
+            raise CheckpointError(f"{step_dir}: its adapters are not those its train_config.yaml builds ({odd})")
+        with torch.no_grad():
+            for name, value in adapters.items():
+                params[name].copy_(value)
+        export_run(model, cfg, hf_config, out_dir)
+    finally:
+        dist.destroy_process_group()

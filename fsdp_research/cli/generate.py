@@ -2,8 +2,8 @@
 a run's export continued by transformers' generate (greedy), in this process alone: the merged model, or with
 --adapter (or where no merged model was written) the base with the LoRA adapter through PEFT. Prompts are tokenized
 as the run's samples were (its export's prompts.json): a user's message in the chat template for conversations, as
-the data tokenizes a pair's prompt for prompt/completion data, plain text otherwise; an export without the record
-(made elsewhere): the chat template where the tokenizer has one."""
+the data tokenizes a pair's prompt for prompt/completion data, plain text otherwise (with the byte tokenizer: its
+UTF-8 bytes); an export without the record (made elsewhere): the chat template where the tokenizer has one."""
 
 import argparse
 import json
@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from fsdp_research.cli.common import fail
 from fsdp_research.data.chat import PROMPTS, end_of_turn
+from fsdp_research.data.tokenizer import Tokenizer, load_tokenizer, model_tokenizer
 from fsdp_research.model.lora import ADAPTER_DIR
 
 
@@ -21,8 +22,19 @@ def _export_dir(path: str) -> str:
     return inside if os.path.isdir(inside) else path
 
 
-def _load(export: str, adapter: bool):
-    """(model, tokenizer) of an export: the merged weights, or the base with the adapter (PEFT)."""
+def _record(export: str) -> dict:
+    """The export's prompts.json: how the run tokenized its prompts (fsdp_research.data.chat.prompt_rendering) and
+    its data.tokenizer; {} for an export made elsewhere."""
+    try:
+        with open(os.path.join(export, PROMPTS)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def _load(export: str, adapter: bool, byte: bool):
+    """(model, tokenizer) of an export: the merged weights, or the base with the adapter (PEFT); the byte tokenizer
+    (fsdp_research.data.tokenizer's, which has no files to save) where the run trained with it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     adapter_dir = os.path.join(export, ADAPTER_DIR)
@@ -35,21 +47,36 @@ def _load(export: str, adapter: bool):
         with open(os.path.join(adapter_dir, "adapter_config.json")) as f:
             base = json.load(f)["base_model_name_or_path"]
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter_dir)
-        # The run's tokenizer, saved beside the adapter (none for the byte tokenizer: the base's).
+        # The run's tokenizer, saved beside the adapter (an adapter made elsewhere: the base's).
         own = os.path.exists(os.path.join(adapter_dir, "tokenizer_config.json"))
-        tokenizer = AutoTokenizer.from_pretrained(adapter_dir if own else base)
+        tokenizer_dir = adapter_dir if own else base
     else:
-        model, tokenizer = AutoModelForCausalLM.from_pretrained(export), AutoTokenizer.from_pretrained(export)
-    return model.eval(), tokenizer
+        model, tokenizer_dir = AutoModelForCausalLM.from_pretrained(export), export
+    if byte:
+        return model.eval(), load_tokenizer("byte")
+    if model_tokenizer(tokenizer_dir) is None:  # transformers' own error says it in a cut-off line
+        raise FileNotFoundError(
+            f"{tokenizer_dir} holds no tokenizer and its {PROMPTS} names none; fix: save the run's tokenizer there, "
+            "or export the run's checkpoint again (fsdp-research export), which names it"
+        )
+    return model.eval(), AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
-def _rendering(export: str, tokenizer) -> str:
-    """How the run tokenized its prompts (fsdp_research.data.chat.prompt_rendering), as its export records it."""
-    try:
-        with open(os.path.join(export, PROMPTS)) as f:
-            return json.load(f)["rendering"]
-    except (OSError, ValueError, KeyError):
-        return "chat" if tokenizer.chat_template else "text"
+def _prompting(tokenizer, rendering: str | None):
+    """(a prompt's ids, the ids generation stops at, a completion's text from its ids) as the run's samples have
+    them: the end of the document, and of the assistant's turn for conversations."""
+    if isinstance(tokenizer, Tokenizer):  # the byte tokenizer: a prompt's UTF-8 bytes
+        return tokenizer.prompt_ids, [tokenizer.eos_id], tokenizer.decode
+    rendering = rendering or ("chat" if tokenizer.chat_template else "text")
+
+    def encode(prompt: str) -> list[int]:
+        if rendering == "chat":
+            messages = [{"role": "user", "content": prompt}]
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(prompt, add_special_tokens=rendering == "pair")["input_ids"]
+
+    stop = [tokenizer.eos_token_id, *([end_of_turn(tokenizer)] if rendering == "chat" else [])]
+    return encode, [i for i in stop if i is not None], lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -62,24 +89,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     import torch
 
     export = _export_dir(args.path)
+    record = _record(export)
     try:
-        model, tokenizer = _load(export, args.adapter)
+        model, tokenizer = _load(export, args.adapter, record.get("tokenizer") == "byte")
     except (OSError, ValueError, KeyError) as err:
         return fail(f"{args.path}: {str(err).splitlines()[0] if str(err) else type(err).__name__}")
-    rendering = _rendering(export, tokenizer)
-    # The end of the document, and of the assistant's turn (as the trainer's samples stop).
-    stop = [tokenizer.eos_token_id, *([end_of_turn(tokenizer)] if rendering == "chat" else [])]
-    stop = [i for i in stop if i is not None]
+    encode, stop, decode = _prompting(tokenizer, record.get("rendering"))
     for prompt in args.prompt:
-        if rendering == "chat":
-            messages = [{"role": "user", "content": prompt}]
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        else:
-            text = prompt
-        ids = tokenizer(text, add_special_tokens=rendering == "pair", return_tensors="pt")["input_ids"]
+        ids = torch.tensor([encode(prompt)])
         with torch.no_grad():
             out = model.generate(
                 input_ids=ids, max_new_tokens=args.max_new_tokens, do_sample=False, eos_token_id=stop or None
             )
-        print(f"{prompt} -> {tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)}")
+        print(f"{prompt} -> {decode(out[0, ids.shape[1] :].tolist())}")
     return 0

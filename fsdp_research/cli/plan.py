@@ -60,15 +60,11 @@ def _searchable(overrides: list[str], world_size: int) -> list[str]:
     return overrides
 
 
-def _hardware(
-    args, cfg: DictConfig, m: ModelSummary, world_size: int, device_type: str, room: Budget | None, notes: list
-) -> Hardware:
-    """A GPU of the table (--gpu, --link), or this machine's CPU rates measured on world_size processes."""
-    compute = dtypes(cfg.precision)[0]
+def _timing_device(args, device_type: str, world_size: int, room: Budget | None, notes: list[str]) -> Device | None:
+    """The GPU of the table a timed plan is for (None: this machine's CPU, measured), checked before anything is
+    planned or printed: a bad --gpu or more CPU processes than cores is the command's one line."""
     if device_type == "cuda":
-        device = _device(args, room, notes)
-        link = args.link or ("nvlink" if world_size <= device.per_node else "ib")
-        return gpu_hardware(device, compute.itemsize, link, cpu_optimizer_rate())
+        return _device(args, room, notes)
     cores = os.cpu_count() or 1
     if world_size > cores:
         raise ConfigError(
@@ -76,6 +72,15 @@ def _hardware(
             f"{world_size} CPU processes cannot be measured on this machine's {cores} cores",
             "plan for GPUs: --device cuda --gpu NAME (or --gpu NAME alone)",
         )
+    return None
+
+
+def _hardware(args, cfg: DictConfig, m: ModelSummary, world_size: int, device: Device | None) -> Hardware:
+    """A GPU of the table (--gpu, --link), or this machine's CPU rates measured on world_size processes."""
+    compute = dtypes(cfg.precision)[0]
+    if device is not None:
+        link = args.link or ("nvlink" if world_size <= device.per_node else "ib")
+        return gpu_hardware(device, compute.itemsize, link, cpu_optimizer_rate())
     print(f"measuring this machine's CPU rates on {world_size} process(es)...", file=sys.stderr)
     rows = cfg.trainer.micro_batch_size * cfg.data.seq_len
     return calibrate_cpu(world_size, rows, m.hidden, m.intermediate, compute)
@@ -241,13 +246,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         notes: list[str] = []  # printed after the plan, whose first line is the model's
         device_type = _device_type(args, cfg, overrides, notes)
         room = _budget(args, device_type == "cuda")
+        timed = device_type == "cuda" or args.fit is not None
+        device = _timing_device(args, device_type, world_size, room, notes) if timed else None
         others = _compare_configs(overrides, world_size) if args.compare else []
         # One model build for the plan and every row of the comparison (a large model's build is most of the time).
         summaries = summaries_by_sharding([cfg, *others])
         run = run_settings(cfg, world_size, device_type)
         print(format_plan(summaries[0], run))
-        if device_type == "cuda" or args.fit is not None:
-            hw = _hardware(args, cfg, summaries[0], world_size, device_type, room, notes)
+        if timed:
+            hw = _hardware(args, cfg, summaries[0], world_size, device)
             print(format_time(step_time(summaries[0], run, hw), run, hw))
         if args.compare:
             print()

@@ -64,12 +64,17 @@ def chat_tokenizer(cfg: DataConfig):
 
 
 def _char_targets(tok, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    """The text's tokens (as apply_chat_template tokenizes a rendered chat) and which overlap a span of chars."""
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    targets = np.zeros(len(enc["input_ids"]), bool)
-    for j, (start, end) in enumerate(enc["offset_mapping"]):
-        targets[j] = any(start < b and end > a for a, b in spans)
-    return np.asarray(enc["input_ids"], np.int64), targets
+    """The text's tokens and which are targets: the spans of chars, each tokenized apart from what comes before it
+    (as generation sees a turn: its prompt tokenized alone, the reply from there), so that no token straddles a
+    span's start (one that did would be a target holding prompt text); the rest as apply_chat_template tokenizes."""
+    ids: list[int] = []
+    targets: list[bool] = []
+    cuts = [0, *(c for span in spans for c in span), len(text)]
+    for k, (start, stop) in enumerate(zip(cuts, cuts[1:])):
+        piece = tok(text[start:stop], add_special_tokens=False)["input_ids"] if stop > start else []
+        ids += piece
+        targets += [k % 2 == 1] * len(piece)  # the odd pieces are the spans
+    return np.asarray(ids, np.int64), np.asarray(targets, bool)
 
 
 def _assistant_spans(tok, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:

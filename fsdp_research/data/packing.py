@@ -5,7 +5,8 @@ position ids. Whole documents are packed into windows (data.packing) best-fit de
 non-targets; the windows are then shuffled (a fixed permutation: the packing is a function of the data). With
 document masking each document's positions start at 0: transformers' packed-sequence path then lets each attend to
 itself only (its mask functions read the restarts); a document's last position predicts nothing, so a packed
-document's loss is the same document's fed alone (DataCollatorWithFlattening's rule)."""
+document's loss is the same document's fed alone (DataCollatorWithFlattening's rule). Text eval sets under
+document masking are packed so too (TextDocuments), every token after a document's first a target."""
 
 from collections import defaultdict
 
@@ -96,10 +97,38 @@ def fill(row: np.ndarray, docs: list[tuple[np.ndarray, np.ndarray]], pad_id: int
     row[POSITIONS, at:] = np.arange(seq_len - at) if masking else np.arange(at, seq_len)
 
 
-class ChatWindows:
-    """A store of documents with targets (fsdp_research.data.chat_store) packed into samples by index (a source of
-    fsdp_research.data.sampling.Stream): its document index, lengths and target counts in memory (O(documents)),
-    the tokens read as windows are asked for. Documents longer than seq_len are dropped, cut or refused
+class PackedDocuments:
+    """Spans of a store (first token, length) packed into windows by index (a source of
+    fsdp_research.data.sampling.Stream): window w holds the spans docs[starts[w]:starts[w + 1]], their tokens read
+    as windows are asked for."""
+
+    store: TokenStore
+    first: np.ndarray
+    lengths: np.ndarray
+    docs: np.ndarray
+    starts: np.ndarray
+    pad_id: int
+    masking: bool
+    shape: tuple[int, int]
+
+    def span_targets(self, start: int, stop: int) -> np.ndarray:
+        """Which of the tokens [start, stop) are targets."""
+        raise NotImplementedError
+
+    def read(self, index: np.ndarray) -> np.ndarray:
+        out = np.empty((len(index), *self.shape), np.int64)
+        for row, w in zip(out, index.tolist()):
+            docs = []
+            for d in self.docs[self.starts[w] : self.starts[w + 1]].tolist():
+                a, b = int(self.first[d]), int(self.first[d] + self.lengths[d])
+                docs.append((self.store.tokens(a, b), self.span_targets(a, b)))
+            fill(row, docs, self.pad_id, self.masking)
+        return out
+
+
+class ChatWindows(PackedDocuments):
+    """A store of documents with targets (fsdp_research.data.chat_store) packed into samples: its document index,
+    lengths and target counts in memory (O(documents)). Documents longer than seq_len are dropped, cut or refused
     (data.truncation); those with no target token are left out."""
 
     def __init__(
@@ -135,15 +164,8 @@ class ChatWindows:
         self.targets = int(counts[kept].sum())
         self.what = what
 
-    def read(self, index: np.ndarray) -> np.ndarray:
-        out = np.empty((len(index), *self.shape), np.int64)
-        for row, w in zip(out, index.tolist()):
-            docs = []
-            for d in self.docs[self.starts[w] : self.starts[w + 1]].tolist():
-                a, b = int(self.first[d]), int(self.first[d] + self.lengths[d])
-                docs.append((self.store.tokens(a, b), self.store.targets(a, b)))
-            fill(row, docs, self.pad_id, self.masking)
-        return out
+    def span_targets(self, start: int, stop: int) -> np.ndarray:
+        return self.store.targets(start, stop)
 
     def describe(self) -> str:
         positions = self.count * self.length
@@ -184,3 +206,39 @@ class DocumentWindows:
             first[starts[starts < n]] = starts[starts < n]
             row[POSITIONS] = np.arange(n) - np.maximum.accumulate(first)
         return out
+
+
+class TextDocuments(PackedDocuments):
+    """A text store's documents packed whole into windows of seq_len positions (an eval set under
+    data.document_masking, read whole): each once, its positions from 0, every token after its first a target, so
+    that its loss is the document's fed alone. A document longer than seq_len goes in pieces of at most seq_len
+    tokens, each fed alone (its positions from 0), each after the first starting at the previous one's last token:
+    every token after the document's first is still a target once, predicted from the tokens of its piece before it
+    (data.truncation is chat's: an eval set keeps all of its text). Documents of one token (no target) are left
+    out."""
+
+    def __init__(self, store: TokenStore, seq_len: int, pad: int, what: str):
+        self.store, self.length, self.shape = store, seq_len, (3, seq_len)
+        self.pad_id, self.masking, self.what = pad, True, what
+        ends = store.document_ends()
+        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        lengths = ends - starts
+        # seq_len - 1 targets a piece, the last piece the rest; a window of one position holds no target.
+        stride = seq_len - 1
+        pieces = -(-(lengths - 1) // stride) if stride else np.zeros_like(lengths)
+        doc = np.repeat(np.arange(len(lengths)), pieces)
+        k = np.arange(len(doc)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+        self.first = starts[doc] + k * stride
+        self.lengths = np.minimum(seq_len, lengths[doc] - k * stride)
+        self.documents, self.in_pieces = int((pieces > 0).sum()), int((pieces > 1).sum())
+        self.docs, self.starts = assign(self.lengths, seq_len, packing=True)
+        self.count = len(self.starts) - 1
+        self.targets = int((self.lengths - 1).sum())
+
+    def span_targets(self, start: int, stop: int) -> np.ndarray:
+        return np.ones(stop - start, bool)
+
+    def describe(self) -> str:
+        pieces = f", {self.in_pieces:,} longer than data.seq_len in pieces" if self.in_pieces else ""
+        filled = self.lengths.sum() / (self.count * self.length)
+        return f"{self.documents:,} documents of {self.what} packed whole ({filled:.0%} of positions filled{pieces})"

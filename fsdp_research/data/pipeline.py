@@ -2,7 +2,8 @@
 tokens) -> their token stores (built once, opened by every rank) -> a Stream of windows by global sample index
 -> this rank's slice of each step's global batch, read ahead in a background thread. Conversations (data=chat) have
 stores of their own (fsdp_research.data.chat_store), packed as they are opened (fsdp_research.data.packing);
-data.eval_paths, evaluated whole, the same way as the training data."""
+data.eval_paths, evaluated whole, the same way as the training data (text under document masking: each document
+whole, packed)."""
 
 import functools
 import os
@@ -18,7 +19,7 @@ import torch
 from fsdp_research.config.data_schema import DataConfig, DataKind
 from fsdp_research.data.chat import chat_tokenizer
 from fsdp_research.data.chat_store import chat_spec
-from fsdp_research.data.packing import ChatWindows, DocumentWindows
+from fsdp_research.data.packing import ChatWindows, DocumentWindows, PackedDocuments, TextDocuments
 from fsdp_research.data.parts import default_paths, hub_parts, identity, plan_parts, scan
 from fsdp_research.data.sampling import StoreWindows, Stream, SyntheticWindows
 from fsdp_research.data.store import StoreSpec, TokenStore, store_spec
@@ -134,12 +135,19 @@ class Data:
     # data.overfit_batches: >0, the global batches of steps 0 .. N-1 over and over.
     overfit_batches: int = 0
     # The eval sets read whole (instead of held-out windows), by name: data.eval_paths' ("") or data.eval_sources'.
-    eval_sets: dict[str, StoreWindows | DocumentWindows | ChatWindows] = field(default_factory=dict)
+    eval_sets: dict[str, StoreWindows | PackedDocuments] = field(default_factory=dict)
 
     def batch(self, index: np.ndarray, held_out: bool = False) -> torch.Tensor:
         """Samples by index: [n, seq_len + 1] tokens, or packed [n, 3, seq_len] (fsdp_research.data.packing)."""
         samples = self.stream.held_out(index) if held_out else self.stream.train(index)
         return torch.from_numpy(samples)
+
+    @property
+    def pad_id(self) -> int | None:
+        """What tells packed samples' padding from their documents without document masking: its token (None:
+        masked, the padding is a document of its own, its positions from 0; or no padding)."""
+        first = self.stream.windows[0]
+        return first.pad_id if isinstance(first, ChatWindows) and not first.masking else None
 
     def eval_batch(self, name: str, index: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(self.eval_sets[name].read(index))
@@ -170,7 +178,7 @@ class Data:
 
 def _describe(windows) -> str:
     store = getattr(windows, "store", None)
-    if isinstance(windows, ChatWindows):
+    if isinstance(windows, PackedDocuments):
         return f"{windows.describe()}, token store {store.path}"
     if store:
         masked = ", documents masked apart" if isinstance(windows, DocumentWindows) else ""
@@ -204,21 +212,29 @@ def eval_set_paths(cfg: DataConfig) -> dict[str, tuple[str, list[str]]]:
     return named
 
 
-def _eval_sets(cfg: DataConfig, build: Build) -> dict[str, StoreWindows | DocumentWindows | ChatWindows]:
-    sets = {}
-    for name, (key, paths) in eval_set_paths(cfg).items():
-        if cfg.kind is DataKind.chat:
-            sets[name] = chat_windows(cfg, paths, key, build)
-        else:
-            spec = _local_spec(paths, key, cfg.text_field, cfg.tokenizer)
-            sets[name] = _masked(cfg, StoreWindows(_ensure(spec, store_root(cfg), build), cfg.seq_len + 1))
-        if not sets[name].count:
-            raise ConfigError(key, f"{paths} holds less than one window of data.seq_len + 1 tokens", "add text")
-    return sets
+def _eval_sets(cfg: DataConfig, build: Build) -> dict[str, StoreWindows | PackedDocuments]:
+    return {
+        name: chat_windows(cfg, paths, key, build) if cfg.kind is DataKind.chat else _eval_text(cfg, paths, key, build)
+        for name, (key, paths) in eval_set_paths(cfg).items()
+    }
+
+
+def _eval_text(cfg: DataConfig, paths: list[str], key: str, build: Build) -> StoreWindows | TextDocuments:
+    """An eval set of text: its store's windows, or with data.document_masking its documents packed whole (cut at
+    no window's edge: each loses what it loses fed alone)."""
+    store = _ensure(_local_spec(paths, key, cfg.text_field, cfg.tokenizer), store_root(cfg), build)
+    if cfg.document_masking:
+        windows = TextDocuments(store, cfg.seq_len, load_tokenizer(cfg.tokenizer).eos_id, key)
+        short = "no document of two tokens or more (or data.seq_len is 1)"
+    else:
+        windows, short = StoreWindows(store, cfg.seq_len + 1), "less than one window of data.seq_len + 1 tokens"
+    if not windows.count:
+        raise ConfigError(key, f"{paths} holds {short}", "add text")
+    return windows
 
 
 def _masked(cfg: DataConfig, windows: StoreWindows) -> StoreWindows | DocumentWindows:
-    """Text windows as packed documents where data.document_masking asks for it."""
+    """Training windows of text as packed documents where data.document_masking asks for it."""
     return DocumentWindows(windows) if cfg.document_masking else windows
 
 

@@ -108,12 +108,29 @@ def _gather_inputs(module, args, kwargs):
 
 
 def _gather_output(module, args, output):
-    return (_gathered(output[0]), *output[1:]) if isinstance(output, tuple) else _gathered(output)
+    """The last block's output gathered whole, as a copy rather than to_local's view: FSDP2 warns of a unit that
+    returns a view ("can cause backward to fail or produce wrong gradients"), since an in-place op on it (in the
+    family's code after the blocks: the final norm) would drop the unit's pre-backward hook. The tp tests prove
+    the view harmless only for the families they run; one activation's copy per micro-batch makes it so for all."""
+    if isinstance(output, tuple):
+        return (_gathered(output[0]).clone(), *output[1:])
+    return _gathered(output).clone()
+
+
+def keep_rank_streams(mesh: DeviceMesh) -> None:
+    """DTensor's RNG tracker, made without its state sync: made by the first random op on a DTensor, it would copy
+    rank 0's generator to every rank, so every data-parallel rank would draw rank 0's dropout masks; without it each
+    rank keeps its own stream (fsdp_research.train.randomness seeds them). CUDA only: the tracker runs on no CPU."""
+    from torch.distributed.tensor import _random
+
+    if mesh.device_type != "cpu" and _random._rng_tracker is None:
+        _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
 
 
 def apply_tp(model: nn.Module, blocks: list[str], mesh: DeviceMesh, cfg: ParallelConfig) -> None:
     """The plan's styles on `mesh` (the tp dimension), the model still on the meta device; with sequence parallel,
     the blocks' norms too and the hooks that split and gather the residual stream."""
+    keep_rank_streams(mesh)
     sp = sequence_parallel(cfg)
     plan = tp_plan(model, cfg)
     paths = {clean_name(name): name for name, _ in model.named_modules()}

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from fsdp_research.data.packing import IGNORE, INPUTS, LABELS, POSITIONS
 from fsdp_research.metrics.hardware import peak_for
 from fsdp_research.model.dimensions import ModelDims, expert_modules
 
@@ -136,6 +137,26 @@ class PeakMemory:
         return window
 
 
+def packed_tokens(batch: torch.Tensor, pad_id: int | None) -> torch.Tensor:
+    """The tokens of packed samples ([n, 3, seq_len], fsdp_research.data.packing), summed: the positions before the
+    padding that follows the last document. With document masking (pad_id None) the padding is a document of its
+    own, positions from 0, with no target (every document holds one): the last one where it has none. Without, the
+    positions run on through it: the trailing run of pad_id inputs with no target (a last document's own trailing
+    pad tokens with no target go with it)."""
+    untargeted = batch[:, LABELS] == IGNORE
+    if pad_id is None:
+        last = batch[:, POSITIONS, -1] + 1
+        padding = torch.where(_trailing(untargeted) >= last, last, 0)
+    else:
+        padding = _trailing(untargeted & (batch[:, INPUTS] == pad_id))
+    return (batch.shape[-1] - padding).sum()
+
+
+def _trailing(flags: torch.Tensor) -> torch.Tensor:
+    """Per row, how many of its last positions are all set."""
+    return flags.flip(1).cumprod(1).sum(1)
+
+
 class Throughput:
     """Timing of the steps since the last report, and the rates derived from it."""
 
@@ -147,15 +168,20 @@ class Throughput:
         flops_per_token: float,
         peak_tflops: float | None,
         device: torch.device,
+        group: int = 1,
     ):
+        """group: the neighbouring ranks that read the same batch (tp x cp), whose added tokens count once."""
         self.tokens_per_step, self.samples_per_step, self.world_size = tokens_per_step, samples_per_step, world_size
-        self.flops_per_token, self.peak_tflops, self.device = flops_per_token, peak_tflops, device
+        self.flops_per_token, self.peak_tflops, self.device, self.group = flops_per_token, peak_tflops, device, group
         self._start = self._paused = 0.0
+        self._tokens: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, model, d: ModelDims, batch: int, seq_len: int, world: int, dtype, device, peak: float | None):
-        """The rates of a model's steps of `batch` sequences of seq_len tokens over `world` devices, MFU against
-        the device's peak in dtype (or `peak` TFLOP/s)."""
+    def of(
+        cls, model, d: ModelDims, batch: int, seq_len: int, world: int, dtype, device, peak: float | None, group: int
+    ):
+        """The rates of a model's steps of `batch` sequences of seq_len tokens over `world` devices (`group` of them
+        reading the same batch), MFU against the device's peak in dtype (or `peak` TFLOP/s)."""
         return cls(
             batch * seq_len,
             batch,
@@ -163,11 +189,18 @@ class Throughput:
             flops_per_token(d, matmul_parameters(model, d), seq_len, matmul_parameters(model, d, frozen=True)),
             peak_tflops(device, dtype, peak),
             device,
+            group,
         )
 
     def start(self) -> None:
         self._start = time.perf_counter()
         self._paused = 0.0
+        self._tokens = None
+
+    def add(self, tokens: torch.Tensor) -> None:
+        """This rank's tokens of a step, where they are fewer than its positions (packed samples: packed_tokens);
+        kept on the device until the window closes. A window with none added: tokens_per_step a step."""
+        self._tokens = tokens if self._tokens is None else self._tokens + tokens
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -185,9 +218,16 @@ class Throughput:
             torch.cuda.synchronize(self.device)
 
     def stop(self, steps: int) -> dict[str, float]:
+        """The window's rates; a collective where tokens were added (every rank adds them) in a process group."""
         self._sync()
         dt = (time.perf_counter() - self._start - self._paused) / steps
-        tokens_per_s = self.tokens_per_step / dt
+        tokens = self.tokens_per_step * steps
+        if self._tokens is not None:
+            added = self._tokens.clone()
+            if dist.is_initialized():
+                dist.all_reduce(added)
+            tokens = added.item() / self.group
+        tokens_per_s = tokens / steps / dt
         out = {
             "step_time_s": dt,
             "tokens_per_s": tokens_per_s,
@@ -195,6 +235,7 @@ class Throughput:
             "samples_per_s": self.samples_per_step / dt,
             "samples_per_s_per_device": self.samples_per_step / dt / self.world_size,
         }
+        # Of the tokens counted: padding that packed samples also compute is no model FLOP.
         if self.peak_tflops:
             out["mfu"] = tokens_per_s * self.flops_per_token / (self.peak_tflops * 1e12 * self.world_size)
         return out

@@ -1,6 +1,12 @@
 """Whether a model keeps packed documents apart: transformers' packed-sequence path (position ids restarting at
 each document) is its mask functions', which a family with attention of its own may not call. Checked once at the
-start on the built model, as training will run it, before a step trains on documents that see each other."""
+start on the built model, as training will run it (at its micro-batch size), before a step trains on documents that
+see each other.
+
+Flash attention passes at micro-batch 1 only: transformers 5.24 (modeling_flash_attention_utils,
+_flash_attention_forward) reads restarting position ids as varlen sequences (cu_seqlens where the position is the
+least) only at batch size 1 (_is_packed_sequence) and without an attention mask (none for packed samples); a larger
+batch runs plain causal attention over each whole row."""
 
 import torch
 import torch.nn as nn
@@ -11,10 +17,11 @@ from fsdp_research.errors import ConfigError
 
 
 @torch.no_grad()
-def check_document_masking(model: nn.Module, device: torch.device) -> None:
+def check_document_masking(model: nn.Module, device: torch.device, micro_batch: int = 2) -> None:
     """The logits of one document [a, b] packed after two different documents (lengths 3 and 1, the rest padding,
     positions restarting at each) must be the same: not if the second document sees the first, or its positions
-    run on from it. A collective under FSDP: every rank calls it. Raises ConfigError."""
+    run on from it. The two samples go in forwards of micro_batch samples, as training feeds them. A collective
+    under FSDP: every rank calls it. Raises ConfigError."""
     inner = model.module if isinstance(model, DistributedDataParallel) else model
     tokens = torch.tensor([[3, 4, 5, 1, 2, 6], [7, 1, 2, 6, 6, 6]], device=device)
     positions = torch.tensor([[0, 1, 2, 0, 1, 0], [0, 0, 1, 0, 1, 2]], device=device)
@@ -23,7 +30,12 @@ def check_document_masking(model: nn.Module, device: torch.device) -> None:
     # Eager: a compiled block would be compiled for this shape first, and recompiled for the batch's.
     with torch.compiler.set_stance("force_eager"):
         try:
-            logits = inner(input_ids=tokens, position_ids=positions).logits.float()
+            logits = torch.cat(
+                [
+                    inner(input_ids=t, position_ids=p).logits.float()
+                    for t, p in zip(tokens.split(micro_batch), positions.split(micro_batch))
+                ]
+            )
         except TypeError as err:  # a model of one's own
             raise ConfigError(
                 "data.document_masking", f"the model's forward takes no position_ids ({err})", "set it to false"
@@ -32,9 +44,13 @@ def check_document_masking(model: nn.Module, device: torch.device) -> None:
     reshard(inner)
     first, second = logits[0, 3:5], logits[1, 1:3]
     if (first - second).abs().max() > 1e-3 * (1 + first.abs().max()):
+        # Flash attention keeps them apart one sample a forward (the module's docstring).
+        attention = str(getattr(getattr(inner, "config", None), "_attn_implementation", ""))
+        flash = micro_batch > 1 and "flash" in attention
         raise ConfigError(
             "data.document_masking",
             f"{type(inner).__name__} lets packed documents see each other (its attention ignores the position ids' "
-            "restarts)",
-            "set data.document_masking=false, or data.packing=false",
+            f"restarts{' at a micro-batch over 1' if flash else ''})",
+            f"{'set trainer.micro_batch_size=1, or ' if flash else ''}set data.document_masking=false, or "
+            "data.packing=false",
         )

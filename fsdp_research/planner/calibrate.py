@@ -77,7 +77,8 @@ def measure_rates(rows: int, inner: int, cols: int, dtype: torch.dtype) -> dict[
     return {
         "flops": 2 * rows * inner * cols / matmul,
         "memory_bps": 2 * big.numel() * big.element_size() / memory,
-        "link_bps": received / max(gather - latency, 1e-9),
+        # One rank receives nothing: no link to time (the plans it times move nothing over one either).
+        "link_bps": received / max(gather - latency, 1e-9) if world > 1 else float("inf"),
         "latency_s": latency,
         "optimizer_bps": ADAMW_BYTES * 2**22 / adamw,
     }

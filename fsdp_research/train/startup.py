@@ -81,6 +81,13 @@ def read_ahead(
     return batches
 
 
+def mesh_line(cfg: DictConfig, world: int) -> str | None:
+    """The start-up line of a mesh of more than one dimension (hsdp's and ddp's replicate x shard, tp, ep, cp);
+    None for FSDP's one shard dimension, which the model's line says."""
+    lay = layout(cfg, world)
+    return lay.describe_mesh() if lay.replicas > 1 or max(lay.tp, lay.ep, lay.cp) > 1 else None
+
+
 def throughput_of(
     cfg: DictConfig, d: ModelDims, model: nn.Module, plan: ShardingPlan, device: torch.device, start: int
 ) -> Throughput:
@@ -97,13 +104,13 @@ def throughput_of(
         f"{plan.strategy.value} on {world} rank(s), {len(plan.units)} FSDP units, device {device}, "
         f"starting at step {start}"
     )
-    if max(cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.cp) > 1:
-        log.info(layout(cfg, world).describe_mesh())
+    mesh = mesh_line(cfg, world)
+    if mesh:
+        log.info(mesh)
     if d.unknown:
         log.info(f"MFU: no attention found in {', '.join(d.unknown)}: their parameters counted, not their mixing")
-    return Throughput.of(
-        model, d, t.global_batch_size, cfg.data.seq_len, world, dtypes(cfg.precision)[0], device, t.peak_tflops
-    )
+    dtype, group = dtypes(cfg.precision)[0], cfg.parallel.tp * cfg.parallel.cp
+    return Throughput.of(model, d, t.global_batch_size, cfg.data.seq_len, world, dtype, device, t.peak_tflops, group)
 
 
 def moe_balancer(model: nn.Module, moe: DictConfig, resources: contextlib.ExitStack) -> BiasBalancer:
@@ -114,15 +121,14 @@ def moe_balancer(model: nn.Module, moe: DictConfig, resources: contextlib.ExitSt
     return balancer
 
 
-def seed_rng(model: nn.Module, seed: int, tp: int) -> None:
-    """The global RNG (dropout) seeded per data-parallel rank from trainer.seed (a tp group's ranks alike): the
-    same command draws the same masks again (a resume restores each rank's RNG state instead)."""
-    torch.manual_seed(seed * 1_000_003 + data_parallel(tp)[0])
+def note_dropout(model: nn.Module) -> None:
+    """Where the model draws dropout masks, a line saying when its losses repeat (fsdp_research.train.randomness)."""
     dropout = dropout_in(getattr(model, "module", model))  # under torch DDP, the model it wraps
     if dropout and dist.get_rank() == 0:
         log.info(
-            f"dropout is on ({', '.join(dropout[:4])}): each rank draws its own masks, so the losses repeat at "
-            f"this world size ({dist.get_world_size()}), not at another"
+            f"dropout is on ({', '.join(dropout[:4])}): each data-parallel rank draws its own masks, seeded at every "
+            "step from trainer.seed (a tp group's ranks alike, a resume as the run went on), so the losses repeat at "
+            "this data-parallel size, not at another"
         )
 
 

@@ -25,7 +25,7 @@ from fsdp_research.distributed.precision import LossScaler, autocast
 from fsdp_research.distributed.processes import broadcast_object, device_for, init_distributed, launch_env, on_rank0
 from fsdp_research.distributed.sharding import ShardingPlan, grad_sync
 from fsdp_research.distributed.step_layout import Layout, layout
-from fsdp_research.metrics.meters import MEAN_LOSSES, PeakMemory, Throughput, loss_metrics
+from fsdp_research.metrics.meters import MEAN_LOSSES, PeakMemory, Throughput, loss_metrics, packed_tokens
 from fsdp_research.metrics.profiling import StepProfiler, region
 from fsdp_research.metrics.sinks import Sinks, setup_logging
 from fsdp_research.model.architecture import build_hf_config
@@ -37,24 +37,18 @@ from fsdp_research.optim.resume import continue_schedule
 from fsdp_research.train import overfit, rundir
 from fsdp_research.train.anomaly import AnomalyChecks, apply_anomaly_checks
 from fsdp_research.train.evaluation import evaluate as eval_metrics
-from fsdp_research.train.losses import (
-    LossFn,
-    Router,
-    build_loss,
-    packed_weight,
-    router_of,
-    train_loss,
-)
+from fsdp_research.train.losses import LossFn, Router, build_loss, packed_weight, router_of, train_loss
 from fsdp_research.train.preemption import NONE, STOP, Boundary, Signals, agree
+from fsdp_research.train.randomness import seed_step
 from fsdp_research.train.samples import take_samples
 from fsdp_research.train.startup import (
     close_on_exit,
     moe_balancer,
+    note_dropout,
     observe,
     open_data,
     planned_fit,
     read_ahead,
-    seed_rng,
     throughput_of,
 )
 from fsdp_research.train.state import TrainResult, TrainState
@@ -145,7 +139,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     d, fit = dims(model, plan.blocks), planned_fit(cfg, model, plan, device)
     model = shard_model(model, plan, cfg, device, world)
     check_built(cfg, model, device)
-    seed_rng(model, t.seed, cfg.parallel.tp)
+    note_dropout(model)
     optimizer, scheduler = build_optimizer(model, cfg, plan.blocks)
     callbacks = Callbacks(cfg.callbacks)
     handle = RunHandle(model, optimizer, cfg, rank, world, run_dir, device, plan.blocks)
@@ -215,6 +209,7 @@ def train_step(run: Run, step: int) -> StepResult:
     the gradient reduction (within a shard group after each, unless trainer.defer_grad_sync; across replicas after
     the last), clip, step."""
     t, scaler, micro_steps = run.cfg.trainer, run.state.scaler, run.layout.micro_steps
+    seed_step(t.seed, step, run.layout.tp)
     with region("data"):
         batch = run.batches.get(step).to(run.device, non_blocking=True)
     loss_sum = torch.zeros((), device=run.device)
@@ -222,6 +217,7 @@ def train_step(run: Run, step: int) -> StepResult:
     weight, targets = packed_weight(batch, micro_steps, run.layout.tp)
     if targets is not None:
         totals["targets"] = targets
+        run.throughput.add(packed_tokens(batch, run.data.pad_id))
     split = split_of(run.model)
     with split.splitting() if split else contextlib.nullcontext():
         for i, micro in enumerate(batch.split(t.micro_batch_size)):

@@ -317,7 +317,7 @@ def check_built(cfg: DictConfig, model: nn.Module, device: torch.device) -> None
     # Text windows always hold several documents; chat ones only when packed.
     several = cfg.data.kind is not DataKind.chat or cfg.data.packing
     if packed(cfg.data) and several and cfg.data.document_masking is not False:
-        check_document_masking(model, device)
+        check_document_masking(model, device, cfg.trainer.micro_batch_size)
 
 
 def checked_plan(

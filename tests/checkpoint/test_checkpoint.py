@@ -22,6 +22,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_s
 
 from fsdp_research.checkpoint.dcp import MANIFEST, TRAINER_STATE, checkpoints_in, verify
 from fsdp_research.checkpoint.hf_export import load_checkpoint_weights
+from fsdp_research.cli.generate import main as generate
+from fsdp_research.data.tokenizer import BYTE_EOS
 from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST, ROOT
 from tests.helpers.checkpointing import (
@@ -515,6 +517,25 @@ def test_offline_export_equals_the_end_of_training_export(work, baseline):
     torch.testing.assert_close(
         _logits(out, BATCH_IDS), _logits(os.path.join(baseline.run_dir, "export"), BATCH_IDS), rtol=0, atol=0
     )
+
+
+def test_generate_continues_a_byte_tokenizer_run(baseline, capsys):
+    """data.tokenizer=byte, which leaves no tokenizer files in the export (transformers' AutoTokenizer failed on it,
+    in a cut-off line): `fsdp-research generate` encodes the prompt's UTF-8 bytes and decodes the greedy
+    continuation's, stopping at the end-of-document token, as the run's samples do."""
+    from transformers import AutoModelForCausalLM
+
+    prompt, tokens = "def ", 8
+    assert generate([baseline.run_dir, "--prompt", prompt, "--max-new-tokens", str(tokens)]) == 0
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(baseline.run_dir, "export"))
+    ids = list(prompt.encode())
+    with torch.no_grad():
+        for _ in range(tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] == BYTE_EOS:
+                break
+    completion = bytes(i for i in ids[len(prompt) :] if i != BYTE_EOS).decode("utf-8", errors="replace")
+    assert capsys.readouterr().out == f"{prompt} -> {completion}\n"
 
 
 def test_sharded_export_of_tied_embeddings_loads(scenario):

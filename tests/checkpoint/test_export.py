@@ -70,6 +70,7 @@ def _export_memory(out_dir: str) -> dict:
     return {"model_bytes": model_bytes, "before": before, "peak": _status("VmHWM")}
 
 
+@pytest.mark.slow
 def test_rank0_exports_a_200m_model_without_holding_it(tmp_path):
     """Rank 0 grew 885 MiB when it gathered the whole model (799 MiB), up to 607 MiB while every rank took part in
     every group's gather, 124 to 191 MiB in 11 runs since each group goes to its owner alone: under half."""

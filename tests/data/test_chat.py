@@ -10,6 +10,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from fsdp_research.data.chat import documents, end_of_turn
@@ -17,11 +19,14 @@ from fsdp_research.data.packing import IGNORE, LABELS, ChatWindows, assign, fill
 from fsdp_research.data.pipeline import build_data
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
+from fsdp_research.metrics.meters import packed_tokens
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.document_masking import check_document_masking
+from fsdp_research.train.evaluation import evaluate
 from fsdp_research.train.losses import token_losses
 from fsdp_research.train.validation import check_config
 from tests.helpers.chats import CHATML, CHATML_MARKED, CONVERSATIONS, chat_llama, chat_tokenizer, write_chats
+from tests.helpers.corpora import write
 from tests.helpers.zoo import hf_config, pretrained
 
 
@@ -310,3 +315,103 @@ def test_a_prompt_completion_file_given_as_conversations_names_the_pair_fields(s
     assert "set data.prompt_field=prompt data.completion_field=completion" in _refused(
         _cfg(setup, f"data.paths=[{path}]")
     )
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A process group of this process alone, for the eval's all-reduce."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "group"), 1), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_text_eval_documents_lose_what_each_loses_alone(tmp_path, one_rank):
+    """data.document_masking with data.eval_paths (text): every eval document once and whole, packed. The eval loss
+    over its targets is transformers' loss summed over the documents fed alone (one longer than data.seq_len in
+    pieces of seq_len tokens, each fed alone, each after the first from the previous one's last token), and its
+    targets are every token after a document's first."""
+    corpus, seq_len = write("jsonl", str(tmp_path)), 96
+    paths = f"data.paths=[{corpus}]", f"data.eval_paths=[{corpus}]", f"data.store_dir={tmp_path}/stores"
+    cfg = compose(["data.document_masking=true", *paths, f"data.seq_len={seq_len}", "trainer.micro_batch_size=2"])
+    data = build_data(cfg.data, 257, 0)
+    windows = data.eval_sets[""]
+    store, ends = windows.store, windows.store.document_ends()
+    firsts = np.concatenate([[0], ends[:-1]])
+    assert (ends - firsts).min() < seq_len < (ends - firsts).max()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("llama", vocab_size=257)).eval()
+    model.config.use_cache = False
+    out = evaluate(model, data, cfg, torch.device("cpu"), torch.autocast("cpu", enabled=False))
+    alone = 0.0
+    with torch.no_grad():
+        for first, end in zip(firsts.tolist(), ends.tolist()):
+            for start in range(first, end - 1, seq_len - 1):
+                ids = torch.from_numpy(store.tokens(start, min(start + seq_len, end)))[None]
+                alone += model(input_ids=ids, labels=ids).loss.item() * (ids.shape[1] - 1)
+    assert out["eval_tokens"] == store.n_tokens - store.n_documents
+    assert out["eval_loss"] * out["eval_tokens"] == pytest.approx(alone, rel=1e-5)
+    # Its windows' tokens (throughput's count) are the documents' positions, the padding left out.
+    assert packed_tokens(torch.from_numpy(windows.read(np.arange(windows.count))), None) == windows.lengths.sum()
+
+
+def _flash(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False):
+    """flash_attn_func's contract ([batch, positions, heads, head size]) in torch."""
+    out = F.scaled_dot_product_attention(
+        *(x.transpose(1, 2) for x in (q, k, v)), is_causal=causal, scale=softmax_scale, enable_gqa=True
+    )
+    return out.transpose(1, 2)
+
+
+def _flash_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, **kwargs):
+    """flash_attn_varlen_func's ([tokens, heads, head size], the sequences at cu_seqlens) in torch."""
+    cuts = cu_seqlens_q.tolist()
+    return torch.cat([_flash(q[None, a:b], k[None, a:b], v[None, a:b], **kwargs)[0] for a, b in zip(cuts, cuts[1:])])
+
+
+def test_flash_attention_keeps_documents_apart_at_micro_batch_1_only(monkeypatch):
+    """transformers' flash-attention path (its kernels in torch: no flash-attn here) reads restarting positions as
+    varlen sequences at batch size 1 only: the start check passes it at trainer.micro_batch_size=1 and refuses it
+    above, naming the fix."""
+    import transformers.modeling_flash_attention_utils as fa
+
+    loaded = ("_loaded_implementation", "_flash_fn", "_flash_varlen_fn", "_process_flash_kwargs_fn")
+    for name in loaded:  # left as they were
+        monkeypatch.setattr(fa, name, getattr(fa, name))
+    monkeypatch.setattr(fa, "_loaded_implementation", None)
+    monkeypatch.setattr(
+        fa, "_lazy_imports", lambda *a, **k: (_flash, _flash_varlen, None, fa._pad_input, fa._unpad_input)
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(hf_config("llama", vocab_size=64)).eval()
+    model.config.use_cache = False
+    model.config._attn_implementation = "flash_attention_2"
+    check_document_masking(model, torch.device("cpu"), micro_batch=1)
+    with pytest.raises(ConfigError, match=r"set trainer.micro_batch_size=1, or"):
+        check_document_masking(model, torch.device("cpu"), micro_batch=2)
+
+
+# A generation prompt that ends in a space: a byte-level BPE joins it to the reply's first digits (" 42").
+SPACED = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def test_no_target_token_holds_prompt_text(setup, tmp_path):
+    """Where a token of the whole conversation straddles the generation prompt's end, the prompt is tokenized as
+    generation tokenizes it (alone, transformers' apply_chat_template with add_generation_prompt) and the targets
+    are the reply's tokens only."""
+    messages = [{"role": "user", "content": "What is 40 + 2?"}, {"role": "assistant", "content": "42"}]
+    template = tmp_path / "spaced.jinja"
+    template.write_text(SPACED)
+    path = write_chats(str(tmp_path / "spaced.jsonl"), [messages])
+    [doc] = list(documents(_cfg(setup, f"data.chat_template={template}").data, [path], "data.paths"))
+    tok = AutoTokenizer.from_pretrained(setup[0])
+    tok.chat_template = SPACED
+    whole = tok(tok.apply_chat_template(messages, tokenize=False), return_offsets_mapping=True)
+    prompt = tok.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=True, return_dict=True)
+    chars = len(tok.apply_chat_template(messages[:1], add_generation_prompt=True, tokenize=False))
+    assert any(a < chars < b for a, b in whole["offset_mapping"]), "no token straddles the prompt's end"
+    n = len(prompt["input_ids"])
+    assert doc.ids[:n].tolist() == prompt["input_ids"] and not doc.targets[:n].any()
+    assert doc.targets[n:].all() and tok.decode(doc.ids[n:]) == "42\n"

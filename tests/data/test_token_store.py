@@ -202,6 +202,7 @@ def _tokenize(args, cwd, env):
     )
 
 
+@pytest.mark.slow
 def test_a_killed_build_publishes_nothing_and_resumes(tmp_path):
     """`fsdp-research tokenize` killed once its first part is done: no store, only the build's parts; run again,
     it finishes from there (the first part kept as it was) and equals an uninterrupted build."""

@@ -38,6 +38,7 @@ def test_auto_is_the_models_own_tokenizer_or_byte(model_dirs):
     assert compose([*pretrained(own), "data.tokenizer=byte", "model.load_weights=false"]).data.tokenizer == "byte"
 
 
+@pytest.mark.slow
 def test_a_pretrained_model_trains_and_exports_with_its_own_tokenizer(model_dirs, tmp_path):
     own, bare, corpus = model_dirs
     common = [*FAST, f"data.paths=[{corpus}]", "trainer.max_steps=2", "distributed.nproc_per_node=1"]

@@ -15,7 +15,7 @@ from tests.helpers.dist import ok, train_distributed
 from tests.helpers.fsdp_units import precision_state
 from tests.helpers.reference import reference_run, save_initial
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 STEPS = 12
 BASE = FAST + [f"trainer.max_steps={STEPS}", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"]

@@ -7,6 +7,7 @@ import pytest
 from fsdp_research.config.schema import Strategy
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
+from fsdp_research.train.startup import mesh_line
 from tests.conftest import FAST
 from tests.helpers.dist import ok, train_distributed
 from tests.helpers.fsdp_units import observe_units, plan_for
@@ -72,6 +73,24 @@ def test_activation_checkpointing_keeps_the_plan():
     assert _units(plan_for(compose(["activation_checkpointing=every_block"]))) == BLOCKWISE
 
 
+@pytest.mark.parametrize(
+    ("overrides", "world", "line"),
+    [
+        (["sharding=hsdp", "sharding.replicate=2"], 4, "mesh: dp_replicate 2 x dp_shard 2"),
+        (["sharding=ddp"], 2, "mesh: dp_replicate 2 x dp_shard 1"),
+        (
+            ["sharding=hsdp", "sharding.replicate=2", "parallel.tp=2"],
+            8,
+            "mesh: dp_replicate 2 x dp_shard 2 x tp 2 (ranks 0-1 share a tp group)",
+        ),
+        ([], 4, None),  # FSDP's one dimension: the model's line says it
+    ],
+)
+def test_the_mesh_line_of_each_mesh_of_more_than_one_dimension(overrides, world, line):
+    """The start-up log's `mesh:` line (hsdp logged none: only tp, ep and cp did)."""
+    assert mesh_line(compose(overrides), world) == line
+
+
 ONE_STEP = FAST + ["trainer.max_steps=1", "trainer.global_batch_size=4", "trainer.micro_batch_size=2"]
 APPLIED = {
     "blockwise": [],
@@ -95,6 +114,7 @@ def applied(tmp_path_factory):
     return {name: (plan_for(configs[name]), observed) for name in APPLIED}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(APPLIED))
 def test_applied_plan_matches(applied, name):
     plan, observed = applied[name]

@@ -8,11 +8,21 @@ hsdp (a 3-D mesh), ddp, per_linear, reshard_all, torch.compile, and the EMA and 
 checkpoint saved at tp=2 resumes at tp=1; `simulate` plans one tp rank; bad settings are one line before any
 compute."""
 
+import json
+import os
+import warnings
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from fsdp_research.jobs.compose import compose
-from tests.helpers.dist import ok
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.model.initialization import materialize
+from fsdp_research.model.parallelize import apply_parallelism, planned_model
+from tests.conftest import FAST, ROOT
+from tests.helpers.cli import start
+from tests.helpers.dist import ok, run_fake
 from tests.helpers.parallel import (
     BASE,
     assert_export_matches,
@@ -94,3 +104,44 @@ def test_bad_tensor_parallel_settings_are_one_line():
     assert "style 'sideways' is not supported" in refused(
         2, "parallel.tp=2", "parallel.tp_plan={layers.*.mlp:sideways}"
     )
+
+
+def _warnings_of_a_step(overrides: list[str]) -> list[str]:
+    """The warnings one forward and backward of the model, sharded as the trainer shards it, raise on this rank."""
+    cfg = compose([*FAST, *overrides])
+    model, plan = planned_model(cfg, build_hf_config(cfg.model))
+    apply_parallelism(model, plan, cfg, "cpu", dist.get_world_size())
+    materialize(model, torch.device("cpu"), torch.device("cpu"))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(input_ids=torch.zeros(1, cfg.data.seq_len, dtype=torch.long)).logits.sum().backward()
+    return [str(w.message) for w in caught]
+
+
+def test_sequence_parallel_hands_fsdp_no_view():
+    """The last block under sequence parallel returns the gathered residual stream: a copy, so FSDP2's "returned a
+    view tensor ... can cause backward to fail or produce wrong gradients" does not apply (it warned once per rank
+    of each run). One rank of 2 on the fake process group: the structure, not the values."""
+    caught = run_fake(_warnings_of_a_step, 2, ["parallel.tp=2"])
+    assert not [m for m in caught if "returned a view tensor" in m], caught
+
+
+def _run(overrides: list[str]) -> None:
+    out, err = (job := start(overrides, ROOT)).communicate()
+    assert job.returncode == 0, err[-3000:]
+
+
+def test_a_resume_at_another_tp_layout_draws_alike_in_a_tp_group(tmp_path):
+    """Dropout on: 2 steps at tp=1 (two data-parallel ranks, each its own masks), then a resume at tp=2 (one tp
+    group): its ranks draw their masks from one state at every forward, as ranks holding the same activations must
+    (a generator restored rank by rank gave them two)."""
+    run = str(tmp_path / "run")
+    _run(
+        [*FAST, "model.config.attention_dropout=0.5", "distributed.nproc_per_node=2", "trainer.global_batch_size=4",
+         "trainer.micro_batch_size=2", "trainer.max_steps=2", "checkpoint.interval=2", f"hydra.run.dir={run}",
+         "+callbacks.rng._target_=tests.helpers.plugins.RngRecorder"]
+    )  # fmt: skip
+    _run([f"checkpoint.resume={run}", "trainer.max_steps=4", "parallel.tp=2"])
+    ranks = [[json.loads(line) for line in open(os.path.join(run, f"rng_rank{r}.jsonl"))] for r in (0, 1)]
+    assert [len(states) for states in ranks] == [2 + 4, 2 + 4]  # a micro-batch a step at tp=1, two at tp=2
+    assert ranks[0][:2] != ranks[1][:2] and ranks[0][2:] == ranks[1][2:]

@@ -202,3 +202,20 @@ class InputRecorder:
                     f.write(json.dumps(args[0].tolist()) + "\n")
 
         run.model.get_input_embeddings().register_forward_pre_hook(record)
+
+
+class RngRecorder:
+    """Appends a digest of the global generator's state at each training forward to <run dir>/rng_rank<r>.jsonl:
+    what the forward's dropout masks are drawn from."""
+
+    def setup(self, run) -> None:
+        import hashlib
+
+        path = os.path.join(run.run_dir, f"rng_rank{run.rank}.jsonl")
+
+        def record(module, args) -> None:
+            if module.training:
+                with open(path, "a") as f:
+                    f.write(json.dumps(hashlib.sha1(torch.get_rng_state().numpy().tobytes()).hexdigest()) + "\n")
+
+        run.model.get_input_embeddings().register_forward_pre_hook(record)

@@ -1,8 +1,9 @@
 """LoRA on FSDP2 (model.lora) through the CLI at 1, 2 and 4 ranks, against a single-process PEFT model
 (get_peft_model on transformers' from_pretrained) trained with torch's AdamW on the same batches: the same losses,
 the same adapters (the export, read back by PeftModel.from_pretrained), the merged export equal to PEFT's
-merge_and_unload; resume checkpoints hold the adapters and their optimizer state only, and a resume ends where the
-uninterrupted run ends; bad settings are one line before any compute."""
+merge_and_unload; resume checkpoints hold the adapters and their optimizer state only, a resume ends where the
+uninterrupted run ends, and `fsdp-research export` of one writes the run's own export; bad settings are one line
+before any compute."""
 
 import json
 import os
@@ -13,13 +14,17 @@ import sys
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from fsdp_research.checkpoint.hf_export import export_adapted
+from fsdp_research.cli.export import main as export
 from fsdp_research.data.packing import IGNORE, INPUTS, LABELS, POSITIONS
 from fsdp_research.data.pipeline import build_data
-from fsdp_research.errors import ConfigError
+from fsdp_research.errors import CheckpointError, ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.lora import apply_lora, base_identity, initial_a
@@ -168,13 +173,6 @@ def test_checkpoints_hold_the_adapters_and_a_resume_is_exact(runs):
         "model.lm_head.modules_to_save.default.weight"
     ]
     assert not any("base_layer" in k or "embed_tokens" in k or "original_module" in k for k in saved)
-    # Not a model: `fsdp-research export` of such a checkpoint says so.
-    export = subprocess.run(
-        [sys.executable, "-m", "fsdp_research", "export", str(tmp / "one" / "checkpoints" / "step_2"), str(tmp / "x")],
-        capture_output=True,
-        text=True,
-    )
-    assert export.returncode == 2 and "a LoRA run's checkpoint holds its adapters only" in export.stderr
     one = [row["loss"] for row in read_metrics(str(tmp / "one"))]
     resumed = [row["loss"] for row in read_metrics(str(tmp / "half"))]
     assert resumed == one  # bitwise: steps 1-2, then 3-4 after the resume
@@ -190,6 +188,39 @@ def test_checkpoints_hold_the_adapters_and_a_resume_is_exact(runs):
     with pytest.raises(ConfigError, match="model.name_or_path: is not the base the checkpoint's adapters trained on"):
         state.load_state_dict({"base_weights": before}, 64)
     assert base_identity(compose(pretrained(model_dir)).model) is None
+
+
+def test_a_checkpoint_exports_offline_as_the_run_ends(runs, tmp_path):
+    """`fsdp-research export <run dir>` of a LoRA run (its newest checkpoint: the adapters alone, on the base it
+    names), in this process: the run's own export, file for file (it was refused); the adapter, read by
+    PeftModel.from_pretrained onto the base, has the merged model's logits."""
+    _, model_dir, tmp = runs
+    own, offline = tmp / "one" / "export", tmp_path / "export"
+    assert export([str(tmp / "one"), str(offline)]) == 0
+    assert sorted(os.listdir(offline)) == sorted(os.listdir(own))
+    assert sorted(os.listdir(offline / "adapter")) == sorted(os.listdir(own / "adapter"))
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        ours, theirs = load_file(str(offline / name)), load_file(str(own / name))
+        assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours), name
+    merged = AutoModelForCausalLM.from_pretrained(str(own))
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), str(offline / "adapter"))
+    ids = torch.randint(0, merged.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(adapted(ids).logits, merged(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_an_offline_export_onto_another_base_is_refused(runs, tmp_path):
+    _, model_dir, tmp = runs
+    step_dir = str(tmp / "one" / "checkpoints" / "step_4")
+    cfg = OmegaConf.load(os.path.join(step_dir, "train_config.yaml"))
+    cfg.model.name_or_path = str(tmp_path / "other")
+    changed = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        changed.lm_head.weight[0, 0] += 1
+    changed.save_pretrained(cfg.model.name_or_path)
+    with pytest.raises(CheckpointError, match="is not the base its adapters trained on .*; fix: "):
+        export_adapted(step_dir, cfg, changed.config, str(tmp_path / "export"))
+    assert not (tmp_path / "export").exists()
 
 
 def test_the_samples_are_transformers_generate_of_the_export(runs):

@@ -49,6 +49,7 @@ def _transformers_loss(path: str, cfg):
     return ce.item(), out.aux_loss.item(), torch.bincount(top, minlength=model.config.num_local_experts)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, coef", [("asks", 0.25), ("plain", 0.0)])
 def test_aux_loss_enters_the_loss_when_the_config_asks(runs, name, coef):
     metrics, path = runs[name]

@@ -199,6 +199,7 @@ def sharded(tmp_path_factory):
     return out, bases, initial, run_distributed(_train_recording, 2, containers, str(out / "runs"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "family"), [(f, f) for f in FAMILIES] + [("deepseek_v3/ep2", "deepseek_v3")])
 def test_sharded_muon_matches_the_formulas(sharded, name, family, float32_ns):
     out, bases, initial, runs = sharded

@@ -74,12 +74,18 @@ def _checks(overrides, world_size, nodes, measured):
     return [f.check for f in diagnose(cfg, plan_for(cfg), world_size, nodes, measured, fit)]
 
 
-@pytest.mark.parametrize("check,fires,near_miss", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "check,fires,near_miss",
+    # The fit check plans the whole search (seconds each): slow.
+    [pytest.param(*c, marks=pytest.mark.slow if c[0] == "fit" else ()) for c in CASES],
+    ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)],
+)
 def test_check_fires_and_near_miss_does_not(check, fires, near_miss):
     assert check in _checks(*fires)
     assert check not in _checks(*near_miss)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ac", ["none", "every_block", "selective"])
 def test_the_fit_check_reads_the_model_the_trainer_planned(ac, monkeypatch):
     """At start the trainer hands the doctor its model as planned (before sharding): the advice is the one a model
@@ -157,6 +163,7 @@ def test_planned_nodes_from_the_launcher(monkeypatch, env, nodes):
     assert planned_nodes() == nodes
 
 
+@pytest.mark.slow
 def test_cli_prints_findings_or_why_none():
     """Both commands at once: they are mostly start-up."""
     args = {"root_only": ["sharding=root_only"], "default": []}

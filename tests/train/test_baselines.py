@@ -9,7 +9,7 @@ from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST
 from tests.helpers.dist import final_weights, ok, train_distributed
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 BASE = FAST + ["trainer.max_steps=6", "trainer.global_batch_size=8", "trainer.micro_batch_size=4"]
 BF16 = ["precision=bf16"]

@@ -25,7 +25,7 @@ from fsdp_research.train.validation import check_data, check_trainer
 from tests.conftest import FAST
 from tests.helpers.cli import Finished, finish, read_metrics, start
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 PRESETS = ("fast", "overfit", "profile", "anomaly", "limit")
 # fp32, short windows of a few stdlib files; W&B, steps, eval and checkpoints are the presets' own.

@@ -1,0 +1,17 @@
+"""Random state (dropout's masks, router jitter) under any layout: one rule. The global generator is seeded at the
+start of every step from (trainer.seed, the step, the data-parallel rank), so the ranks of a tp group (which hold
+the same activations) draw alike, the data-parallel ranks apart, and a resume at any layout draws what that layout
+draws uninterrupted: there is no generator state that a resume has to map from one layout onto another."""
+
+import torch
+
+from fsdp_research.distributed.processes import data_parallel
+
+
+def step_seed(seed: int, step: int, dp_rank: int) -> int:
+    return ((seed * 1_000_003 + dp_rank) * 1_000_033 + step) % 2**63
+
+
+def seed_step(seed: int, step: int, tp: int) -> None:
+    """The generators (CPU and every CUDA device) for `step` on this rank."""
+    torch.manual_seed(step_seed(seed, step, data_parallel(tp)[0]))
