@@ -22,7 +22,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -102,9 +101,6 @@ def _build(container: dict, device: torch.device):
 
 
 def _worker(groups: dict, steps: int, path: str) -> None:
-    # loss.chunks bypasses the output layer, so the model returns a view of its hidden states, which train_loss
-    # never changes in place: FSDP2's warning about in-place ops on views is noise here.
-    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     device = device_for("auto", int(os.environ.get("LOCAL_RANK", 0)))
     results = {}
     for title, configs in groups.items():

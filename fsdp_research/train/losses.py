@@ -4,6 +4,7 @@ token-weighted mean cross-entropy over the held-out set."""
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -194,7 +195,11 @@ def head_bypassed(model: nn.Module) -> Iterator[tuple[nn.Module, dict]]:
 
     head.forward = passthrough
     try:
-        yield head, seen
+        with warnings.catch_warnings():
+            # The model now returns a view of its hidden states, which FSDP2 warns an in-place op could make wrong
+            # ("can produce wrong gradients"); none changes it in place (bypassed_hidden checks its version).
+            warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+            yield head, seen
     finally:
         del head.forward
 

@@ -49,8 +49,9 @@ def _logits(model, batch):
     return out.float()
 
 
-def _one(family: str, initial: str, out: str, batch: torch.Tensor) -> dict:
-    """Everything one family is checked for, on this pool's ranks."""
+def _one(family: str, initial: str, out: str, batch: torch.Tensor, base) -> dict:
+    """Everything one family is checked for, on this pool's ranks; `base`: the composed config, each family's its
+    model.name_or_path (the one override that differs: Hydra's compose took a third of a family's time)."""
     import torch.distributed as dist
 
     from fsdp_research.checkpoint.hf_export import export_model
@@ -60,8 +61,8 @@ def _one(family: str, initial: str, out: str, batch: torch.Tensor) -> dict:
 
     world = dist.get_world_size()
     record = {}
-    # One composition serves all (the model's keys are the training's): Hydra's compose took a third of the time.
-    cfg = compose(TRAIN + pretrained(initial))
+    cfg = base.copy()
+    cfg.model.name_or_path = initial
     if world > 1:
         loaded, plan = build_sharded_model(cfg, build_hf_config(cfg.model), torch.device("cpu"), world)
         record["logits"] = _logits(loaded, batch)
@@ -75,10 +76,10 @@ def _one(family: str, initial: str, out: str, batch: torch.Tensor) -> dict:
     return record
 
 
-def _one_rank(initials: dict, out: str, batch: torch.Tensor) -> tuple[dict, dict]:
+def _one_rank(initials: dict, out: str, batch: torch.Tensor, base) -> tuple[dict, dict]:
     """The 1-rank pool's work: each family's training, then its initialisation taken as a large model's (after the
     training, which it would change): beside the 2-rank pool, it keeps the second core busy."""
-    return each_family(_one, initials, out, batch), _initialised_as_large(initials)
+    return each_family(_one, initials, out, batch, base), _initialised_as_large(initials)
 
 
 def _initial(family: str, out_dir: str) -> str:
@@ -96,9 +97,11 @@ def census(tmp_path_factory):
     built = [f for f in CHOSEN if check(f).reason is None]
     initials = {f: _initial(f, str(out / "initial" / f)) for f in built}
     # Both pools at once: the 1-rank one fills the 2-rank one's waits on the two cores.
+    # Each family sets its own model.name_or_path; data.tokenizer=auto is byte for all (no tokenizer was saved).
+    base = compose(TRAIN + pretrained(str(out / "initial")))
     with ThreadPoolExecutor(1) as pool:
-        two = pool.submit(run_distributed, each_family, 2, _one, initials, str(out), BATCH)
-        one, large = run_distributed(_one_rank, 1, initials, str(out), BATCH)
+        two = pool.submit(run_distributed, each_family, 2, _one, initials, str(out), BATCH, base)
+        one, large = run_distributed(_one_rank, 1, initials, str(out), BATCH, base)
         return out, initials, two.result(), one, {}, large
 
 
