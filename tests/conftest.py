@@ -69,8 +69,7 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(f"{_seconds[module]:8.1f} {starts[module]:6d}  {module}")
     terminalreporter.write_line(f"{sum(_seconds.values()):8.1f} {sum(starts.values()):6d}  total")
     if _beside:
-        folders = " and ".join(beside.FOLDERS)
-        title = f"{folders}: {_beside.count} test(s) run beside the rest (deselected above), exit code"
+        title = f"{beside.FOLDER}: {_beside.count} test(s) run beside the rest (deselected above), exit code"
         terminalreporter.section(f"{title} {_beside.returncode}")
         terminalreporter.write(_beside.report())
 
@@ -82,7 +81,7 @@ _beside: beside.Beside | None = None
 def pytest_collection_modifyitems(config, items):
     """The markers whole folders carry (before -m and -k choose): tests/slurm (a real cluster, many launches) and
     tests/census (every family) are slow; tests/slurm is distributed and slurm too. Then, of what was chosen, the
-    census and SLURM tests go to a pytest of their own beside this one (tests/helpers/beside.py)."""
+    SLURM tests go to a pytest of their own beside this one."""
     for item in items:
         parts = item.nodeid.split("/")
         if parts[1:2] == ["slurm"]:

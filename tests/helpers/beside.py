@@ -1,8 +1,6 @@
-"""tests/census and tests/slurm in a second pytest process beside the rest of the session (the census first, then
-SLURM): the rest waits much of its time on processes it starts and signals (half of two cores busy), SLURM's wall
-time is mostly the scheduler's, and the census (every family, CPU-bound) fills what both leave idle. The child runs
-exactly the tests of those folders this session selected; its report is printed at the end and its failure fails
-the session."""
+"""tests/slurm in a second pytest process beside the rest of the session: their wall time is mostly the
+scheduler's (job starts, requeues), so the rest runs meanwhile. The child runs exactly the SLURM tests this
+session selected; its report is printed at the end and its failure fails the session."""
 
 import os
 import signal
@@ -12,12 +10,12 @@ import tempfile
 
 import pytest
 
-FOLDERS = ("tests/census/", "tests/slurm/")
+FOLDER = "tests/slurm/"
 
 
 class Beside:
     def __init__(self, nodeids: list[str], config: pytest.Config):
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="beside-", suffix=".log")
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="slurm-beside-", suffix=".log")
         args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-ra", f"--maxfail={config.option.maxfail}"]
         self.process = subprocess.Popen(
             [*args, *nodeids], cwd=config.rootpath, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
@@ -38,11 +36,10 @@ class Beside:
 
 
 def split(items: list[pytest.Item], config: pytest.Config) -> Beside | None:
-    """Takes the census and SLURM tests out of `items` into a child pytest, when the session has others to run
-    meanwhile."""
-    moved = [item for item in items if item.nodeid.startswith(FOLDERS)]
-    if not moved or len(moved) == len(items) or config.option.collectonly:
+    """Takes the SLURM tests out of `items` into a child pytest, when the session has others to run meanwhile."""
+    slurm = [item for item in items if item.nodeid.startswith(FOLDER)]
+    if not slurm or len(slurm) == len(items) or config.option.collectonly:
         return None
-    items[:] = [item for item in items if not item.nodeid.startswith(FOLDERS)]
-    config.hook.pytest_deselected(items=moved)
-    return Beside([item.nodeid for item in moved], config)
+    items[:] = [item for item in items if not item.nodeid.startswith(FOLDER)]
+    config.hook.pytest_deselected(items=slurm)
+    return Beside([item.nodeid for item in slurm], config)
