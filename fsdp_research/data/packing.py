@@ -97,6 +97,13 @@ def fill(row: np.ndarray, docs: list[tuple[np.ndarray, np.ndarray]], pad_id: int
     row[POSITIONS, at:] = np.arange(seq_len - at) if masking else np.arange(at, seq_len)
 
 
+def _documents(store: TokenStore) -> tuple[np.ndarray, np.ndarray]:
+    """Each document's first token and length, from the store's document index."""
+    ends = store.document_ends()
+    first = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+    return first, ends - first
+
+
 class PackedDocuments:
     """Spans of a store (first token, length) packed into windows by index (a source of
     fsdp_research.data.sampling.Stream): window w holds the spans docs[starts[w]:starts[w + 1]], their tokens read
@@ -136,9 +143,7 @@ class ChatWindows(PackedDocuments):
     ):
         self.store, self.length, self.shape = store, seq_len, (3, seq_len)
         self.pad_id, self.masking = pad, masking
-        ends = store.document_ends()
-        self.first = np.concatenate([[0], ends[:-1]]).astype(np.int64)
-        self.lengths = ends - self.first
+        self.first, self.lengths = _documents(store)
         counts = store.target_counts()
         longest = int(self.lengths.max(initial=0))
         if longest > seq_len and truncation is Truncation.error:
@@ -220,9 +225,7 @@ class TextDocuments(PackedDocuments):
     def __init__(self, store: TokenStore, seq_len: int, pad: int, what: str):
         self.store, self.length, self.shape = store, seq_len, (3, seq_len)
         self.pad_id, self.masking, self.what = pad, True, what
-        ends = store.document_ends()
-        starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
-        lengths = ends - starts
+        starts, lengths = _documents(store)
         # seq_len - 1 targets a piece, the last piece the rest; a window of one position holds no target.
         stride = seq_len - 1
         pieces = -(-(lengths - 1) // stride) if stride else np.zeros_like(lengths)
