@@ -62,7 +62,7 @@ def _hf_writer(hf_config, dtype: torch.dtype, shard_size: int) -> Writer:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    twin = build_model(hf_config)  # on the meta device: save_pretrained only needs the family's conventions
+    twin = build_model(hf_config, values=False)  # save_pretrained only needs the family's conventions
     # save_pretrained writes on rank 0 alone where a process group exists; here every rank writes its own part.
     twin.should_save_on_this_rank = lambda is_main_process: is_main_process
     twin.config.dtype = dtype

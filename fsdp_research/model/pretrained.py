@@ -97,7 +97,13 @@ def _mapping(model: nn.Module) -> list:
     """The family's conversion mapping, from an unwrapped twin: FSDP renames the classes it wraps
     (FSDPGPTNeoXForCausalLM), and transformers looks mappings up by class name."""
     (get_model_conversion_mapping,) = hf_internal("conversion_mapping", "get_model_conversion_mapping")
-    return get_model_conversion_mapping(build_model(model.config))
+    return get_model_conversion_mapping(_twin(model.config))
+
+
+def _twin(hf_config) -> nn.Module:
+    """The family's model on the meta device, shapes and conventions only (what loading needs of it): built
+    without values, which a twin built again at every load and check would cost each time."""
+    return build_model(hf_config, values=False)
 
 
 def _load(model: nn.Module, mapping: list, state: dict[str, Any], device: str):
@@ -120,7 +126,7 @@ def _first(keys, n: int = 3) -> str:
 
 def check_weights(hf_config, path: str) -> None:
     """The dry run: raises ConfigError for a checkpoint that does not fit the model the config builds."""
-    model = build_model(hf_config)
+    model = _twin(hf_config)
     with ExitStack() as handles:
         info = _load(model, _mapping(model), _slices(checkpoint_files(path), handles, meta=True), "meta")
     missing = set(info.missing_keys) - set(getattr(model, "all_tied_weights_keys", None) or {})
@@ -216,7 +222,7 @@ def _tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 def _whole_pass(hf_config, mapping: list, files: list[str], keys, receive) -> None:
     """The checkpoint keys `keys` read whole and converted as from_pretrained converts them, into a meta twin,
     each converted tensor handed to receive(name, tensor)."""
-    twin = build_model(hf_config)
+    twin = _twin(hf_config)
     with ExitStack() as handles, _each_whole_tensor(receive):
         state = {k: v for k, v in _slices(files, handles, meta=False).items() if k in keys}
         if state:
