@@ -69,6 +69,7 @@ class Job:
 
     def kill(self) -> None:
         os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.kill_workers()
         self.proc.wait()
 
     def kill_when(self, path: str, timeout: float = 240) -> Run:

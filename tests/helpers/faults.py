@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from tests.conftest import ROOT
 from tests.helpers.checkpointing import Run
 from tests.helpers.cli import subprocess_env
+from tests.helpers.forked import Forked
 
 
 def _children(pid: int) -> list[int]:
@@ -38,7 +39,9 @@ def _rank_of(pid: int) -> int | None:
 
 class Launch:
     """`python train.py <overrides>` (or torchrun with `torchrun` workers, and `rendezvous`: its arguments for one
-    agent of several) in cwd, with `env` added; output to <cwd>/job.out/.err."""
+    agent of several) in cwd, with `env` added; output to <cwd>/job.out/.err. `forked`: forked from the suite's
+    forkserver (tests/helpers/forked.py) rather than a new interpreter, for a run whose outputs are the point, not
+    its launch (a baseline, a resume)."""
 
     def __init__(
         self,
@@ -48,6 +51,7 @@ class Launch:
         max_restarts: int = 0,
         rendezvous: Sequence[str] = (),
         env: dict[str, str] | None = None,
+        forked: bool = False,
     ):
         self.cwd = cwd
         os.makedirs(cwd, exist_ok=True)
@@ -66,8 +70,12 @@ class Launch:
             ]
         command += [os.path.join(ROOT, "train.py"), *overrides]
         self._out, self._err = os.path.join(cwd, "job.out"), os.path.join(cwd, "job.err")
+        env = {**subprocess_env(), **(env or {})}
+        if forked:
+            assert not torchrun, "torchrun's launch is the point: a real interpreter"
+            self.proc = Forked(command[1], command[2:], cwd, env, new_session=True, logs=(self._out, self._err))
+            return
         with open(self._out, "w") as out, open(self._err, "w") as err:
-            env = {**subprocess_env(), **(env or {})}
             self.proc = subprocess.Popen(command, cwd=cwd, env=env, stdout=out, stderr=err, start_new_session=True)
 
     def wait_until(self, what: str, check: Callable[[], bool], timeout: float = 240) -> None:
@@ -100,8 +108,7 @@ class Launch:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            self.kill()
             raise
         with open(self._out) as out, open(self._err) as err:
             return Run(self.cwd, self.proc.returncode, out.read(), err.read())
@@ -109,4 +116,6 @@ class Launch:
     def kill(self) -> None:
         """SIGKILL the whole job, every process of it."""
         os.killpg(self.proc.pid, signal.SIGKILL)
+        if isinstance(self.proc, Forked):
+            self.proc.kill_workers()
         self.proc.wait()

@@ -1,6 +1,7 @@
 """Sweeps that search and resume, as a user runs them: `python train.py -m ...` in a process of its own
 (the local launcher runs the jobs in it), Optuna's study read back through Optuna, a real SIGKILL of the launcher
-and its job and a real SIGTERM, then the same command run again with hydra.sweep.dir=<its dir>."""
+and its job and a real SIGTERM, then the same command run again with hydra.sweep.dir=<its dir>. The faulted
+sweeps and one bad sweep start a real interpreter; the rest are forked from the suite's forkserver."""
 
 import json
 import os
@@ -41,8 +42,10 @@ def _sweep(tmp_path, name: str, overrides: list[str]):
     return ["-m", *overrides, f"hydra.sweep.dir={sweep}"], sweep
 
 
-def _run(tmp_path, name: str, command: list[str], timeout: float = 300):
-    return Launch(str(tmp_path / name), command).finish(timeout)
+def _run(tmp_path, name: str, command: list[str], timeout: float = 300, real: bool = False):
+    """The command's run to its end; forked from the suite's forkserver unless `real` (its launch is the point:
+    the faults' signals reach a real interpreter, and one bad sweep's exit code is a real process's)."""
+    return Launch(str(tmp_path / name), command, forked=not real).finish(timeout)
 
 
 def _trials(sweep: str) -> list[optuna.trial.FrozenTrial]:
@@ -57,7 +60,7 @@ def _job_overrides(job_dir: str) -> list[str]:
 def _reference(tmp_path, job_dir: str) -> Launch:
     """The same job (its recorded overrides, without the fault), run once without a break, in <tmp>/reference."""
     overrides = [o for o in _job_overrides(job_dir) if not o.startswith("+callbacks.fault")]
-    return Launch(str(tmp_path / "reference"), [*overrides, f"hydra.run.dir={tmp_path / 'reference'}"])
+    return Launch(str(tmp_path / "reference"), [*overrides, f"hydra.run.dir={tmp_path / 'reference'}"], forked=True)
 
 
 def _assert_resumed_exactly(job_dir: str, reference) -> None:
@@ -143,7 +146,7 @@ def test_a_killed_sweep_continues_where_it_stopped(tmp_path, search):
         else ["trainer.seed=0,1,2"]
     )
     command, sweep = _sweep(tmp_path, "sweep", [*SHORT, *EVAL, *space, *_fault("SIGKILL", 1, 5, marker)])
-    killed = _run(tmp_path, "sweep", command)
+    killed = _run(tmp_path, "sweep", command, real=True)
     assert killed.returncode == -9 and os.path.exists(marker), killed.stderr[-2000:]
     assert not os.path.exists(os.path.join(sweep, "2"))
     first = _bytes(os.path.join(sweep, "0", "metrics.jsonl"))
@@ -170,7 +173,7 @@ def test_a_signal_stops_the_sweep_and_the_rerun_continues(tmp_path):
     reads one sweep."""
     marker = str(tmp_path / "signalled")
     command, sweep = _sweep(tmp_path, "sweep", [*SHORT, "trainer.seed=0,1", *_fault("SIGTERM", 0, 3, marker)])
-    stopped = _run(tmp_path, "sweep", command)
+    stopped = _run(tmp_path, "sweep", command, real=True)
     assert stopped.returncode == 143, stopped.stderr[-2000:]
     assert f"re-run the same command with hydra.sweep.dir={sweep}" in stopped.stderr
     assert not os.path.exists(os.path.join(sweep, "1"))
@@ -246,7 +249,7 @@ def test_bad_sweeps_fail_in_one_line_before_any_job(tmp_path):
         if name.startswith("resume"):
             command[-1] = f"hydra.sweep.dir={sweep}"
             sweep_dir = sweep
-        launched[name] = (Launch(str(tmp_path / name), command), sweep_dir)
+        launched[name] = (Launch(str(tmp_path / name), command, forked=name != "key"), sweep_dir)
     for name, (launch, sweep_dir) in launched.items():
         result, expected = launch.finish(), cases[name][1]
         errors = result.error_lines()
