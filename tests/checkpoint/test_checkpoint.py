@@ -9,8 +9,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -25,7 +23,7 @@ from fsdp_research.checkpoint.hf_export import load_checkpoint_weights
 from fsdp_research.cli.generate import main as generate
 from fsdp_research.data.tokenizer import BYTE_EOS
 from fsdp_research.jobs.compose import compose
-from tests.conftest import FAST, ROOT
+from tests.conftest import FAST
 from tests.helpers.checkpointing import (
     Job,
     assert_bitwise_equal,
@@ -37,6 +35,7 @@ from tests.helpers.checkpointing import (
     train,
     with_overrides,
 )
+from tests.helpers.cli import command
 from tests.helpers.disk import small_disk
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -500,15 +499,7 @@ def test_export_loads_with_the_trained_weights(baseline):
 
 def test_offline_export_equals_the_end_of_training_export(work, baseline):
     out = os.path.join(work, "offline_export")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run(
-        [sys.executable, "-m", "fsdp_research", "export", os.path.join(baseline.run_dir, LAST), out],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = command(["export", os.path.join(baseline.run_dir, LAST), out])
     assert result.returncode == 0, result.stderr[-3000:]
     assert_bitwise_equal(
         load_file(os.path.join(out, "model.safetensors")),

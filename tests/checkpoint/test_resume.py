@@ -4,8 +4,6 @@ the history of overrides in .hydra/, refuses what cannot change on a resume, and
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,11 +13,10 @@ from fsdp_research.data.pipeline import build_data
 from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST, ROOT
 from tests.helpers.checkpointing import with_overrides
-from tests.helpers.cli import finish, read_metrics, start
+from tests.helpers.cli import command, finish, read_metrics, start
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-REPORT = [sys.executable, "-m", "fsdp_research", "report"]
 FIRST = with_overrides(
     FAST,
     "optim.lr=1e-3",
@@ -56,7 +53,7 @@ def test_a_run_says_where_it_is_and_what_it_wrote(first, tmp_path):
     )
     assert lines[-1] == f"plot it: fsdp-research report {run_dir}"
     out = str(tmp_path / "run.png")
-    report = subprocess.run([*REPORT, run_dir, "--out", out], capture_output=True, text=True)
+    report = command(["report", run_dir, "--out", out])
     assert report.returncode == 0, report.stderr
     header, row = report.stdout.splitlines()[:2]
     assert header.split()[:4] == ["job", "overrides", "loss", "eval_loss"] and row.split()[-2:] == ["4", "completed"]

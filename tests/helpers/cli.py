@@ -56,6 +56,16 @@ def start(overrides: Sequence[str], cwd: str, torchrun_nproc: int = 0, real: boo
     )
 
 
+def command(args: Sequence[str], cwd: str = ROOT, env: dict | None = None, timeout: float = 300) -> Finished:
+    """`python -m fsdp_research <args>` to its end, forked from the suite's forkserver: its outputs are the point,
+    not an interpreter's start (tests/cli/test_cli.py starts one for real)."""
+    return finish(command_started(args, cwd, env), timeout)
+
+
+def command_started(args: Sequence[str], cwd: str = ROOT, env: dict | None = None) -> Forked:
+    return Forked("-m", ["fsdp_research", *args], cwd, env or subprocess_env())
+
+
 def finish(proc: subprocess.Popen | Forked, timeout: float = 300) -> Finished:
     stdout, stderr = proc.communicate(timeout=timeout)
     return Finished(proc.returncode, stdout, stderr)

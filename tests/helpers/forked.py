@@ -79,13 +79,18 @@ def _main(
     os.environ.update(env)
     os.chdir(cwd)
     _redirect(outputs, truncate=True)
-    sys.argv = [script, *args]
-    runpy.run_path(script, run_name="__main__")
+    if script == "-m":  # python -m <module> <args>
+        sys.argv = list(args)
+        runpy.run_module(args[0], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [script, *args]
+        runpy.run_path(script, run_name="__main__")
 
 
 class Forked:
-    """`python <script> <args>` (cwd, env), forked: subprocess.Popen's face (pid, poll, wait, communicate,
-    send_signal, returncode: negative for a signal), its output to files read back as text."""
+    """`python <script> <args>` (cwd, env; script "-m": `python -m <args>`), forked: subprocess.Popen's face
+    (pid, poll, wait, communicate, send_signal, returncode: negative for a signal), its output to files read back as
+    text."""
 
     def __init__(
         self, script: str, args: Sequence[str], cwd: str, env: dict, new_session: bool = False, logs: tuple = ()

@@ -1,23 +1,19 @@
 """The sweep report CLI on a fake multirun dir: table text, PNG, and the error exit."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import yaml
 
+from tests.helpers.cli import Finished, command
+
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _report(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "fsdp_research", "report", *args], cwd=ROOT, capture_output=True, text=True, timeout=60
-    )
+def _report(*args: str) -> Finished:
+    return command(["report", *args], timeout=60)
 
 
 def _job(sweep, num, overrides, status, error=None, metrics=()):

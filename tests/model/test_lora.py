@@ -8,8 +8,6 @@ before any compute."""
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -33,7 +31,7 @@ from fsdp_research.train.state import TrainState
 from fsdp_research.train.validation import checked_plan
 from tests.conftest import FAST, ROOT
 from tests.helpers.chats import CONVERSATIONS, chat_llama, write_chats
-from tests.helpers.cli import finish, read_metrics, start
+from tests.helpers.cli import command, finish, read_metrics, start
 from tests.helpers.reference import decay_groups, factor_at
 from tests.helpers.zoo import hf_config, initial_weights, pretrained
 
@@ -234,11 +232,7 @@ def test_the_samples_are_transformers_generate_of_the_export(runs):
     sample = samples["one"]
     assert sample["prompt"] == PROMPT and samples["two"] == sample  # every rank extends alike
     for extra in ([], ["--adapter"]):
-        out = subprocess.run(
-            [sys.executable, "-m", "fsdp_research", "generate", str(tmp / "one"), "--prompt", PROMPT,
-             "--max-new-tokens", "6", *extra],
-            capture_output=True, text=True,
-        )  # fmt: skip
+        out = command(["generate", str(tmp / "one"), "--prompt", PROMPT, "--max-new-tokens", "6", *extra])
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.endswith(f"{PROMPT} -> {sample['completion']}\n")
 

@@ -2,9 +2,6 @@
 problem and stays quiet on one that does not; pure functions over a composed config and the plan built on
 the meta device. Then the CLI as a user runs it."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -17,7 +14,7 @@ from fsdp_research.planner import summary
 from fsdp_research.planner.doctor import CHECKS, diagnose
 from fsdp_research.planner.fit import doctor_fit
 from fsdp_research.train.validation import check_doctor
-from tests.conftest import ROOT
+from tests.helpers.cli import command_started
 from tests.helpers.fsdp_units import plan_for
 
 pytestmark = pytest.mark.distributed
@@ -167,16 +164,7 @@ def test_planned_nodes_from_the_launcher(monkeypatch, env, nodes):
 def test_cli_prints_findings_or_why_none():
     """Both commands at once: they are mostly start-up."""
     args = {"root_only": ["sharding=root_only"], "default": []}
-    procs = {
-        name: subprocess.Popen(
-            [sys.executable, "-m", "fsdp_research", "doctor", *a],
-            cwd=ROOT,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for name, a in args.items()
-    }
+    procs = {name: command_started(["doctor", *a]) for name, a in args.items()}
     out = {name: proc.communicate(timeout=120) + (proc.returncode,) for name, proc in procs.items()}
     stdout, stderr, code = out["root_only"]
     assert code == 0, stderr

@@ -5,16 +5,14 @@ store built ahead with `fsdp-research tokenize`, and a build that takes longer t
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from fsdp_research.jobs.compose import compose
-from tests.conftest import FAST, ROOT
+from tests.conftest import FAST
 from tests.helpers.checkpointing import with_overrides
-from tests.helpers.cli import finish, start
+from tests.helpers.cli import command, finish, start
 from tests.helpers.corpora import DOCS, bpe_tokenizer, write
 from tests.helpers.dist import ok, train_distributed
 
@@ -99,22 +97,10 @@ def test_a_store_built_ahead_is_only_opened(corpus, tmp_path):
     nothing."""
     stores = f"data.store_dir={tmp_path / 'stores'}"
     data = [o for o in _overrides(corpus) if o.startswith("data.")] + [stores]
-    built = subprocess.run(
-        [sys.executable, "-m", "fsdp_research", "tokenize", *data],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    built = command(["tokenize", *data])
     assert built.returncode == 0, built.stderr
     assert "built in" in built.stdout and "MB/s of text" in built.stdout and " tokens (uint16)" in built.stdout
-    again = subprocess.run(
-        [sys.executable, "-m", "fsdp_research", "tokenize", *data],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    again = command(["tokenize", *data])
     assert "(already built)" in again.stdout and "built in" not in again.stdout
     run = finish(
         start([*_overrides(corpus, "trainer.max_steps=1"), stores, f"hydra.run.dir={tmp_path / 'run'}"], str(tmp_path))
