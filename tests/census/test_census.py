@@ -227,9 +227,11 @@ def _initialised_as_large(initials: dict) -> dict:
     from fsdp_research.model.parallelize import build_sharded_model
 
     fsdp_research.model.architecture._KEPT_AS_BUILT = 0
+    base = compose(FAST + pretrained(next(iter(initials.values()), "")) + ["model.load_weights=false"])
 
     def init(family: str, initial: str) -> dict:
-        cfg = compose(FAST + pretrained(initial) + ["model.load_weights=false"])
+        cfg = base.copy()
+        cfg.model.name_or_path = initial  # the one key that differs: composed once
         return full_state(build_sharded_model(cfg, build_hf_config(cfg.model), torch.device("cpu"), 1)[0])
 
     return each_family(init, initials)

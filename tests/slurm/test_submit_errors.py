@@ -1,6 +1,7 @@
 """Bad input to either way of submitting a sweep (the submit script, the Hydra slurm launcher): zero jobs, an
 override with a syntax error, an unknown partition, no sbatch on PATH. Each fails with one line naming the
-problem, and nothing reaches sbatch: a stand-in sbatch first on PATH would record any call."""
+problem, and nothing reaches sbatch: a stand-in sbatch first on PATH would record any call. The commands are
+forked from the suite's forkserver (tests/helpers/forked.py), but for the last test's, real interpreters."""
 
 import os
 import subprocess
@@ -9,17 +10,22 @@ import sys
 import pytest
 
 from tests.conftest import FAST, ROOT
+from tests.helpers.cli import finish
+from tests.helpers.forked import Forked
 
 GOOD = "trainer.max_steps=2 trainer.seed=0"
-SUBMIT = [sys.executable, "-m", "fsdp_research", "submit", "sweep.txt"]
-SWEEP = [sys.executable, os.path.join(ROOT, "train.py"), "-m", "hydra/launcher=slurm", *FAST, "hydra.sweep.dir=sweep"]
+SUBMIT = ["-m", "fsdp_research", "submit", "sweep.txt"]
+SWEEP = [os.path.join(ROOT, "train.py"), "-m", "hydra/launcher=slurm", *FAST, "hydra.sweep.dir=sweep"]
 
 
-def _fails(command, cwd, path: str) -> str:
-    """Runs command with that PATH; checks it failed without calling sbatch; returns its one line of error."""
-    result = subprocess.run(
-        command, cwd=cwd, capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": path}
-    )
+def _fails(command, cwd, path: str, real: bool = False) -> str:
+    """Runs `python <command>` with that PATH (forked, or a real interpreter); checks it failed without calling
+    sbatch; returns its one line of error."""
+    env = {**os.environ, "PATH": path}
+    if real:
+        result = subprocess.run([sys.executable, *command], cwd=cwd, capture_output=True, text=True, env=env)
+    else:
+        result = finish(Forked(command[0], command[1:], cwd, env), timeout=120)
     assert not os.path.exists(os.path.join(cwd, "sbatch_ran")), "sbatch was called"
     assert result.returncode == 2, result.stderr[-3000:]
     lines = result.stderr.strip().splitlines()
@@ -71,5 +77,5 @@ def test_hydra_launcher(tmp_path, fake_sbatch, overrides, expected):
 def test_no_sbatch_on_path(tmp_path):
     (tmp_path / "sweep.txt").write_text(f"{GOOD}\n")
     for command in (SUBMIT, [*SWEEP, "trainer.seed=1,2"]):
-        line = _fails(command, str(tmp_path), path=str(tmp_path))
+        line = _fails(command, str(tmp_path), path=str(tmp_path), real=True)
         assert "sbatch is not on PATH" in line, line
