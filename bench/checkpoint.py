@@ -24,6 +24,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict  # noqa: E402
 
 from fsdp_research.checkpoint.dcp import Checkpointer  # noqa: E402
+from fsdp_research.checkpoint.resume import load_checkpoint  # noqa: E402
 from fsdp_research.config.schema import typed  # noqa: E402
 from fsdp_research.distributed.processes import device_for, init_distributed, spawn  # noqa: E402
 from fsdp_research.jobs.compose import compose  # noqa: E402
@@ -93,7 +94,7 @@ def _bench(container, repeats: int, out: str) -> None:
         step = r + 1
         times["dcp_save"].append(_timed(lambda: sync.save(step, model, optimizer, {"step": step})))
         step_dir = os.path.join(out, "sync", "checkpoints", f"step_{step}")
-        times["dcp_load"].append(_timed(lambda: sync.load(step_dir, model, optimizer)))
+        times["dcp_load"].append(_timed(lambda: load_checkpoint(step_dir, model, optimizer)))
         times["full_save"].append(_timed(full_save))
         times["full_load"].append(_timed(full_load))
         for name, checkpointer in (("async_blocking", asynchronous), ("unpinned_blocking", unpinned)):

@@ -23,5 +23,5 @@ nothing of ours):
     cli/          `fsdp-research <command>`: one module per subcommand
 
 Reading path: train.py -> jobs/launch.py -> train/trainer.py (the recipe) -> model/parallelize.py (build, AC,
-compile, fully_shard) -> distributed/sharding.py -> checkpoint/dcp.py.
+compile, fully_shard) -> distributed/mesh.py, distributed/sharding.py -> checkpoint/dcp.py, checkpoint/resume.py.
 """

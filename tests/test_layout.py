@@ -148,3 +148,27 @@ def test_no_private_names_across_modules():
         if name and name.startswith("_") and t.startswith("fsdp_research") and t != m
     }
     assert not private
+
+
+def test_one_module_owns_the_mesh():
+    """Only fsdp_research.distributed.mesh builds, slices or unflattens a device mesh, or computes a data-parallel
+    rank from the degrees (get_rank() // ...): the axes' order is written once."""
+    builders = {"init_device_mesh", "DeviceMesh", "_unflatten"}
+    found = set()
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(open(path).read())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in builders:
+                found.add((module, ast.unparse(node.func)))
+            if (
+                isinstance(node, ast.BinOp)
+                and isinstance(node.op, ast.FloorDiv)
+                and "get_rank" in ast.unparse(node.left)
+            ):
+                found.add((module, ast.unparse(node)))
+    assert {m for m, _ in found} <= {"fsdp_research.distributed.mesh"}, sorted(found)
+
+
+def test_no_module_over_400_lines():
+    """The size bar: a module that grows past it splits by concern."""
+    long = {m: n for m, path in MODULES.items() if (n := len(open(path).read().splitlines())) > 400}
+    assert not long, long

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from fsdp_research.checkpoint.consolidate import INDEX, consolidate, write_index
-from fsdp_research.checkpoint.dcp import TRAINER_STATE
+from fsdp_research.checkpoint.resume import TRAINER_STATE
 from fsdp_research.config.sizes import export_shard_size
 from fsdp_research.data.chat import PROMPTS, chat_tokenizer, prompt_rendering
 from fsdp_research.data.tokenizer import load_tokenizer

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 
 from omegaconf import OmegaConf
 
-from fsdp_research.checkpoint.dcp import checkpoints_in, is_step_dir, verify
 from fsdp_research.checkpoint.hf_export import (
     export_adapted,
     export_dtype,
@@ -17,6 +16,7 @@ from fsdp_research.checkpoint.hf_export import (
     write_prompting,
     write_state_dir,
 )
+from fsdp_research.checkpoint.resume import checkpoints_in, is_step_dir, verify
 from fsdp_research.cli.common import fail
 from fsdp_research.config.sizes import export_shard_size
 from fsdp_research.errors import CheckpointError, ConfigError

@@ -3,6 +3,7 @@ a wrong type or an unknown enum value fails at composition, before any process g
 A leaf: imports nothing of ours but the data group's part of it, data_schema (the Hydra wiring that registers these
 is fsdp_research.jobs.compose)."""
 
+import functools
 import warnings
 from dataclasses import dataclass, field
 from enum import Enum
@@ -369,6 +370,13 @@ def schema() -> DictConfig:
     return node
 
 
+@functools.cache
+def _schema_once() -> DictConfig:
+    """The schema made once per process (OmegaConf.structured takes ~70 ms a call): merge copies it, never changes
+    it."""
+    return schema()
+
+
 def flat(node: Any, prefix: str = "") -> dict[str, Any]:
     """A plain container's leaves by dotted key (`optim.param_groups[0].lr_scale`)."""
     if isinstance(node, dict):
@@ -382,7 +390,7 @@ def flat(node: Any, prefix: str = "") -> dict[str, Any]:
 def typed(cfg: Any) -> DictConfig:
     """A config (DictConfig or plain dict) merged onto the schema, so values have their declared types. The
     deprecated optim.warmup_steps / optim.min_lr_ratio move to the schedule group (with a warning)."""
-    cfg = OmegaConf.merge(schema(), cfg)
+    cfg = OmegaConf.merge(_schema_once(), cfg)
     for key in ("warmup_steps", "min_lr_ratio"):
         if cfg.optim[key] is not None:
             warnings.warn(f"optim.{key} is deprecated: use schedule.{key}", FutureWarning, stacklevel=2)

@@ -168,12 +168,6 @@ def new_threads_single_threaded() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def data_parallel(group: int) -> tuple[int, int]:
-    """(this rank's data-parallel rank, the data-parallel ranks) where `group` neighbouring ranks read the same
-    batch: build_mesh puts the tp ranks innermost, the cp ranks next (tp x cp ranks split one batch)."""
-    return dist.get_rank() // group, dist.get_world_size() // group
-
-
 def backend_for(backend: str, device: torch.device) -> str:
     """The process group's backend for distributed.backend on `device`; ConfigError for NCCL without CUDA."""
     if backend == "auto":

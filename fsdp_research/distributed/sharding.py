@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -149,44 +149,6 @@ def _shared(model: nn.Module, blocks: list[nn.Module]) -> list[Unit]:
                 outer.append(paths[id(module)])
                 groups.setdefault(frozenset(params), []).append(paths[id(module)])
     return [Unit(group[0], False, also=tuple(group[1:])) for group in groups.values()]
-
-
-def build_mesh(cfg: ShardingConfig, device_type: str, world_size: int, tp: int = 1) -> DeviceMesh:
-    """The data-parallel dimensions (replicate, shard), and with tensor parallel a "tp" dimension innermost: the
-    ranks of a tp group are neighbours (one node's devices). Expert parallel splits the shard dimension
-    (experts_mesh)."""
-    strategy, dp = Strategy(cfg.strategy), world_size // tp
-    shape, names = (dp,), ("shard",)
-    if strategy in (Strategy.hsdp, Strategy.ddp):
-        replicas = dp if strategy is Strategy.ddp else cfg.replicate
-        shape, names = (replicas, dp // replicas), ("replicate", "shard")
-    if tp > 1:
-        shape, names = (*shape, tp), (*names, "tp")
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
-
-
-def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP shards over: its data-parallel dimensions."""
-    if "tp" not in mesh.mesh_dim_names:
-        return mesh
-    data = tuple(n for n in mesh.mesh_dim_names if n != "tp")
-    return mesh[data if len(data) > 1 else data[0]]
-
-
-def experts_mesh(mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
-    """(the ep mesh the experts are split over, the data-parallel mesh their FSDP shards over): the shard dimension
-    seen as dp_mod_ep x ep, the ep ranks neighbours."""
-    names = mesh.mesh_dim_names
-    shard = mesh.size(names.index("shard"))
-    split = mesh._unflatten("shard", (shard // ep, ep), ("dp_mod_ep", "ep"))
-    data = tuple(n for n in split.mesh_dim_names if n in ("replicate", "dp_mod_ep"))
-    return split["ep"], split[data if len(data) > 1 else data[0]]
-
-
-def context_mesh(mesh: DeviceMesh, cp: int) -> DeviceMesh:
-    """The cp mesh a sequence is split over: the shard dimension seen as dp_shard x cp, the cp ranks neighbours."""
-    shard = mesh.size(mesh.mesh_dim_names.index("shard"))
-    return mesh._unflatten("shard", (shard // cp, cp), ("dp_shard", "cp"))["cp"]
 
 
 def apply_prefetch(model: nn.Module, plan: ShardingPlan, cfg: ShardingConfig) -> None:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from fsdp_research.config.schema import Strategy
+from fsdp_research.distributed.mesh import degrees
 
 
 @dataclass(frozen=True)
@@ -41,17 +42,14 @@ class Layout:
 
 
 def layout(cfg: DictConfig, world_size: int, nodes: int = 1) -> Layout:
-    strategy, tp, cp = Strategy(cfg.sharding.strategy), cfg.parallel.tp, cfg.parallel.cp
-    dp = world_size // tp
-    replicas = {Strategy.hsdp: cfg.sharding.replicate, Strategy.ddp: dp}.get(strategy, 1)
-    t = cfg.trainer
+    d, t = degrees(cfg, world_size), cfg.trainer
     return Layout(
         world_size=world_size,
         nodes=nodes,
-        replicas=replicas,
-        shard_group=1 if strategy is Strategy.ddp_classic else dp // replicas,
-        micro_steps=t.global_batch_size // (t.micro_batch_size * (dp // cp)),
-        tp=tp,
-        ep=cfg.parallel.ep,
-        cp=cp,
+        replicas=d.replicate,
+        shard_group=1 if Strategy(cfg.sharding.strategy) is Strategy.ddp_classic else d.shard,
+        micro_steps=t.global_batch_size // (t.micro_batch_size * d.data_parallel_size),
+        tp=d.tp,
+        ep=d.ep,
+        cp=d.cp,
     )

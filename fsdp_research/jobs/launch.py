@@ -16,7 +16,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from torch.multiprocessing import ProcessExitedException
 
-from fsdp_research.checkpoint.dcp import checkpoints_in
+from fsdp_research.checkpoint.resume import checkpoints_in
 from fsdp_research.config.schema import typed
 from fsdp_research.data.tokenizer import resolve_tokenizer
 from fsdp_research.distributed.processes import dead_ranks, device_for, launch_env, members, spawn

@@ -14,7 +14,8 @@ from torch.nn.modules.module import register_module_module_registration_hook
 from fsdp_research.config.schema import ModelConfig
 from fsdp_research.config.targets import build as build_target
 from fsdp_research.errors import ConfigError
-from fsdp_research.model.recorded_init import Recipe, Recorder, Unsupported, recording
+from fsdp_research.model.recipes import Recipe, Unsupported
+from fsdp_research.model.recorded_init import Recorder, recording
 
 # model's own keys: with model._target_ the others are the factory's keyword arguments.
 OWN_KEYS = ("name", "name_or_path", "model_type", "config", "load_weights", "block_class", "moe", "lora")

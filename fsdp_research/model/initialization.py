@@ -26,7 +26,8 @@ from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.processes import control_group
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import as_built
-from fsdp_research.model.recorded_init import Recipe, Unsupported, recording, replay
+from fsdp_research.model.recipes import Recipe, Unsupported, replay
+from fsdp_research.model.recorded_init import recording
 
 log = logging.getLogger("fsdp_research")
 

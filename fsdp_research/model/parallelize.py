@@ -13,17 +13,9 @@ from fsdp_research.distributed.activation_checkpointing import apply_activation_
 from fsdp_research.distributed.compile import apply_compile
 from fsdp_research.distributed.context_parallel import apply_cp
 from fsdp_research.distributed.expert_parallel import apply_ep, split_experts
+from fsdp_research.distributed.mesh import Mesh, degrees
 from fsdp_research.distributed.precision import build_mp_policy, dtypes, kept_in_fp32
-from fsdp_research.distributed.sharding import (
-    ShardingPlan,
-    apply_ddp,
-    apply_fsdp,
-    build_mesh,
-    build_plan,
-    context_mesh,
-    data_mesh,
-    experts_mesh,
-)
+from fsdp_research.distributed.sharding import ShardingPlan, apply_ddp, apply_fsdp, build_plan
 from fsdp_research.distributed.tensor_parallel import apply_tp
 from fsdp_research.model.architecture import block_class_name, build_model, build_own_model, find_blocks, pretrained_dir
 from fsdp_research.model.initialization import init_weights, materialize
@@ -57,16 +49,16 @@ def planned_model(cfg: DictConfig, hf_config, values: bool = True) -> tuple[nn.M
 def apply_parallelism(model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device_type: str, world_size: int) -> None:
     """Tensor parallel on the mesh's tp dimension, attention split over cp ranks, the experts over ep ranks, then
     fully_shard over the data-parallel dimensions (the model may still be on the meta device; a collective)."""
-    mesh = build_mesh(cfg.sharding, device_type, world_size, cfg.parallel.tp)
+    mesh = Mesh(degrees(cfg, world_size), device_type)
     if cfg.parallel.tp > 1:  # before FSDP shards the same parameters over the data-parallel ranks
-        apply_tp(model, list(plan.blocks), mesh["tp"], cfg.parallel)
+        apply_tp(model, list(plan.blocks), mesh.tp, cfg.parallel)
     if cfg.parallel.cp > 1:
-        apply_cp(model, context_mesh(mesh, cfg.parallel.cp))
+        apply_cp(model, mesh.context)
     experts = None
     if cfg.parallel.ep > 1:
-        ep, experts = experts_mesh(mesh, cfg.parallel.ep)
+        ep, experts = mesh.experts
         apply_ep(model, [u.path for u in plan.units if u.experts], ep)
-    apply_fsdp(model, plan, data_mesh(mesh), build_mp_policy(cfg.precision), cfg.sharding, experts)
+    apply_fsdp(model, plan, mesh.fsdp, build_mp_policy(cfg.precision), cfg.sharding, experts)
 
 
 def shard_model(

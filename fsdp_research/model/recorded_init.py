@@ -1,12 +1,9 @@
 """What a constructor or an init does to a parameter, recorded once at full size on the meta device (no memory, no
-draws) and replayed on any of its rows: a rank builds only the rows of its shard.
+draws) as a recipe (model.recipes), which is replayed on any of its rows: a rank builds only the rows of its shard.
 
-A recipe is the list of writes made to a parameter (torch.nn.init's elementwise draws, fills, copies, in-place
-arithmetic), each on the region of rows it touched. Replay cuts the rows into chunks of at most CHUNK elements,
-fixed by the shape alone, each drawing from a generator of its own (the parameter's seed and the chunk's index):
-the values of a row are the same whichever rank builds it, at any world size. A write the recorder cannot replay
-exactly (orthogonal_, a value read back, a view across rows) raises Unsupported: the caller then builds at full
-size, never on a guess."""
+The recorder sees torch.nn.init's elementwise draws, fills, copies and in-place arithmetic on a parameter (a torch
+function mode), each as a write on the region of rows it touched. A write it cannot replay exactly (orthogonal_, a
+value read back, a view across rows) raises Unsupported: the caller then builds at full size, never on a guess."""
 
 import contextlib
 import functools
@@ -14,14 +11,13 @@ import inspect
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CHUNK = 2**18
+from fsdp_research.model.recipes import CHUNK, Recipe, Unsupported, Write, row_size, whole_write
 
 # torch.nn.init's elementwise functions (replayed as such: trunc_normal_ is a no-op on the meta device) and the
 # shape-dependent ones that end in an elementwise draw (recorded as that draw, its spread from the full shape).
@@ -33,71 +29,8 @@ _METHODS = {
     *("mul_", "add_", "sub_", "div_", "exp_", "log_", "sqrt_", "abs_", "neg_", "pow_"),
     *("__iadd__", "__isub__", "__imul__", "__itruediv__"),
 }
-_RANDOM = {"normal_", "uniform_", "trunc_normal_", "bernoulli_", "exponential_", "log_normal_", "cauchy_"}
-_RANDOM |= {"geometric_", "random_"}
-# Writes that do not read what was there: one over the whole parameter initialises it.
-_FILLS = _RANDOM | {"constant_", "ones_", "zeros_", "zero_", "fill_", "copy_"}
 _FACTORIES = {torch.empty: None, torch.zeros: ("fill_", 0.0), torch.ones: ("fill_", 1.0)}
 _FACTORIES |= {torch.randn: ("normal_",), torch.rand: ("uniform_",)}
-
-
-class Unsupported(Exception):
-    """A write the recorder cannot replay row by row (its message says which)."""
-
-
-@dataclass
-class Write:
-    func: object
-    rows: tuple[int, int]
-    # The region within each row: (shape, strides, offset) of a row-range view, or of a view inside one row.
-    inner: tuple[tuple[int, ...], tuple[int, ...], int]
-    row_dim: bool
-    args: tuple
-    kwargs: dict
-    sliced: tuple[int, ...]  # positions in args of real tensors of the region's shape: cut to the rows replayed
-    versions: tuple[tuple[torch.Tensor, int], ...] = ()  # the tensor arguments, as they were when written
-
-    @property
-    def fills(self) -> bool:
-        return getattr(self.func, "__name__", "") in _FILLS
-
-
-@dataclass
-class Recipe:
-    shape: tuple[int, ...]
-    writes: list[Write] = field(default_factory=list)
-    # Why a write into it cannot be replayed: kept even where the code that made the write caught the error.
-    failed: str | None = None
-
-    def settled(self) -> "Recipe":
-        """A copy of the writes so far, each argument checked unchanged since (a later in-place change of a
-        copied tensor would go unseen); raises Unsupported where a write could not be recorded."""
-        changed = any(t._version != v for w in self.writes for t, v in w.versions)
-        if self.failed or changed:
-            raise Unsupported(self.failed or "a tensor written into a parameter changed afterwards")
-        return Recipe(self.shape, list(self.writes))
-
-    def covers(self) -> bool:
-        """A write that sets every value without reading it (what was there before never shows)."""
-        rows = _rows(self.shape)
-        return any(
-            w.fills
-            and w.rows == (0, rows)
-            and _count(w.inner) * (rows if w.row_dim else 1) == rows * _row_size(self.shape)
-            for w in self.writes
-        )
-
-
-def _rows(shape) -> int:  # a scalar is one row of one element
-    return shape[0] if shape else 1
-
-
-def _row_size(shape) -> int:
-    return math.prod(shape[1:]) if shape else 1
-
-
-def _count(inner) -> int:
-    return math.prod(inner[0])
 
 
 def _overlaps(dims, strides) -> bool:
@@ -112,7 +45,7 @@ def _overlaps(dims, strides) -> bool:
 
 def _region(view: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tuple[int, int], tuple, bool]:
     """Which rows of a parameter of `shape` and `dtype` the view covers, and where in each row."""
-    size, offset = _row_size(shape), view.storage_offset()
+    size, offset = row_size(shape), view.storage_offset()
     dims, strides = tuple(view.shape), tuple(view.stride())
     extent = sum((n - 1) * s for n, s in zip(dims, strides) if n > 0)
     if view.dtype != dtype:
@@ -252,7 +185,7 @@ class Recorder(TorchFunctionMode):
         recipe = self.bases.add(tensor)
         if _FACTORIES[func] is not None:
             fill, *values = _FACTORIES[func]
-            recipe.writes.append(_whole(getattr(torch.Tensor, fill), tuple(dims), tuple(values)))
+            recipe.writes.append(whole_write(getattr(torch.Tensor, fill), tuple(dims), tuple(values)))
         return tensor
 
     def _write(self, func, recipe: Recipe | None, view: torch.Tensor, args: tuple, kwargs: dict, run):
@@ -351,50 +284,3 @@ def recording(factories: bool = False, large: int = CHUNK) -> Iterator[Recorder]
         _ACTIVE.pop()
         for space, key, original in bindings:
             space[key] = original
-
-
-def _whole(func, shape: tuple[int, ...], args: tuple) -> Write:
-    size = _row_size(shape)
-    return Write(func, (0, _rows(shape)), ((size,), (1,), 0), True, args, {}, ())
-
-
-def _chunks(shape, first: int, last: int) -> Iterator[tuple[int, int, int]]:
-    """(index, first row, end row) of the chunks holding rows first..last-1."""
-    rows, per = _rows(shape), max(1, CHUNK // max(1, _row_size(shape)))
-    for k in range(first // per, -(-last // per)):
-        yield k, k * per, min(rows, (k + 1) * per)
-
-
-def _apply(write: Write, chunk: torch.Tensor, start: int, end: int, size: int, generator) -> None:
-    lo, hi = max(write.rows[0], start), min(write.rows[1], end)
-    if lo >= hi:
-        return
-    dims, strides, offset = write.inner
-    if write.row_dim:
-        view = chunk.as_strided((hi - lo, *dims), (size, *strides), (lo - start) * size + offset)
-        args = tuple(
-            a[lo - write.rows[0] : hi - write.rows[0]] if i in write.sliced else a for i, a in enumerate(write.args)
-        )
-    else:
-        view, args = chunk.as_strided(dims, strides, (lo - start) * size + offset), write.args
-    kwargs = write.kwargs
-    if getattr(write.func, "__name__", "") in _RANDOM:
-        args = tuple(a for a in args if not isinstance(a, torch.Generator))
-        kwargs = {**kwargs, "generator": generator}
-    with torch.no_grad():
-        write.func(view, *args, **kwargs)
-
-
-def replay(recipe: Recipe, first: int, last: int, seed: int, start=None) -> torch.Tensor:
-    """Rows first..last-1 of the recorded parameter (float32, on the CPU); `start(first, last, generator)` gives
-    a chunk's values before the writes (NaN if not given: what nothing writes stays unset)."""
-    shape, size = recipe.shape, _row_size(recipe.shape)
-    out = torch.empty((last - first, *shape[1:]) if shape else (1,))
-    for k, lo, hi in _chunks(shape, first, last):
-        generator = torch.Generator().manual_seed((seed * 1_000_003 + k) % 2**63)
-        chunk = start(lo, hi, generator) if start else torch.full((hi - lo, *shape[1:]), float("nan"))
-        for write in recipe.writes:
-            _apply(write, chunk, lo, hi, size, generator)
-        a, b = max(lo, first), min(hi, last)
-        out[a - first : b - first] = chunk[a - lo : b - lo]
-    return out if shape else out.reshape(())

@@ -41,15 +41,9 @@ from dataclasses import dataclass
 from fsdp_research.config.schema import Strategy
 from fsdp_research.planner.activations import (
     FP32,
-    block_activation_bytes,
-    logits_forward,
-    mlp_saved_bytes,
-    norm_backward_bytes,
-    norm_bytes,
-    residual_bytes,
-    saved_activations,
 )
 from fsdp_research.planner.optimizer import step_temporaries
+from fsdp_research.planner.phases import Phases, step_phases
 from fsdp_research.planner.resident import callback_bytes, communicator_bytes
 from fsdp_research.planner.summary import ModelSummary, Run
 
@@ -74,58 +68,6 @@ class Memory:
     communicators: int = 0
 
 
-# Memory.
-
-
-@dataclass(frozen=True)
-class _Phases:
-    """Activations and backward temporaries (bytes per micro-batch) where memory can peak."""
-
-    forward_end: int  # at the loss: every block's saved tensors, the final norm's, the logits
-    root_forward_end: int  # inside the root's forward, logits in the compute dtype only
-    backward_start: int  # saved tensors with the fp32 log-probs...
-    loss_grads: int  # ...and the fp32 loss gradients
-    # Backward of block k: [(moment, activations, temporaries, the block's parameter gradients autograd holds:
-    # up to this many elements, all of them (None), or none (0: FSDP took them for its reduce-scatter))].
-    block: list[list[tuple[str, int, int, int | None]]]
-
-
-def _phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> _Phases:
-    e, tok, h = run.compute_bytes, run.tokens, m.hidden
-    saved = [a * tok for a in saved_activations(m, e, run.seq_len, checkpointed)]
-    full_block = block_activation_bytes(m, e, run.seq_len) * tok
-    norm = norm_bytes(m, e) * tok
-    incoming = residual_bytes(m, e) * tok  # the gradient flowing down the residual stream
-
-    def inside(k: int) -> list[tuple[str, int, int, int | None]]:
-        # A block's own activations are all there as its backward starts (recomputed when checkpointed). The MLP
-        # goes first: its peak holds the gradients of gate, up and their product, once the down projection's
-        # backward has released its input. Then the norms and attention.
-        mlp_peak = full_block - mlp_saved_bytes(m, e) * tok // 4  # the product: one of the MLP's four
-        return [
-            ("MLP", sum(saved[:k]) + mlp_peak, incoming + 3 * e * m.intermediate * tok, h * m.intermediate),
-            (
-                "attention",
-                sum(saved[:k]) + full_block - mlp_saved_bytes(m, e) * tok,
-                incoming + max(norm_backward_bytes(m, e), e * (2 * m.q_width + 2 * m.kv_dim)) * tok,
-                None,
-            ),
-            ("reduction", sum(saved[:k]), incoming, 0),
-        ]
-
-    # loss.chunks: one slice's logits at a time, made again in backward, where its gradients join them; the
-    # model's forward itself returns the hidden states.
-    c = run.loss_chunks
-    chunked = c > 1
-    return _Phases(
-        forward_end=sum(saved) + norm + logits_forward(m, e) * tok // c,
-        root_forward_end=sum(saved) + norm + (0 if chunked else e * m.vocab * tok),
-        backward_start=sum(saved) + norm + (0 if chunked else FP32 * m.vocab * tok),
-        loss_grads=(logits_forward(m, e) + 2 * FP32 * m.vocab) * tok // c if chunked else 2 * FP32 * m.vocab * tok,
-        block=[inside(k) for k in range(m.n_blocks)],
-    )
-
-
 def _largest_units(m: ModelSummary) -> list[int | None]:
     """Each block's largest unit (its index in m.units), or None for a block with none."""
     largest: list[int | None] = [None] * m.n_blocks
@@ -139,7 +81,7 @@ def _largest_units(m: ModelSummary) -> list[int | None]:
 def _fsdp_backward(
     m: ModelSummary,
     run: Run,
-    phases: _Phases,
+    phases: Phases,
     state: Callable[[int], dict[str, int]],
     resident: Callable[[int], int],
     deferred: int,
@@ -190,7 +132,7 @@ def _fsdp_backward(
 def _forward_prefetch(
     m: ModelSummary,
     run: Run,
-    phases: _Phases,
+    phases: Phases,
     state: dict[str, int],
     resident: Callable[[int], int],
     deferred: int,
@@ -217,7 +159,7 @@ def _forward_prefetch(
 
 
 def _forward_moments(
-    m: ModelSummary, run: Run, phases: _Phases, state: dict[str, int], kept: int, deferred: int
+    m: ModelSummary, run: Run, phases: Phases, state: dict[str, int], kept: int, deferred: int
 ) -> list[tuple[str, dict[str, int]]]:
     """From the root's all-gather to the start of backward; `kept`: what stays gathered from forward to backward."""
     e, units = run.compute_bytes, list(m.units)
@@ -256,7 +198,7 @@ def _forward_moments(
 def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> list[tuple[str, dict[str, int]]]:
     e, r, n = run.compute_bytes, run.reduce_bytes, run.shard_group
     units, every = list(m.units), [*m.units, m.root]
-    phases = _phases(m, run, checkpointed)
+    phases = step_phases(m, run, checkpointed)
     # Gradients and optimizer state: of the trained parameters (LoRA: the adapters).
     trained = [u.trained() for u in every]
     grad_shards = FP32 * sum(u.shard_numel(n) for u in trained)
@@ -311,7 +253,7 @@ def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> lis
     """Replicated fp32 parameters, gradients (param.grad, and DDP's flat buckets for the whole run) and AdamW
     state. Under autocast each weight's compute-dtype copy is saved for backward: a model's worth, held from
     forward to backward."""
-    phases = _phases(m, run, checkpointed)
+    phases = step_phases(m, run, checkpointed)
     # Gradients and optimizer state: of the trained parameters (LoRA: the adapters), the whole model's share.
     trained = FP32 * m.root.trained().numel
     # LoRA's frozen base is stored in the compute dtype: autocast casts the trained parameters alone.

@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from fsdp_research.data.pipeline import Data
 from fsdp_research.distributed.context_parallel import ContextSplit, split_of
-from fsdp_research.distributed.processes import data_parallel
+from fsdp_research.distributed.mesh import data_parallel
 from fsdp_research.train.losses import target_count, token_losses
 
 
@@ -34,7 +34,7 @@ def held_out_loss(
     Every rank runs as many forwards (one with fewer samples pads with a sample weighted 0): FSDP's collectives need
     them all. A collective: every rank calls it."""
     cp = split.cp if split else 1
-    rank, world = data_parallel(tp * cp)
+    rank, world = data_parallel(tp, cp)
     index = rank + world * np.arange(-(-samples // world))
     weight = torch.from_numpy(index < samples).float().to(device)
     index = np.minimum(index, samples - 1)

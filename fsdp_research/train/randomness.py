@@ -5,7 +5,7 @@ draws uninterrupted: there is no generator state that a resume has to map from o
 
 import torch
 
-from fsdp_research.distributed.processes import data_parallel
+from fsdp_research.distributed.mesh import data_parallel
 
 
 def step_seed(seed: int, step: int, dp_rank: int) -> int:

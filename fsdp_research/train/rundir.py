@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fsdp_research.checkpoint.dcp import checkpoints_in, is_step_dir, verify
+from fsdp_research.checkpoint.resume import checkpoints_in, is_step_dir, verify
 from fsdp_research.distributed.processes import restarted
 from fsdp_research.errors import ConfigError
 

@@ -17,8 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from fsdp_research.config.data_schema import DataKind
 from fsdp_research.data.pipeline import Build, Data, Prefetcher, build_data
 from fsdp_research.data.tokenizer import describe as describe_tokenizer
+from fsdp_research.distributed.mesh import data_parallel
 from fsdp_research.distributed.precision import dtypes
-from fsdp_research.distributed.processes import cores_per_rank, data_parallel, members, on_rank0, planned_nodes
+from fsdp_research.distributed.processes import cores_per_rank, members, on_rank0, planned_nodes
 from fsdp_research.distributed.sharding import ShardingPlan
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.metrics.meters import Throughput, active_parameters
@@ -64,12 +65,13 @@ def read_ahead(
     start: tuple[int, int],
     device: torch.device,
     resources: contextlib.ExitStack,
-    group: int = 1,
+    tp: int = 1,
+    cp: int = 1,
 ) -> Prefetcher:
     """This rank's batches from `start` on ((step, samples consumed before it); trainer section `t`), read ahead on
-    a thread (closed when the run ends): its data-parallel rank's (the `group` ranks of a tp x cp group read the
-    same). The samples go on from those consumed, so a resume at another global batch size trains on the next."""
-    rank, world = data_parallel(group)
+    a thread (closed when the run ends): its data-parallel rank's (the ranks of a tp x cp group read the same).
+    The samples go on from those consumed, so a resume at another global batch size trains on the next."""
+    rank, world = data_parallel(tp, cp)
     step0, consumed = start
     batches = Prefetcher(
         lambda step: data.rank_batch(consumed + (step - step0) * t.global_batch_size, t.global_batch_size, rank, world),

@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from fsdp_research.callbacks.hooks import Callbacks, RunHandle
 from fsdp_research.checkpoint.dcp import Checkpointer, config_files
 from fsdp_research.checkpoint.hf_export import export_run
+from fsdp_research.checkpoint.resume import load_checkpoint
 from fsdp_research.config.schema import Strategy, typed
 from fsdp_research.data.pipeline import Data, Prefetcher, packed
 from fsdp_research.distributed.context_parallel import split_of
@@ -151,7 +152,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     close_on_exit(resources, checkpointer.close)
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
         base_lrs = list(scheduler.base_lrs)  # the config's: the checkpoint's replace them
-        trainer_state, callback_state = checkpointer.load(
+        trainer_state, callback_state = load_checkpoint(
             resume_dir, model, optimizer, callbacks.state_dict(), configured_keys(cfg.optim)
         )
         state.load_state_dict(trainer_state, cfg.data.seq_len)
@@ -161,7 +162,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     throughput = throughput_of(cfg, d, model, plan, device, state.step)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)
-    batches = read_ahead(data, t, (state.step, state.samples), device, resources, cfg.parallel.tp * cfg.parallel.cp)
+    batches = read_ahead(data, t, (state.step, state.samples), device, resources, cfg.parallel.tp, cfg.parallel.cp)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-from fsdp_research.checkpoint.dcp import MANIFEST, TRAINER_STATE, checkpoints_in, verify
 from fsdp_research.checkpoint.hf_export import load_checkpoint_weights
+from fsdp_research.checkpoint.resume import MANIFEST, TRAINER_STATE, checkpoints_in, verify
 from fsdp_research.cli.generate import main as generate
 from fsdp_research.data.tokenizer import BYTE_EOS
 from fsdp_research.jobs.compose import compose

@@ -13,9 +13,10 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from fsdp_research.checkpoint.hf_export import export_model
+from fsdp_research.distributed.mesh import Mesh, degrees
 from fsdp_research.distributed.precision import build_mp_policy
 from fsdp_research.distributed.processes import init_distributed
-from fsdp_research.distributed.sharding import apply_fsdp, build_mesh
+from fsdp_research.distributed.sharding import apply_fsdp
 from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.initialization import materialize
@@ -51,7 +52,7 @@ def _export_memory(out_dir: str) -> dict:
     init_distributed(cfg.distributed, cpu)
     hf_config = build_hf_config(cfg.model)
     model, plan = planned_model(cfg, hf_config)
-    apply_fsdp(model, plan, build_mesh(cfg.sharding, "cpu", 2), build_mp_policy(cfg.precision), cfg.sharding)
+    apply_fsdp(model, plan, Mesh(degrees(cfg, 2), "cpu").fsdp, build_mp_policy(cfg.precision), cfg.sharding)
     materialize(model, cpu, cpu)
     with torch.no_grad():
         for i, param in enumerate(model.parameters()):

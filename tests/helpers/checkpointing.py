@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from fsdp_research.checkpoint.dcp import checkpoints_in, verify
+from fsdp_research.checkpoint.resume import checkpoints_in, verify
 from fsdp_research.config.schema import typed
 from fsdp_research.distributed.processes import device_for, init_distributed
 from fsdp_research.model.architecture import build_hf_config

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from fsdp_research.model.recorded_init import CHUNK, Recipe, Unsupported, recording, replay
+from fsdp_research.model.recipes import CHUNK, Recipe, Unsupported, replay
+from fsdp_research.model.recorded_init import recording
 
 
 def _recorded(shape, write) -> Recipe:

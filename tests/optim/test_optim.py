@@ -55,6 +55,7 @@ def _resume_groups(checkpoint_cfg, saved_cfg, resumed_cfg, run_dir: str) -> list
     import torch.nn as nn
 
     from fsdp_research.checkpoint.dcp import Checkpointer
+    from fsdp_research.checkpoint.resume import load_checkpoint
     from fsdp_research.distributed.processes import init_distributed
     from fsdp_research.optim import build_optimizer
 
@@ -67,7 +68,7 @@ def _resume_groups(checkpoint_cfg, saved_cfg, resumed_cfg, run_dir: str) -> list
     checkpointer = Checkpointer(checkpoint_cfg, run_dir, {})
     checkpointer.save(1, model, saved, {"step": 1})
     optimizer, _ = build_optimizer(model, resumed_cfg)
-    checkpointer.load(f"{run_dir}/checkpoints/step_1", model, optimizer)
+    load_checkpoint(f"{run_dir}/checkpoints/step_1", model, optimizer)
     return [group["weight_decay"] for group in optimizer.param_groups]
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fsdp_research.checkpoint.dcp import verify
+from fsdp_research.checkpoint.resume import verify
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.metrics.sinks import JsonlSink, read_records

@@ -1,0 +1,94 @@
+"""The one owner of the device mesh (as torchtitan's ParallelDims): the parallel degrees a config asks for on a
+world size, the DeviceMesh they make, built once, and every sub-mesh, rank and size the rest of the code asks for.
+The axes, outermost first: replicate, shard (itself dp_shard x cp for context parallel, dp_mod_ep x ep for the
+experts), tp innermost, so the ranks of a tp group are neighbours (one node's devices), the cp ranks next. No other
+module builds, slices or unflattens a mesh, or computes a rank from degrees (tests/test_layout.py holds it)."""
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from omegaconf import DictConfig
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_research.config.schema import Strategy
+
+
+@dataclass(frozen=True)
+class Degrees:
+    """Ranks along each axis. replicate x shard x tp = world size; cp and ep split the shard axis. hybrid: the
+    mesh has its replicate axis even at one replica (hsdp and ddp: FSDP2 replicates over it)."""
+
+    replicate: int
+    shard: int
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    hybrid: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard * self.tp
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Ranks that read batches of their own: a tp x cp group splits one batch."""
+        return self.world_size // (self.tp * self.cp)
+
+
+def degrees(cfg: DictConfig, world_size: int) -> Degrees:
+    """The degrees of `cfg` (its sharding and parallel sections) on world_size ranks: ddp replicates over every
+    data-parallel rank, hsdp over sharding.replicate groups."""
+    strategy, tp = Strategy(cfg.sharding.strategy), cfg.parallel.tp
+    dp = world_size // tp
+    replicate = {Strategy.hsdp: cfg.sharding.replicate, Strategy.ddp: dp}.get(strategy, 1)
+    hybrid = strategy in (Strategy.hsdp, Strategy.ddp)
+    return Degrees(replicate, dp // replicate, tp, cfg.parallel.cp, cfg.parallel.ep, hybrid)
+
+
+class Mesh:
+    """The DeviceMesh of `degrees` on device_type (a collective: every rank builds it), and its sub-meshes."""
+
+    def __init__(self, degrees: Degrees, device_type: str):
+        self.degrees = degrees
+        shape, names = (degrees.shard,), ("shard",)
+        if degrees.hybrid:
+            shape, names = (degrees.replicate, degrees.shard), ("replicate", "shard")
+        if degrees.tp > 1:
+            shape, names = (*shape, degrees.tp), (*names, "tp")
+        self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+    @property
+    def fsdp(self) -> DeviceMesh:
+        """The mesh FSDP shards over: the data-parallel axes (replicate, shard)."""
+        names = tuple(n for n in self.device_mesh.mesh_dim_names if n != "tp")
+        return self.device_mesh if len(names) == self.device_mesh.ndim else self.device_mesh[_one_or_all(names)]
+
+    @property
+    def tp(self) -> DeviceMesh:
+        return self.device_mesh["tp"]
+
+    @property
+    def context(self) -> DeviceMesh:
+        """The cp mesh a sequence is split over: the shard axis seen as dp_shard x cp, the cp ranks neighbours."""
+        shard, cp = self.degrees.shard, self.degrees.cp
+        return self.device_mesh._unflatten("shard", (shard // cp, cp), ("dp_shard", "cp"))["cp"]
+
+    @property
+    def experts(self) -> tuple[DeviceMesh, DeviceMesh]:
+        """(the ep mesh the experts are split over, the data-parallel mesh their FSDP shards over): the shard axis
+        seen as dp_mod_ep x ep, the ep ranks neighbours."""
+        shard, ep = self.degrees.shard, self.degrees.ep
+        split = self.device_mesh._unflatten("shard", (shard // ep, ep), ("dp_mod_ep", "ep"))
+        data = tuple(n for n in split.mesh_dim_names if n in ("replicate", "dp_mod_ep"))
+        return split["ep"], split[_one_or_all(data)]
+
+
+def _one_or_all(names: tuple[str, ...]) -> str | tuple[str, ...]:
+    return names if len(names) > 1 else names[0]
+
+
+def data_parallel(tp: int, cp: int = 1) -> tuple[int, int]:
+    """(this rank's data-parallel rank, the data-parallel ranks): the tp x cp neighbouring ranks of a group read
+    the same batch (tp innermost, cp next)."""
+    group = tp * cp
+    return dist.get_rank() // group, dist.get_world_size() // group
