@@ -24,7 +24,7 @@ from fsdp_research.data.pipeline import Data, Prefetcher, packed
 from fsdp_research.distributed.context_parallel import split_of
 from fsdp_research.distributed.precision import LossScaler, autocast
 from fsdp_research.distributed.processes import broadcast_object, device_for, init_distributed, launch_env, on_rank0
-from fsdp_research.distributed.sharding import ShardingPlan, grad_sync
+from fsdp_research.distributed.sharding import ShardingPlan
 from fsdp_research.distributed.step_layout import Layout, layout
 from fsdp_research.metrics.meters import MEAN_LOSSES, PeakMemory, Throughput, loss_metrics, packed_tokens
 from fsdp_research.metrics.profiling import StepProfiler, region
@@ -42,6 +42,7 @@ from fsdp_research.train.losses import LossFn, Router, build_loss, packed_weight
 from fsdp_research.train.preemption import NONE, STOP, Boundary, Signals, agree
 from fsdp_research.train.randomness import seed_step
 from fsdp_research.train.samples import take_samples
+from fsdp_research.train.schedule import MicroBatches
 from fsdp_research.train.startup import (
     close_on_exit,
     moe_balancer,
@@ -86,6 +87,7 @@ class Run:
     peak: PeakMemory
     signals: Signals
     anomaly: AnomalyChecks
+    schedule: MicroBatches
     save_times: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
 
@@ -163,12 +165,13 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)
     batches = read_ahead(data, t, (state.step, state.samples), device, resources, cfg.parallel.tp, cfg.parallel.cp)
+    steps = layout(cfg, world)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
         device=device,
         rank=rank,
-        layout=layout(cfg, world),
+        layout=steps,
         hf_config=hf_config,
         model=model,
         plan=plan,
@@ -188,6 +191,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         peak=PeakMemory(device),
         signals=signals,
         anomaly=checks,
+        schedule=MicroBatches(t.micro_batch_size, steps.micro_steps, t.defer_grad_sync),
     )
     handle.step = state.step
     handle.bind(sinks.log, functools.partial(evaluate, run), functools.partial(export_run, model, cfg, hf_config))
@@ -206,32 +210,29 @@ class StepResult:
 
 
 def train_step(run: Run, step: int) -> StepResult:
-    """One optimizer step on the global batch of `step`: this rank's micro-batches, each forward and backward,
-    the gradient reduction (within a shard group after each, unless trainer.defer_grad_sync; across replicas after
-    the last), clip, step."""
+    """One optimizer step on the global batch of `step`: this rank's micro-batches forward and backward as the
+    step's schedule runs them (train.schedule, with the gradient reduction), clip, step."""
     t, scaler, micro_steps = run.cfg.trainer, run.state.scaler, run.layout.micro_steps
     seed_step(t.seed, step, run.layout.tp)
     with region("data"):
         batch = run.batches.get(step).to(run.device, non_blocking=True)
-    loss_sum = torch.zeros((), device=run.device)
     totals: dict[str, torch.Tensor] = {}
     weight, targets = packed_weight(batch, micro_steps, run.layout.tp)
     if targets is not None:
         totals["targets"] = targets
         run.throughput.add(packed_tokens(batch, run.data.pad_id))
     split = split_of(run.model)
+
+    def forward(micro: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        loss, stats = train_loss(run.model, micro, run.amp, run.loss_fn, run.router, weight, split)
+        run.anomaly.check_loss(loss)
+        return loss, stats
+
     with split.splitting() if split else contextlib.nullcontext():
-        for i, micro in enumerate(batch.split(t.micro_batch_size)):
-            with grad_sync(run.model, i == micro_steps - 1, t.defer_grad_sync):
-                with region("forward"):
-                    loss, stats = train_loss(run.model, micro, run.amp, run.loss_fn, run.router, weight, split)
-                    run.anomaly.check_loss(loss)
-                    loss = loss / micro_steps
-                with region("backward"):
-                    scaler.scale_loss(loss).backward()
-            loss_sum += loss.detach()
-            for k, v in stats.items():
-                totals[k] = totals.get(k, 0) + (v / micro_steps if k in MEAN_LOSSES else v)
+        loss_sum, each = run.schedule.run(run.model, batch, forward, lambda loss: scaler.scale_loss(loss).backward())
+    for stats in each:
+        for k, v in stats.items():
+            totals[k] = totals.get(k, 0) + (v / micro_steps if k in MEAN_LOSSES else v)
     with region("optimizer"):
         finite = scaler.unscale_and_check(run.model.parameters())
         run.anomaly.check_grads(skipped=not finite)
