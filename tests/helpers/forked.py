@@ -1,7 +1,8 @@
 """Processes forked from the suite's forkserver, which imported torch, transformers and the package once: a new
 process in ~0.1 s where an interpreter start costs ~6 s of CPU. Each is still a new process with nothing of another
-test's (environment and folder come from the caller). run_distributed's ranks start here, and `python train.py` for
-the tests whose concern is a run's outputs, not the launch itself (those keep a real interpreter start)."""
+test's (environment and folder come from the caller). run_distributed's ranks start here, and `python train.py` (with
+its own workers) or `python -m fsdp_research` for the tests whose concern is a run's outputs, not the launch itself
+(those keep a real interpreter start)."""
 
 import contextlib
 import multiprocessing
