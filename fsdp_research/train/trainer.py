@@ -87,7 +87,6 @@ class Run:
     peak: PeakMemory
     signals: Signals
     anomaly: AnomalyChecks
-    schedule: MicroBatches
     save_times: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
 
@@ -165,13 +164,12 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)
     batches = read_ahead(data, t, (state.step, state.samples), device, resources, cfg.parallel.tp, cfg.parallel.cp)
-    steps = layout(cfg, world)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
         device=device,
         rank=rank,
-        layout=steps,
+        layout=layout(cfg, world),
         hf_config=hf_config,
         model=model,
         plan=plan,
@@ -191,7 +189,6 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         peak=PeakMemory(device),
         signals=signals,
         anomaly=checks,
-        schedule=MicroBatches(t.micro_batch_size, steps.micro_steps, t.defer_grad_sync),
     )
     handle.step = state.step
     handle.bind(sinks.log, functools.partial(evaluate, run), functools.partial(export_run, model, cfg, hf_config))
@@ -228,8 +225,9 @@ def train_step(run: Run, step: int) -> StepResult:
         run.anomaly.check_loss(loss)
         return loss, stats
 
+    schedule = MicroBatches(t.micro_batch_size, micro_steps, t.defer_grad_sync)
     with split.splitting() if split else contextlib.nullcontext():
-        loss_sum, each = run.schedule.run(run.model, batch, forward, lambda loss: scaler.scale_loss(loss).backward())
+        loss_sum, each = schedule.run(run.model, batch, forward, lambda loss: scaler.scale_loss(loss).backward())
     for stats in each:
         for k, v in stats.items():
             totals[k] = totals.get(k, 0) + (v / micro_steps if k in MEAN_LOSSES else v)
