@@ -33,10 +33,10 @@ from fsdp_research.config.schema import typed  # noqa: E402
 from fsdp_research.distributed.processes import device_for, init_distributed, spawn  # noqa: E402
 from fsdp_research.jobs.compose import compose  # noqa: E402
 from fsdp_research.model.architecture import build_hf_config  # noqa: E402
-from fsdp_research.model.parallelize import build_sharded_model  # noqa: E402
+from fsdp_research.model.assembly import build_sharded_model  # noqa: E402
 from fsdp_research.optim import build_optimizer, clip_grad_norm  # noqa: E402
 from fsdp_research.train.losses import build_loss, train_loss  # noqa: E402
-from fsdp_research.train.validation import check_config  # noqa: E402
+from fsdp_research.train.refusals import check_config  # noqa: E402
 
 MID = ["model=llama_mid", "precision=fp32", "logger=none", "data=synthetic", "data.seq_len=256"]
 # Chunks save where a rank's logits outweigh the output layer's gathered weight, gradient and reduce-scatter

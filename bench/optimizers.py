@@ -23,7 +23,7 @@ from fsdp_research.config.schema import typed  # noqa: E402
 from fsdp_research.distributed.processes import device_for, init_distributed, spawn  # noqa: E402
 from fsdp_research.jobs.compose import compose  # noqa: E402
 from fsdp_research.model.architecture import build_hf_config  # noqa: E402
-from fsdp_research.model.parallelize import build_sharded_model  # noqa: E402
+from fsdp_research.model.assembly import build_sharded_model  # noqa: E402
 from fsdp_research.optim import build_optimizer  # noqa: E402
 from fsdp_research.train.losses import train_loss  # noqa: E402
 

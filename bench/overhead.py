@@ -46,8 +46,8 @@ from fsdp_research.jobs.compose import compose  # noqa: E402
 from fsdp_research.metrics.meters import PeakMemory  # noqa: E402
 from fsdp_research.metrics.sinks import JsonlSink, step_metrics  # noqa: E402
 from fsdp_research.model.architecture import block_class_name, build_hf_config, build_model, find_blocks  # noqa: E402
+from fsdp_research.model.assembly import build_sharded_model  # noqa: E402
 from fsdp_research.model.initialization import init_weights, materialize  # noqa: E402
-from fsdp_research.model.parallelize import build_sharded_model  # noqa: E402
 from fsdp_research.optim import build_optimizer  # noqa: E402
 from fsdp_research.optim.clipping import clip_grad_norm  # noqa: E402
 from fsdp_research.train.preemption import Signals, agree  # noqa: E402

@@ -12,16 +12,18 @@ nothing of ours):
     optim/        optimizers (any `_target_`, Muon), parameter groups, schedules, clipping
     callbacks/    the hook protocol and the shipped callbacks (spike, grad_norms, ema)
     model/        the model on the meta device, its dimensions, initialisation (and its recorded writes),
-                  pretrained loading, MoE balancing, and parallelize: the model as training runs it
+                  pretrained loading, MoE balancing, and assembly: the model as training runs it
     checkpoint/   DCP resume checkpoints, Hugging Face export, consolidation
     metrics/      MFU/throughput/memory meters, sinks (console, JSONL, W&B), profiling, the hardware table
     planner/      memory, traffic and time per rank without allocating; `plan --fit`; the doctor
     train/        the trainer (the recipe), its start-up, state, losses, preemption, anomaly checks, the config's
-                  checks, the run directory
+                  checks (refusals), the run directory
+    objectives/   in train/'s layer: what training minimizes, a plug-in (objective._target_); objective=lm, the
+                  next-token loss
     jobs/         Hydra wiring (compose), launching workers, sweeps, SLURM, reports, Optuna search
     tools/        simulate (one rank of a large job), scaling (samples/s against devices)
     cli/          `fsdp-research <command>`: one module per subcommand
 
-Reading path: train.py -> jobs/launch.py -> train/trainer.py (the recipe) -> model/parallelize.py (build, AC,
+Reading path: train.py -> jobs/launch.py -> train/trainer.py (the recipe) -> model/assembly.py (build, AC,
 compile, fully_shard) -> distributed/mesh.py, distributed/sharding.py -> checkpoint/dcp.py, checkpoint/resume.py.
 """

@@ -88,9 +88,9 @@ BREAKS: list[Break] = [
     ),
     Break(
         "packed_loss_weight",
-        "packed_weight",
-        "dist.get_world_size() // tp * micro_steps / targets.clamp(min=1)",
-        "dist.get_world_size() // tp / targets.clamp(min=1)",
+        "step_weight",
+        "dist.get_world_size() // tp * micro_steps / total.clamp(min=1)",
+        "dist.get_world_size() // tp / total.clamp(min=1)",
         ("tests/train/test_sft.py::test_the_first_step_is_transformers_mean_over_the_steps_targets",),
     ),
     Break(

@@ -1,13 +1,13 @@
 """Same losses before and after a change that should change nothing: a few short runs (the default job, tp=2, cp=2,
-ep=2, hsdp on 4 ranks, accumulation with and without defer_grad_sync) at two checkouts, each step's loss and
-gradient norm compared for equality, to the bit.
+ep=2, hsdp on 4 ranks, accumulation with and without defer_grad_sync, chat SFT at 2 ranks) at two checkouts, each
+step's loss and gradient norm compared for equality, to the bit.
 
     git worktree add /tmp/before <commit>
     .venv/bin/python scripts/same_losses.py /tmp/before . [RUN ...]
 
 The runs use this checkout's .venv; each checkout's own package is imported (its train.py's folder comes first on
-the path). ep=2 trains a tiny qwen3_moe written once by the tests' helper (tests/helpers/zoo.py). Exits 1 if any
-run differs."""
+the path). ep=2 trains a tiny qwen3_moe, sft2 a chat llama on chats, written once by the tests' helpers. Exits 1 if
+any run differs."""
 
 import argparse
 import json
@@ -28,19 +28,37 @@ RUNS = {
     + ["sharding.replicate=2"],
     "accum": ACCUMULATE,
     "accum_defer": [*ACCUMULATE, "trainer.defer_grad_sync=true"],
+    # Packed chat samples: their loss sums weighted by the step's targets over ranks and micro-batches.
+    "sft2": [*TWO, "model=pretrained", "model.name_or_path={chat}", "data=chat", "data.paths=[{chats}]"]
+    + ["data.seq_len=192", "trainer.global_batch_size=4", "trainer.micro_batch_size=1"],
 }
 QUIET = ["logger=none", "trainer.log_interval=1", "checkpoint.save=false", "checkpoint.export=false"]
 
 
-def _steps(root: str, name: str, out: str, moe: str) -> list[tuple]:
+def _steps(root: str, name: str, out: str, made: dict[str, str]) -> list[tuple]:
     run_dir = os.path.join(out, os.path.basename(os.path.abspath(root)), name)
-    overrides = [o.format(moe=moe) for o in RUNS[name]]
+    overrides = [o.format(**made) for o in RUNS[name]]
     command = [PYTHON, os.path.join(root, "train.py"), *QUIET, *overrides, f"hydra.run.dir={run_dir}"]
     done = subprocess.run(command, cwd=root, capture_output=True, text=True)
     if done.returncode != 0:
         sys.exit(f"{name} at {root} failed: {done.stderr[-2000:]}")
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         return [(r["step"], r["loss"], r.get("grad_norm")) for r in map(json.loads, f) if "loss" in r]
+
+
+def _made(out: str) -> dict[str, str]:
+    """What the runs read, written once by the tests' helpers: a tiny qwen3_moe, a chat llama and chats."""
+    made = {"moe": os.path.join(out, "qwen3_moe"), "chat": os.path.join(out, "chat_llama")}
+    made["chats"] = os.path.join(out, "chats.jsonl")
+    if not all(os.path.exists(p) for p in made.values()):
+        sys.path.insert(0, REPO)
+        from tests.helpers.chats import CONVERSATIONS, chat_llama, write_chats
+        from tests.helpers.zoo import initial_weights
+
+        initial_weights("qwen3_moe", made["moe"])
+        chat_llama(made["chat"])
+        write_chats(made["chats"], CONVERSATIONS * 8)
+    return made
 
 
 def main() -> int:
@@ -52,15 +70,10 @@ def main() -> int:
     args = parser.parse_args()
     if set(args.runs) - RUNS.keys():
         parser.error(f"unknown runs {sorted(set(args.runs) - RUNS.keys())}: choose from {', '.join(RUNS)}")
-    moe = os.path.join(args.out, "qwen3_moe")
-    if not os.path.isdir(moe):
-        sys.path.insert(0, REPO)
-        from tests.helpers.zoo import initial_weights
-
-        initial_weights("qwen3_moe", moe)
+    made = _made(args.out)
     differ = 0
     for name in args.runs or RUNS:
-        before, after = (_steps(root, name, args.out, moe) for root in (args.before, args.after))
+        before, after = (_steps(root, name, args.out, made) for root in (args.before, args.after))
         differ += before != after
         print(f"{name}: {'equal' if before == after else 'DIFFER'} (last step, loss, grad_norm: {after[-1]})")
     return 1 if differ else 0

@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import ROOT
 
 PACKAGE = os.path.join(ROOT, "fsdp_research")
-LEAVES = {"fsdp_research.config.data_schema", "fsdp_research.errors"}
+LEAVES = {"fsdp_research.config.data_schema", "fsdp_research.config.plugin_schema", "fsdp_research.errors"}
 # Lowest first, as fsdp_research/__init__.py lists them; a module imports from its own layer or lower ones.
 LAYERS = [
     ["errors"],
@@ -23,7 +23,7 @@ LAYERS = [
     ["checkpoint"],
     ["metrics"],
     ["planner"],
-    ["train"],
+    ["train", "objectives"],
     ["jobs"],
     ["tools"],
     ["cli", "__main__"],
@@ -113,8 +113,9 @@ def test_leaves_import_nothing_of_ours(leaf):
     assert not _edges()[leaf]
 
 
-def test_the_schema_imports_only_its_data_part():
-    assert _edges()["fsdp_research.config.schema"] == {"fsdp_research.config.data_schema"}
+def test_the_schema_imports_only_its_parts():
+    parts = {"fsdp_research.config.data_schema", "fsdp_research.config.plugin_schema"}
+    assert _edges()["fsdp_research.config.schema"] == parts
 
 
 def test_library_never_imports_the_faces():

@@ -37,10 +37,10 @@ from fsdp_research.distributed.precision import fp32_names, parse_dtype
 from fsdp_research.distributed.processes import control_group
 from fsdp_research.errors import CheckpointError
 from fsdp_research.model.architecture import build_model, pretrained_dir
+from fsdp_research.model.assembly import planned_model
 from fsdp_research.model.initialization import materialize
 from fsdp_research.model.lora import ADAPTER_DIR, base_identity, base_view, export_adapter, init_adapters, merged
 from fsdp_research.model.lora import enabled as lora_enabled
-from fsdp_research.model.parallelize import planned_model
 from fsdp_research.model.pretrained import load_pretrained
 
 log = logging.getLogger("fsdp_research")

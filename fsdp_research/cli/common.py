@@ -11,7 +11,7 @@ from fsdp_research.distributed.processes import device_for, planned_world_size
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import check_command_line, compose
 from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.train.validation import check_config
+from fsdp_research.train.refusals import check_config
 
 LAUNCH_KEYS = ("world_size", "nodes")
 

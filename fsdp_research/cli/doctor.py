@@ -17,11 +17,11 @@ from fsdp_research.jobs.compose import compose
 from fsdp_research.jobs.launch import run_spawned
 from fsdp_research.metrics.profiling import format_breakdown
 from fsdp_research.metrics.sinks import read_records
+from fsdp_research.model.assembly import planned_model
 from fsdp_research.model.dimensions import dims
-from fsdp_research.model.parallelize import planned_model
 from fsdp_research.planner.doctor import CHECKS, diagnose, explain
 from fsdp_research.planner.fit import doctor_fit
-from fsdp_research.train.validation import check_planned
+from fsdp_research.train.refusals import check_planned
 
 MEASURE_STEPS = 3
 

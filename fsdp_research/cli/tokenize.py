@@ -16,7 +16,7 @@ from fsdp_research.data.store import verify
 from fsdp_research.distributed.processes import cores_per_rank, launch_env
 from fsdp_research.errors import ConfigError, DataError
 from fsdp_research.jobs.compose import compose
-from fsdp_research.train.validation import check_sources
+from fsdp_research.train.refusals import check_sources
 
 
 def _bar(done: int, total: int, seconds: float) -> None:

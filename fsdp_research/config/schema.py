@@ -1,6 +1,6 @@
 """Config schemas. Each group's YAML in conf/<group>/ is merged onto these dataclasses, so a typo'd key,
 a wrong type or an unknown enum value fails at composition, before any process group or model exists.
-A leaf: imports nothing of ours but the data group's part of it, data_schema (the Hydra wiring that registers these
+A leaf: imports nothing of ours but its parts, data_schema and plugin_schema (the Hydra wiring that registers these
 is fsdp_research.jobs.compose)."""
 
 import functools
@@ -13,6 +13,16 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 # The data group's schema lives in data_schema; its names stay importable from here, where they were.
 from fsdp_research.config.data_schema import DataConfig, DataKind, LossOn, SourceConfig, Truncation  # noqa: F401
+
+# The plug-in groups' schemas (optim, schedule, loss, objective) live in plugin_schema; importable from here too.
+from fsdp_research.config.plugin_schema import (  # noqa: F401
+    DecayShape,
+    LossConfig,
+    ObjectiveConfig,
+    OptimConfig,
+    ScheduleConfig,
+    ScheduleName,
+)
 
 
 @dataclass
@@ -141,76 +151,6 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass
-class OptimConfig:
-    """The framework's keys; every other key of the group (betas, eps, momentum, ...) is a keyword argument of
-    `_target_`, which is called with the parameter groups (Hydra's _partial_ semantics)."""
-
-    _target_: str = "torch.optim.AdamW"
-    name: str = "adamw"
-    lr: float = 3e-3
-    weight_decay: float = 0.1
-    # Parameters left out of weight decay: bias (every *.bias), 1d (every vector: norm scales, biases),
-    # embedding (the embedding tables, and an output layer tied to them).
-    no_decay: list[str] = field(default_factory=lambda: ["bias", "1d"])
-    # [{match: <glob or regex>, lr_scale: x, weight_decay: y, <other group keys>}, ...]: in order, first match wins.
-    param_groups: list[dict[str, Any]] = field(default_factory=list)
-    # {_target_, kwargs}: the optimizer of every parameter that is not a 2-D weight matrix inside a repeating block
-    # (embeddings, output head, norms, biases); `_target_` then gets those matrices only (optim=muon).
-    others: dict[str, Any] | None = None
-    # Max global gradient norm; 0 turns clipping off (the norm is still measured).
-    grad_clip: float = 1.0
-    # Deprecated: schedule.warmup_steps and schedule.min_lr_ratio (still read, with a warning).
-    warmup_steps: int | None = None
-    min_lr_ratio: float | None = None
-
-
-class ScheduleName(str, Enum):
-    cosine = "cosine"
-    linear = "linear"
-    constant = "constant"
-    wsd = "wsd"
-    inverse_sqrt = "inverse_sqrt"
-
-
-class DecayShape(str, Enum):
-    linear = "linear"
-    cosine = "cosine"
-    sqrt = "sqrt"
-
-
-@dataclass
-class ScheduleConfig:
-    """The learning rate multiplier of each step. `_target_`: a function (step, max_steps, **kwargs) -> multiplier,
-    or an LRScheduler class (called with the optimizer and the group's other keys)."""
-
-    # cosine, linear, constant, wsd, inverse_sqrt (ScheduleName); any name with _target_.
-    name: str = "cosine"
-    _target_: str | None = None
-    # Linear from 1/warmup_steps to 1 over the first warmup_steps steps (every named schedule).
-    warmup_steps: int = 10
-    # Where the decay ends, as a share of the peak (cosine, linear, wsd).
-    min_lr_ratio: float = 0.1
-    # wsd: the share of max_steps at the end spent decaying; before it, the rate stays at its peak.
-    decay_ratio: float = 0.2
-    decay_shape: DecayShape = DecayShape.linear
-
-
-@dataclass
-class LossConfig:
-    """The training loss. `_target_`: a function (logits, labels) -> scalar (the group's other keys are its keyword
-    arguments). Eval is always the plain cross-entropy."""
-
-    name: str = "cross_entropy"
-    _target_: str | None = None
-    # PaLM's auxiliary z-loss: this x mean(logsumexp(logits)^2), logged apart as z_loss.
-    z_loss: float = 0.0
-    label_smoothing: float = 0.0
-    # n > 1: the output projection and the cross-entropy over n chunks of the tokens, each recomputed in backward
-    # (a checkpointed loop): the [tokens x vocab] logits never exist whole, for one more output projection.
-    chunks: int = 1
-
-
-@dataclass
 class LoggerConfig:
     kind: str = "wandb"
     project: str = "fsdp_research"
@@ -221,16 +161,13 @@ class LoggerConfig:
     mode: str = "offline"
 
 
-class Objective(str, Enum):
-    """What a sweep's job returns to the sweeper (Optuna's trial value), read from its metrics.jsonl."""
-
-    eval_loss = "eval_loss"  # the last eval's (needs trainer.eval_interval > 0)
-    loss = "loss"  # the last logged training loss
-    tokens_per_s = "tokens_per_s"  # the run's median throughput (the summary's)
+# Whether a sweep minimizes or maximizes the metrics the framework logs (an eval set's eval_loss/<name> as
+# eval_loss); for any other trainer.sweep_metric, hydra.sweeper.direction says.
+DIRECTIONS = {"eval_loss": "minimize", "loss": "minimize", "tokens_per_s": "maximize"}
 
 
-# Whether the sweeper minimizes or maximizes each objective.
-DIRECTIONS = {Objective.eval_loss: "minimize", Objective.loss: "minimize", Objective.tokens_per_s: "maximize"}
+def sweep_direction(metric: str) -> str | None:
+    return DIRECTIONS.get("eval_loss" if metric.startswith("eval_loss/") else metric)
 
 
 @dataclass
@@ -269,8 +206,12 @@ class TrainerConfig:
     agree_every: int = 1
     # >0: profile that many steps after a warm-up step (trace and time breakdown in <run dir>/profile/).
     profile_steps: int = 0
-    # What this run returns to a sweeper (hydra/sweeper=optuna): the direction follows (see DIRECTIONS).
-    objective: Objective = Objective.eval_loss
+    # What this run returns to a sweeper (hydra/sweeper=optuna): the last value of a metrics.jsonl key (eval_loss,
+    # loss, eval_loss/<set>, any an objective logs; tokens_per_s: the run's median). The direction follows
+    # (sweep_direction), or hydra.sweeper.direction says for any other.
+    sweep_metric: str = "eval_loss"
+    # Deprecated name of sweep_metric (still read, with a warning).
+    objective: str | None = None
     # torch.autograd's anomaly mode, and every module's forward output, the loss and the gradients checked for
     # inf/nan each step (a sync each): the first non-finite one fails the run, named. Off: no hook is installed.
     detect_anomaly: bool = False
@@ -337,6 +278,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     # name -> {_target_, kwargs}: objects with any of on_train_start, on_before_optimizer_step, on_step_end,
     # on_eval, on_save, on_train_end (fsdp_research.callbacks).
     callbacks: dict[str, Any] = field(default_factory=dict)
@@ -364,6 +306,7 @@ def schema() -> DictConfig:
         node.optim,
         node.schedule,
         node.loss,
+        node.objective,
     )
     for free in (*free_form, node.callbacks):
         OmegaConf.set_struct(free, False)
@@ -389,8 +332,12 @@ def flat(node: Any, prefix: str = "") -> dict[str, Any]:
 
 def typed(cfg: Any) -> DictConfig:
     """A config (DictConfig or plain dict) merged onto the schema, so values have their declared types. The
-    deprecated optim.warmup_steps / optim.min_lr_ratio move to the schedule group (with a warning)."""
+    deprecated optim.warmup_steps / optim.min_lr_ratio move to the schedule group, trainer.objective to
+    trainer.sweep_metric (with a warning)."""
     cfg = OmegaConf.merge(_schema_once(), cfg)
+    if cfg.trainer.objective is not None:
+        warnings.warn("trainer.objective is deprecated: use trainer.sweep_metric", FutureWarning, stacklevel=2)
+        cfg.trainer.sweep_metric, cfg.trainer.objective = cfg.trainer.objective, None
     for key in ("warmup_steps", "min_lr_ratio"):
         if cfg.optim[key] is not None:
             warnings.warn(f"optim.{key} is deprecated: use schedule.{key}", FutureWarning, stacklevel=2)

@@ -3,6 +3,7 @@ application with FSDP2's fully_shard (ddp too: replicated over every rank, a sha
 DistributedDataParallel for the classic baseline."""
 
 import contextlib
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -60,9 +61,16 @@ def local_shard(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def owner(name: str, unit_paths: list[str]) -> str:
-    """The unit that owns a parameter: the deepest unit whose path contains it ("" is the root)."""
-    return max((p for p in unit_paths if p == "" or name.startswith(p + ".")), key=len)
+def owner(name: str, unit_paths: Collection[str]) -> str:
+    """The unit that owns a parameter: the deepest unit whose path contains it ("" is the root). Its prefixes
+    looked up, deepest first (a set of paths: plan --fit asks for every parameter of thousands of experts)."""
+    paths = unit_paths if isinstance(unit_paths, (set, frozenset)) else set(unit_paths)
+    prefix = name
+    while prefix:
+        prefix = prefix.rpartition(".")[0]
+        if prefix in paths:
+            return prefix
+    raise ValueError(f"no unit of {sorted(paths)[:3]} owns {name}")
 
 
 def _block_reshard_flags(cfg: ShardingConfig, n_blocks: int) -> list[bool | int]:

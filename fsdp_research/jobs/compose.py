@@ -12,7 +12,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.plugins import Plugins
 from omegaconf import DictConfig, OmegaConf
 
-from fsdp_research.config.schema import DIRECTIONS, Objective, flat, schema, typed
+from fsdp_research.config.schema import flat, schema, sweep_direction, typed
 from fsdp_research.distributed.processes import launch_env
 from fsdp_research.errors import ConfigError
 from fsdp_research.train import rundir
@@ -32,12 +32,12 @@ def _rank0_only(value: Any) -> Any:
 # hydra/sweeper=optuna: an Optuna search (fsdp_research/jobs/optuna_search.py) that a re-run of the same command with
 # hydra.sweep.dir=<its dir> continues. hydra-optuna-sweeper's settings, with: the study in SQLite in the sweep dir
 # under a fixed name, a seeded sampler (the same command samples the same trials), the direction following
-# trainer.objective, trials one after another (n_jobs: trials per batch, one SLURM array each), and a failed trial
+# trainer.sweep_metric, trials one after another (n_jobs: trials per batch, one SLURM array each), and a failed trial
 # told as failed while the search goes on. The search space is hydra.sweeper.params (conf/hparams_search/).
 OPTUNA_SWEEPER = {
     "_target_": "hydra_plugins.fsdp_research_sweeper.resumable_optuna.ResumableOptunaSweeper",
     "sampler": {"_target_": "optuna.samplers.TPESampler", "seed": 0},
-    "direction": "${objective_direction:${trainer.objective}}",
+    "direction": "${sweep_direction:${trainer.sweep_metric},${trainer.objective}}",
     "storage": "sqlite:///${hydra.sweep.dir}/optuna.db",
     "study_name": "fsdp_research",
     "n_trials": 20,
@@ -57,8 +57,11 @@ def register_configs() -> None:
     # hydra.run.dir: resuming from a path continues in that run's directory.
     OmegaConf.register_new_resolver("run_dir", _run_dir, replace=True)
     OmegaConf.register_new_resolver("rank0_only", _rank0_only, replace=True)
-    # hydra/sweeper=optuna: the study's direction follows trainer.objective.
-    OmegaConf.register_new_resolver("objective_direction", lambda name: DIRECTIONS[Objective(name)], replace=True)
+    # hydra/sweeper=optuna: the study's direction follows trainer.sweep_metric (or its deprecated name); "unknown"
+    # for a metric the framework does not log, refused by the sweep's checks (jobs.sweep) before any job.
+    OmegaConf.register_new_resolver(
+        "sweep_direction", lambda metric, old: sweep_direction(old or metric) or "unknown", replace=True
+    )
 
 
 def compose(overrides: Sequence[str] = ()) -> DictConfig:

@@ -21,12 +21,12 @@ from fsdp_research.config.schema import typed
 from fsdp_research.data.tokenizer import resolve_tokenizer
 from fsdp_research.distributed.processes import dead_ranks, device_for, launch_env, members, spawn
 from fsdp_research.errors import AnomalyError, CheckpointError, ConfigError
-from fsdp_research.jobs.sweep import objective
+from fsdp_research.jobs.sweep import sweep_value
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.train import rundir
 from fsdp_research.train.preemption import REQUEUE, requeue
+from fsdp_research.train.refusals import checked_plan
 from fsdp_research.train.trainer import train
-from fsdp_research.train.validation import checked_plan
 
 log = logging.getLogger("fsdp_research")
 
@@ -187,10 +187,10 @@ def _run(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
 
 
 def _result(trainer_cfg: DictConfig, run_dir: str) -> float | None:
-    """What the job returns to the sweeper: its trainer.objective, on rank 0 only (one trial per job, not per
+    """What the job returns to the sweeper: its trainer.sweep_metric, on rank 0 only (one trial per job, not per
     rank); None for a run that logged none."""
     env = launch_env()
-    return objective(run_dir, trainer_cfg.objective) if env is None or env.rank == 0 else None
+    return sweep_value(run_dir, trainer_cfg.sweep_metric) if env is None or env.rank == 0 else None
 
 
 def _in_launcher() -> bool:
@@ -211,7 +211,7 @@ def _stop_sweep(why: str, run_dir: str) -> None:
 
 
 def launch(cfg: DictConfig, output_dir: str) -> float | None:
-    """Entry from train.py, with Hydra's output dir; returns the run's objective (trainer.objective) to a sweeper.
+    """Entry from train.py, with Hydra's output dir; returns the run's trainer.sweep_metric to a sweeper.
     Bad input exits 2 with one line on stderr. In a sweep a failed job is recorded (status.json) and the sweep goes
     on (the sweep callback fails it at its end); a job already completed (a sweep run again) is not run again; a
     signal stops the whole sweep."""

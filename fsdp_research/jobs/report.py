@@ -56,7 +56,8 @@ def load_trials(sweep_dir: str) -> dict[str, Any] | None:
     ]
     complete = [t for t in trials if t["state"] == "complete"]
     return {
-        "objective": str(multirun.trainer.objective),
+        # An older sweep's multirun.yaml names it trainer.objective.
+        "objective": str(multirun.trainer.get("objective") or multirun.trainer.get("sweep_metric")),
         "direction": study.direction.name.lower(),
         "params": sorted({key for t in trials for key in t["params"]}),
         "trials": trials,

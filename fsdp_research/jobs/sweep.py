@@ -11,7 +11,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from fsdp_research.config.schema import DIRECTIONS, Objective
+from fsdp_research.config.schema import sweep_direction
 from fsdp_research.errors import ConfigError, SubmitError
 from fsdp_research.jobs.slurm import check_partition, check_sbatch
 from fsdp_research.metrics.sinks import read_records
@@ -35,11 +35,11 @@ def job_overrides(job_dir: str) -> list[str]:
     return list(OmegaConf.load(path)) if os.path.exists(path) else []
 
 
-def objective(run_dir: str, name: str) -> float | None:
-    """The run's value of trainer.objective, from its metrics.jsonl: the last eval loss, the last logged loss, or
-    the summary's median tokens/s; None when the run logged none."""
-    records, name = read_records(run_dir), Objective(name).value
-    if name == Objective.tokens_per_s.value:
+def sweep_value(run_dir: str, name: str) -> float | None:
+    """The run's value of trainer.sweep_metric, from its metrics.jsonl: the key's last value (the last eval loss,
+    the last logged loss, ...), or the summary's median tokens/s; None when the run logged none."""
+    records = read_records(run_dir)
+    if name == "tokens_per_s":
         values = [r["summary"].get("median_tokens_per_s") for r in records if "summary" in r]
     else:
         values = [r[name] for r in records if name in r]
@@ -113,19 +113,26 @@ def _check_search(config: DictConfig) -> None:
         raise SubmitError(
             "hydra/sweeper=optuna needs Optuna: pip install -e '.[sweep]' (scripts/setup.sh installs it)"
         ) from None
-    objective = Objective(config.trainer.objective)
-    if objective is Objective.eval_loss and not config.trainer.eval_interval:
+    key = "trainer.objective" if config.trainer.get("objective") else "trainer.sweep_metric"
+    metric = str(config.trainer.get("objective") or config.trainer.sweep_metric)
+    if metric.startswith("eval_") and not config.trainer.eval_interval:
         raise ConfigError(
-            "trainer.objective",
-            "is eval_loss, but trainer.eval_interval=0 logs no eval loss",
-            "set trainer.eval_interval>0, or trainer.objective=loss|tokens_per_s",
+            key,
+            f"is {metric}, but trainer.eval_interval=0 logs no eval metrics",
+            "set trainer.eval_interval>0, or trainer.sweep_metric=loss|tokens_per_s",
         )
-    direction = config.hydra.sweeper.direction
-    if str(direction) != DIRECTIONS[objective]:
+    direction, known = str(config.hydra.sweeper.direction), sweep_direction(metric)
+    if known is None and direction not in ("minimize", "maximize"):
         raise ConfigError(
             "hydra.sweeper.direction",
-            f"is {direction}, but trainer.objective={objective.value} is to {DIRECTIONS[objective]}",
-            "leave hydra.sweeper.direction out: it follows trainer.objective",
+            f"{key}={metric} is not a metric whose direction the framework knows",
+            "set hydra.sweeper.direction=minimize or maximize",
+        )
+    if known is not None and direction != known:
+        raise ConfigError(
+            "hydra.sweeper.direction",
+            f"is {direction}, but {key}={metric} is to {known}",
+            f"leave hydra.sweeper.direction out: it follows {key}",
         )
 
 

@@ -7,6 +7,7 @@ from omegaconf import DictConfig
 
 from fsdp_research.config.schema import Strategy
 from fsdp_research.planner.activations import recompute_share
+from fsdp_research.planner.axes import AXES
 from fsdp_research.planner.budget import Budget
 from fsdp_research.planner.fit import Candidate
 from fsdp_research.planner.memory import memory
@@ -48,9 +49,8 @@ def _layout(m: ModelSummary, run: Run) -> str:
     and cp."""
     if m.strategy is Strategy.ddp_classic:
         return "replicated"
-    tp = f", tp {m.tp}" + (" with sequence parallel" if m.sequence_parallel else "") if m.tp > 1 else ""
-    cp = f", cp {run.cp} ({run.tokens // run.micro_batch} tokens of each sequence a rank)" if run.cp > 1 else ""
-    return f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units{tp}{cp}"
+    axes = "".join(axis.describe(m, run) for axis in AXES)
+    return f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units{axes}"
 
 
 def format_plan(m: ModelSummary, run: Run) -> str:
@@ -125,12 +125,9 @@ def _traffic_lines(m: ModelSummary, run: Run) -> list[str]:
     ]
     if comm.all_to_all:
         lines.append(f"  {'all-to-all (whole matrices for ' + m.optimizer + ')':<44}{_gib(comm.all_to_all):>9}")
-    if comm.tensor_parallel:
-        lines.append(f"  {'tensor parallel (activations, tp group)':<44}{_gib(comm.tensor_parallel):>9}")
-    if comm.expert_parallel:
-        lines.append(f"  {'expert parallel (routed tokens, ep group)':<44}{_gib(comm.expert_parallel):>9}")
-    if comm.context_parallel:
-        lines.append(f"  {'context parallel (attention, cp group)':<44}{_gib(comm.context_parallel):>9}")
+    for axis, received in zip(AXES, comm.axes):
+        if received:
+            lines.append(f"  {axis.row:<44}{_gib(received):>9}")
     return lines
 
 

@@ -23,8 +23,8 @@ from fsdp_research.distributed.step_layout import layout
 from fsdp_research.distributed.tensor_parallel import sequence_parallel, tp_plan
 from fsdp_research.metrics.meters import active_parameters, flops_per_token, matmul_parameters
 from fsdp_research.model.architecture import build_hf_config, input_embedding, output_layer
+from fsdp_research.model.assembly import planned_model
 from fsdp_research.model.dimensions import dims
-from fsdp_research.model.parallelize import planned_model
 from fsdp_research.optim.factory import block_matrices
 from fsdp_research.optim.muon_params import describe, muon_split
 from fsdp_research.optim.state_size import state_copies
@@ -266,13 +266,15 @@ def _owned(cfg: DictConfig, model: nn.Module, paths: list[str], experts: set[str
     frozen: dict[str, list[tuple[int, int]]] = {p: [] for p in paths}
     tp, ep = cfg.parallel.tp, cfg.parallel.ep
     split = tp_plan(model, cfg.parallel) if tp > 1 else {}
+    units = set(paths)
     for name, param in model.named_parameters():
         shape = _tp_shape(param, split.get(clean_name(name).rpartition(".")[0]), name, tp)
         if name.rpartition(".")[0] in experts:  # one ep rank's experts
             shape = (shape[0] // ep, shape[1])
-        owned[owner(name, paths)].append((name, shape))
+        unit = owner(name, units)
+        owned[unit].append((name, shape))
         if not param.requires_grad:
-            frozen[owner(name, paths)].append(shape)
+            frozen[unit].append(shape)
     return owned, frozen
 
 

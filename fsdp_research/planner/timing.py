@@ -27,6 +27,7 @@ from fsdp_research.metrics.hardware import (
     Device,
 )
 from fsdp_research.planner.activations import FP32, LLAMA_LIKE, recompute_share, selective_recompute
+from fsdp_research.planner.axes import AXES, link_bps
 from fsdp_research.planner.optimizer import muon_flops, muon_rounds
 from fsdp_research.planner.resident import extra_groups
 from fsdp_research.planner.summary import ModelSummary, Run
@@ -100,10 +101,6 @@ class StepTime:
         return self.compute + self.recompute + self.exposed + self.optimizer + self.whole_matrices + self.offload
 
 
-def _bps(hw: Hardware, group: int) -> float:
-    return hw.intra_bps if group <= hw.per_node else hw.inter_bps
-
-
 def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
     tokens = run.tokens * run.micro_steps
     # Tensor parallel splits the blocks' FLOPs; the output layer runs whole on each tp rank.
@@ -117,28 +114,20 @@ def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
         recompute += tokens * m.head_flops_per_token / hw.flops
     comm = traffic(m, run)
     n, replicas = run.shard_group, run.replicas
-    shard_bps = _bps(hw, n)
+    shard_bps = link_bps(hw, n)
     gathers = comm.all_gather - comm.regather_within
     communication = (
         (gathers + comm.reduce_scatter) / shard_bps
         + comm.regather_within / hw.intra_bps
-        + comm.all_reduce / _bps(hw, run.world_size if replicas > 1 else 1)
+        + comm.all_reduce / link_bps(hw, run.world_size if replicas > 1 else 1)
     )
     units = [*m.units, m.root] if m.strategy is not Strategy.ddp_classic else [m.root]
     collectives = run.micro_steps * 3 * len(units) if n > 1 else 0
     communication += collectives * hw.latency_s
-    # Tensor parallel's collectives stand between a block's matmuls: none is hidden.
-    blocking = comm.tensor_parallel / hw.intra_bps + (
-        run.micro_steps * 8 * m.n_blocks * hw.latency_s if m.tp > 1 else 0
-    )
-    # Expert parallel's all-to-alls: the routed tokens wait for them (over a node's link while ep fits in one).
-    if m.ep > 1:
-        exchanges = run.micro_steps * 6 * len(m.moe_blocks)
-        blocking += comm.expert_parallel / _bps(hw, m.ep) + exchanges * hw.latency_s
-    # Context parallel's all-to-alls stand between attention's projections and its kernel.
-    if run.cp > 1:
-        exchanges = run.micro_steps * 8 * m.n_blocks
-        blocking += comm.context_parallel / _bps(hw, run.cp * m.tp) + exchanges * hw.latency_s
+    # The parallel axes' collectives stand between a block's operations: none is hidden.
+    blocking = 0.0
+    for axis, received in zip(AXES, comm.axes):
+        blocking += axis.blocking(m, run, hw, received)
     exposed = communication
     if hw.overlap and n > 1:
         # Each micro-batch's first all-gather and last reduce-scatter wait; the rest hides behind compute.

@@ -5,21 +5,16 @@ unit in forward and every unit that resharded again in backward, per micro-batch
 Reduce-scatter: every unit's gradients in the reduce dtype, once per step with defer_grad_sync (else per
 micro-batch). hsdp and ddp add an all-reduce of the gradient shards across replicas, once per step (accumulated
 into the shards before it); ddp_classic all-reduces fp32 gradients. Muon (optim=muon) adds two all-to-alls of the
-blocks' matrices in its ns_dtype per step, within the shard group. Tensor parallel (t ranks) adds, per block and
-micro-batch, two all-reduces of the micro-batch's e*h activations in forward and two in backward (sequence parallel:
-an all-gather and a reduce-scatter for each, the same bytes), again in a checkpointed block's recompute: 2(t-1)/t
-of the payload each, within the tp group. Expert parallel (ep ranks): the routed experts are gathered over the shard
-group's 1/ep, one ep rank's experts each; and per MoE block and micro-batch each token's k hidden states go to their
-experts' ranks and back in forward, their gradients in backward, again in a checkpointed block's recompute: (ep-1)/ep
-of each exchange is received (routing spread evenly). Context parallel (cp ranks): per block and micro-batch, q, k
-and v gathered over the sequence and the attention's output sent back (all-to-alls of the rank's tokens x their
-widths) in forward, their gradients in backward, again in a checkpointed block's recompute: (cp-1)/cp received.
+blocks' matrices in its ns_dtype per step, within the shard group. The parallel axes' own collectives (tensor,
+expert, context parallel) are planner.axes's; under expert parallel the all-gathers move the routed experts over the
+shard group's 1/ep, one ep rank's experts each.
 """
 
 from dataclasses import dataclass
 
 from fsdp_research.config.schema import Strategy
 from fsdp_research.planner.activations import FP32
+from fsdp_research.planner.axes import AXES
 from fsdp_research.planner.summary import ModelSummary, Run
 
 
@@ -36,12 +31,8 @@ class Traffic:
     all_to_all: int = 0
     # The part of all_gather_backward within the smaller groups of reshard_after_forward=k (a node's links).
     regather_within: int = 0
-    # Tensor parallel's collectives of activations, within the tp group.
-    tensor_parallel: int = 0
-    # Expert parallel's all-to-alls of the routed tokens, within the ep group.
-    expert_parallel: int = 0
-    # Context parallel's all-to-alls of attention's inputs and output, within the cp group.
-    context_parallel: int = 0
+    # Each parallel axis's collectives (planner.axes.AXES, in order), within its group.
+    axes: tuple[int, ...] = ()
 
 
 def traffic(m: ModelSummary, run: Run) -> Traffic:
@@ -69,31 +60,5 @@ def traffic(m: ModelSummary, run: Run) -> Traffic:
     across = 2 * (replicas - 1) / replicas * r * sum(u.trained().shard_numel(n) for u in units)
     # Muon: a rank receives the other ranks' slices of the 1/n of the matrices it owns, then its slices of the rest.
     whole = 2 * received * m.ns_bytes * m.whole_matrices / n
-    all_reduces = 4 * m.n_blocks + 2 * sum(m.checkpointed)
-    tp = run.micro_steps * all_reduces * 2 * (m.tp - 1) / m.tp * e * m.hidden * run.tokens
-    exchanges = 4 * len(m.moe_blocks) + 2 * sum(m.checkpointed[b] for b in m.moe_blocks)
-    routed = run.tokens * m.experts_per_token * m.hidden * e
-    ep = run.micro_steps * exchanges * (m.ep - 1) / m.ep * routed
-    return Traffic(
-        int(forward + backward),
-        int(backward),
-        int(reduce),
-        int(across),
-        int(whole),
-        int(regather),
-        int(tp),
-        int(ep),
-        int(context_parallel(m, run)),
-    )
-
-
-def context_parallel(m: ModelSummary, run: Run) -> float:
-    """Bytes a rank receives per step from cp's all-to-alls (key-value heads too few to split go as the query
-    heads' copies)."""
-    cp = run.cp
-    if cp == 1:
-        return 0.0
-    kv_heads = m.kv_dim * m.heads // m.q_width
-    kv = m.kv_dim if kv_heads % cp == 0 else m.q_width
-    passes = 2 * m.n_blocks + sum(m.checkpointed)
-    return run.micro_steps * passes * (cp - 1) / cp * run.tokens * run.compute_bytes * (2 * m.q_width + 2 * kv)
+    axes = tuple(int(axis.received(m, run)) for axis in AXES)
+    return Traffic(int(forward + backward), int(backward), int(reduce), int(across), int(whole), int(regather), axes)

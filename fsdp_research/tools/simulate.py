@@ -23,13 +23,13 @@ from fsdp_research.distributed.sharding import local_shard
 from fsdp_research.distributed.tensor_parallel import sequence_parallel
 from fsdp_research.errors import ConfigError
 from fsdp_research.metrics.meters import reset_rss_peak, rss, rss_peak
+from fsdp_research.model.assembly import apply_parallelism, planned_model
 from fsdp_research.model.initialization import init_weights, materialize
-from fsdp_research.model.parallelize import apply_parallelism, planned_model
 from fsdp_research.optim.factory import build_optimizer
 from fsdp_research.planner.format import GIB
 from fsdp_research.planner.memory import memory
 from fsdp_research.planner.summary import run_settings, summarize
-from fsdp_research.train.validation import check_built, check_planned
+from fsdp_research.train.refusals import check_built, check_planned
 
 # A forward and backward is run where its FLOPs (6 per parameter per token, embedding and head included) stay
 # under this: some ten seconds on a CPU core.
@@ -136,7 +136,7 @@ def _save_plan_bytes(model: torch.nn.Module, optimizer) -> tuple[int, int]:
 
 
 def set_up_shard(cfg: DictConfig, hf_config, device: torch.device, phases: list[Phase]):
-    """Plan, shard and initialise this rank's shard as the trainer does (model.parallelize.shard_model's steps, from the
+    """Plan, shard and initialise this rank's shard as the trainer does (model.assembly.shard_model's steps, from the
     config: no pretrained weights, no torch DDP; a collective), each phase measured into phases; returns the
     model, its plan and the planner's memory for it."""
     world = dist.get_world_size()

@@ -276,20 +276,21 @@ def _expert_tokens(router_logits, router: Router) -> torch.Tensor | None:
     return torch.bincount(chosen, minlength=router.experts).float()
 
 
-def packed_weight(
-    batch: torch.Tensor, micro_steps: int, tp: int = 1
+def step_weight(
+    targets: torch.Tensor | None, micro_steps: int, tp: int = 1, cp: int = 1
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Packed samples: (what each micro-batch's summed loss is weighted by, the step's targets). The step's loss
-    (the trainer divides by micro_steps, FSDP averages the gradients over ranks) is then the mean over the step's
-    targets on every micro-batch and rank: the weight is data-parallel ranks x micro_steps / the targets (a
-    collective; the tp ranks of a group hold the same batch). (None, None) for windows of tokens."""
-    if batch.dim() != 3:
+    """(what each micro-batch's summed loss is weighted by, the step's targets) of this rank's samples' targets (an
+    objective's, train.objectives). The step's loss (the trainer divides by micro_steps, FSDP averages the
+    gradients over the data-parallel and cp ranks) is then the mean over the step's targets on every micro-batch
+    and rank: the weight is (world / tp) x micro_steps / the targets (a collective; the tp and cp ranks of a group
+    hold the same batch, each cp rank its chunk of each sequence). (None, None) for no targets."""
+    if targets is None:
         return None, None
-    targets = target_count(batch).sum().float()
-    dist.all_reduce(targets)
-    targets = targets / tp
+    total = targets.sum().float()
+    dist.all_reduce(total)
+    total = total / (tp * cp)
     # No target in the whole step (all padding): a zero loss, not a division by zero.
-    return dist.get_world_size() // tp * micro_steps / targets.clamp(min=1), targets
+    return dist.get_world_size() // tp * micro_steps / total.clamp(min=1), total
 
 
 def train_loss(
@@ -302,7 +303,7 @@ def train_loss(
     split: ContextSplit | None = None,
 ):
     """(loss, to log) of a batch of seq_len + 1 tokens (this rank's chunks of them under context parallel: `split`),
-    or of packed samples (their summed loss times `weight`: see packed_weight): the configured next-token loss (and
+    or of packed samples (their summed loss times `weight`: see step_weight): the configured next-token loss (and
     its parts to log), plus the router's weighted load-balancing loss; for a mixture of experts, its aux loss and the
     tokens routed to each expert (summed over its MoE layers) to log, where the family computes them (a router
     trained without an aux loss has none)."""

@@ -30,17 +30,18 @@ from fsdp_research.metrics.meters import MEAN_LOSSES, PeakMemory, Throughput, lo
 from fsdp_research.metrics.profiling import StepProfiler, region
 from fsdp_research.metrics.sinks import Sinks, setup_logging
 from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.model.assembly import shard_model
 from fsdp_research.model.dimensions import dims
 from fsdp_research.model.lora import base_identity
-from fsdp_research.model.parallelize import shard_model
+from fsdp_research.objectives import Objective, StepContext, build_objective
 from fsdp_research.optim import build_optimizer, clip_, clip_grad_norm, configured_keys, grad_norm
 from fsdp_research.optim.resume import continue_schedule
 from fsdp_research.train import overfit, rundir
 from fsdp_research.train.anomaly import AnomalyChecks, apply_anomaly_checks
-from fsdp_research.train.evaluation import evaluate as eval_metrics
-from fsdp_research.train.losses import LossFn, Router, build_loss, packed_weight, router_of, train_loss
+from fsdp_research.train.losses import Router, router_of, step_weight
 from fsdp_research.train.preemption import NONE, STOP, Boundary, Signals, agree
 from fsdp_research.train.randomness import seed_step
+from fsdp_research.train.refusals import check_built, checked_plan, doubts
 from fsdp_research.train.samples import take_samples
 from fsdp_research.train.schedule import MicroBatches
 from fsdp_research.train.startup import (
@@ -54,7 +55,6 @@ from fsdp_research.train.startup import (
     throughput_of,
 )
 from fsdp_research.train.state import TrainResult, TrainState
-from fsdp_research.train.validation import check_built, checked_plan, doubts
 
 log = logging.getLogger("fsdp_research")
 
@@ -76,7 +76,7 @@ class Run:
     data: Data
     batches: Prefetcher
     amp: Any
-    loss_fn: LossFn
+    objective: Objective
     router: Router | None
     callbacks: Callbacks
     handle: RunHandle
@@ -178,7 +178,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         data=data,
         batches=batches,
         amp=autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp_classic),
-        loss_fn=build_loss(cfg.loss, packed=packed(cfg.data)),
+        objective=build_objective(cfg),
         router=router_of(hf_config, d.experts, d.experts_per_token),
         callbacks=callbacks,
         handle=handle,
@@ -212,16 +212,18 @@ def train_step(run: Run, step: int) -> StepResult:
     t, scaler, micro_steps = run.cfg.trainer, run.state.scaler, run.layout.micro_steps
     seed_step(t.seed, step, run.layout.tp)
     with region("data"):
-        batch = run.batches.get(step).to(run.device, non_blocking=True)
+        batch = run.objective.step_batch(run.model, run.batches.get(step).to(run.device, non_blocking=True), step)
     totals: dict[str, torch.Tensor] = {}
-    weight, targets = packed_weight(batch, micro_steps, run.layout.tp)
+    weight, targets = step_weight(run.objective.targets(batch), micro_steps, run.layout.tp, run.layout.cp)
     if targets is not None:
         totals["targets"] = targets
+    if packed(run.cfg.data):
         run.throughput.add(packed_tokens(batch, run.data.pad_id))
     split = split_of(run.model)
+    ctx = StepContext(run.amp, split, run.router, weight)
 
     def forward(micro: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, stats = train_loss(run.model, micro, run.amp, run.loss_fn, run.router, weight, split)
+        loss, stats = run.objective.loss(run.model, micro, ctx)
         run.anomaly.check_loss(loss)
         return loss, stats
 
@@ -355,7 +357,7 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> dic
 
 
 def evaluate(run: Run) -> dict[str, float]:
-    return eval_metrics(run.model, run.data, run.cfg, run.device, run.amp)
+    return run.objective.evaluate(run.model, run.data, run.cfg, run.device, run.amp)
 
 
 def _save(run: Run) -> None:

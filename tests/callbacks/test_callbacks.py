@@ -279,7 +279,7 @@ def _ema_logits(cfg, batch):
     from fsdp_research.callbacks.ema import EMA
     from fsdp_research.distributed.processes import init_distributed
     from fsdp_research.model.architecture import build_hf_config
-    from fsdp_research.model.parallelize import build_sharded_model
+    from fsdp_research.model.assembly import build_sharded_model
     from tests.helpers.dist import full_state
 
     init_distributed(cfg.distributed, torch.device("cpu"))

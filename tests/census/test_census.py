@@ -56,7 +56,7 @@ def _one(family: str, initial: str, out: str, batch: torch.Tensor, base) -> dict
 
     from fsdp_research.checkpoint.hf_export import export_model
     from fsdp_research.model.architecture import build_hf_config
-    from fsdp_research.model.parallelize import build_sharded_model
+    from fsdp_research.model.assembly import build_sharded_model
     from fsdp_research.train.trainer import train
 
     world = dist.get_world_size()
@@ -224,7 +224,7 @@ def _initialised_as_large(initials: dict) -> dict:
     its mean and spread noted at construction, then torch's reset): the path real-size models take."""
     import fsdp_research.model.architecture
     from fsdp_research.model.architecture import build_hf_config
-    from fsdp_research.model.parallelize import build_sharded_model
+    from fsdp_research.model.assembly import build_sharded_model
 
     fsdp_research.model.architecture._KEPT_AS_BUILT = 0
     base = compose(FAST + pretrained(next(iter(initials.values()), "")) + ["model.load_weights=false"])

@@ -19,8 +19,8 @@ from fsdp_research.distributed.processes import init_distributed
 from fsdp_research.distributed.sharding import apply_fsdp
 from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.model.assembly import planned_model
 from fsdp_research.model.initialization import materialize
-from fsdp_research.model.parallelize import planned_model
 from tests.conftest import FAST
 from tests.helpers.dist import run_distributed
 

@@ -55,6 +55,9 @@ APP_ERRORS = {
     ),
     "prefetch_depth": ("sharding.prefetch_backward", ["sharding.prefetch_backward=4"]),
     "loss_chunks": ("loss.chunks", ["loss.chunks=0"]),
+    "objective_target": ("objective._target_", ["objective._target_=torch.optim.AdamW"]),
+    # The base class reads no loss group (objective=lm does): a z-loss would change nothing.
+    "objective_loss": ("loss", ["objective._target_=fsdp_research.objectives.Objective", "loss.z_loss=1e-4"]),
     "selective_per_linear": ("activation_checkpointing", ["activation_checkpointing=selective", "sharding=per_linear"]),
     "tp_world": ("parallel.tp", ["parallel.tp=2"]),
     "save_ops": (
@@ -92,6 +95,8 @@ MESSAGES = {
     "prefetch_depth": "4 blocks ahead, but the model has 4 blocks",
     "save_ops": "torch has no operator 'aten.no_such_op'",
     "chunks_softcap": "the model changes its logits after the output layer",
+    "objective_target": "torch.optim.AdamW is not a subclass of fsdp_research.objectives.Objective",
+    "objective_loss": "objective Objective does not read it (objective=lm does)",
 }
 COMPOSITION_ERRORS = {
     "unknown_key": (

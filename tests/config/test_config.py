@@ -1,5 +1,7 @@
 """Experiment presets compose as `@package _global_` overrides of the groups."""
 
+import pytest
+
 from fsdp_research.config.schema import Strategy
 from fsdp_research.jobs.compose import compose
 
@@ -15,3 +17,11 @@ def test_experiment_preset_overrides_groups():
 
 def test_command_line_overrides_the_preset():
     assert compose(["experiment=llama_7b_8gpu", "distributed.nproc_per_node=4"]).distributed.nproc_per_node == 4
+
+
+def test_deprecated_names_are_read_with_a_warning():
+    """trainer.objective became trainer.sweep_metric (objective is now the group of what training minimizes)."""
+    with pytest.warns(FutureWarning, match="trainer.objective is deprecated: use trainer.sweep_metric"):
+        cfg = compose(["trainer.objective=tokens_per_s"])
+    assert cfg.trainer.sweep_metric == "tokens_per_s" and cfg.trainer.objective is None
+    assert compose([]).objective._target_ == "fsdp_research.objectives.lm.NextToken"

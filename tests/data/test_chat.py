@@ -24,7 +24,7 @@ from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.document_masking import check_document_masking
 from fsdp_research.train.evaluation import evaluate
 from fsdp_research.train.losses import token_losses
-from fsdp_research.train.validation import check_config
+from fsdp_research.train.refusals import check_config
 from tests.helpers.chats import CHATML, CHATML_MARKED, CONVERSATIONS, chat_llama, chat_tokenizer, write_chats
 from tests.helpers.corpora import write
 from tests.helpers.zoo import hf_config, pretrained

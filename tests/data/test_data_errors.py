@@ -18,7 +18,7 @@ from fsdp_research.data.store_builder import ensure_store
 from fsdp_research.errors import ConfigError, DataError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.train.validation import check_config, check_sources
+from fsdp_research.train.refusals import check_config, check_sources
 from tests.helpers.corpora import bpe_tokenizer, write
 from tests.helpers.disk import small_disk
 

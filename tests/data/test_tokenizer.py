@@ -72,7 +72,7 @@ def test_a_pretrained_model_trains_and_exports_with_its_own_tokenizer(model_dirs
 def test_doubtful_settings_are_warned():
     import torch
 
-    from fsdp_research.train.validation import doubts
+    from fsdp_research.train.refusals import doubts
 
     cpu = torch.device("cpu")
     assert doubts(compose([]), cpu) == []

@@ -17,7 +17,7 @@ from fsdp_research.distributed.activation_checkpointing import resolve_op
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.train.losses import ChunkedCrossEntropy, check_chunkable, token_losses, train_loss
-from fsdp_research.train.validation import check_sharding
+from fsdp_research.train.refusals import check_sharding
 from tests.helpers.zoo import hf_config
 
 VOCAB = 512

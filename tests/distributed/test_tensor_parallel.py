@@ -18,8 +18,8 @@ import torch.distributed as dist
 
 from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.model.assembly import apply_parallelism, planned_model
 from fsdp_research.model.initialization import materialize
-from fsdp_research.model.parallelize import apply_parallelism, planned_model
 from tests.conftest import FAST, ROOT
 from tests.helpers.cli import start
 from tests.helpers.dist import ok, run_fake

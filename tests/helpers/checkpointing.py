@@ -4,7 +4,6 @@ built in spawned worker processes."""
 
 import hashlib
 import os
-import signal
 import subprocess
 import time
 from collections.abc import Sequence
@@ -18,7 +17,7 @@ from fsdp_research.checkpoint.resume import checkpoints_in, verify
 from fsdp_research.config.schema import typed
 from fsdp_research.distributed.processes import device_for, init_distributed
 from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.model.parallelize import build_sharded_model
+from fsdp_research.model.assembly import build_sharded_model
 from tests.conftest import ROOT
 from tests.helpers.cli import read_metrics, subprocess_env
 from tests.helpers.dist import full_state, run_distributed
@@ -68,9 +67,7 @@ class Job:
             return Run(self.run_dir, self.proc.returncode, out.read(), err.read())
 
     def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.kill_workers()
-        self.proc.wait()
+        self.proc.kill_job()
 
     def kill_when(self, path: str, timeout: float = 240) -> Run:
         """SIGKILL the whole job as soon as `path` exists; fails if the job ends first."""

@@ -115,7 +115,8 @@ class Launch:
 
     def kill(self) -> None:
         """SIGKILL the whole job, every process of it."""
-        os.killpg(self.proc.pid, signal.SIGKILL)
         if isinstance(self.proc, Forked):
-            self.proc.kill_workers()
+            self.proc.kill_job()
+            return
+        os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()

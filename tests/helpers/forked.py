@@ -135,6 +135,12 @@ class Forked:
         self.send_signal(signal.SIGKILL)
         self.kill_workers()
 
+    def kill_job(self) -> None:
+        """SIGKILL to its whole session (new_session: its process group) and its workers, then reaped."""
+        os.killpg(self.pid, signal.SIGKILL)
+        self.kill_workers()
+        self.wait()
+
     def kill_workers(self) -> None:
         with contextlib.suppress(FileNotFoundError), open(self._workers) as f:
             for pid in map(int, f.read().split()):

@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_research.distributed.sharding import ShardingPlan, owner
 from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.model.parallelize import planned_model
+from fsdp_research.model.assembly import planned_model
 from tests.helpers.dist import final_weights
 
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.train.validation import checked_plan
+from fsdp_research.train.refusals import checked_plan
 from tests.conftest import FAST
 from tests.helpers.cli import subprocess_env
 

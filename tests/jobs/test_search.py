@@ -213,8 +213,8 @@ def test_a_diverged_trial_is_told_failed_and_the_search_continues(tmp_path):
 
 
 def test_bad_sweeps_fail_in_one_line_before_any_job(tmp_path):
-    """A searched key the config lacks, an objective the jobs do not log, a sweep dir another command made: one
-    line, exit 2, no job run."""
+    """A searched key the config lacks, a metric the jobs do not log (or under trainer.objective, its deprecated
+    name), one whose direction is not given, a sweep dir another command made: one line, exit 2, no job run."""
     _, sweep = _sweep(tmp_path, "made", [])
     os.makedirs(sweep)
     basic = "hydra._internal.core_plugins.basic_sweeper.BasicSweeper"
@@ -226,7 +226,17 @@ def test_bad_sweeps_fail_in_one_line_before_any_job(tmp_path):
     )
     cases = {
         "key": (["hydra/sweeper=optuna", *EVAL, "trainer.nope=interval(0.1, 0.2)"], "trainer.nope cannot be searched"),
-        "objective": (["hydra/sweeper=optuna", "optim.lr=interval(1e-3, 1e-2)"], "logs no eval loss"),
+        "metric": (["hydra/sweeper=optuna", "optim.lr=interval(1e-3, 1e-2)"], "logs no eval metrics"),
+        # The deprecated name is still read.
+        "old_name": (
+            ["hydra/sweeper=optuna", "optim.lr=interval(1e-3, 1e-2)", "trainer.objective=eval_loss"],
+            "trainer.objective: is eval_loss, but trainer.eval_interval=0 logs no eval metrics",
+        ),
+        # Any metrics.jsonl key, its direction given where the framework does not know it.
+        "direction": (
+            ["hydra/sweeper=optuna", *EVAL, "optim.lr=interval(1e-3, 1e-2)", "trainer.sweep_metric=eval_rewards/acc"],
+            "trainer.sweep_metric=eval_rewards/acc is not a metric whose direction the framework knows",
+        ),
         "resume": (["trainer.seed=0,1"], "it had optim.lr=0.01"),
         "resume_as_search": (
             ["trainer.seed=0,1", "optim.lr=0.01", "hydra/sweeper=optuna", *EVAL],

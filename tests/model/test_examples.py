@@ -22,8 +22,10 @@ from tests.helpers.cli import read_metrics, subprocess_env
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 EXAMPLE = os.path.join(ROOT, "examples", "my_project")
-OWN = ["model=tiny_gpt", "optim=lion", "schedule=step_decay", "loss=capped"]
+OWN = ["model=tiny_gpt", "optim=lion", "schedule=step_decay"]
 BASE = with_overrides(FAST, "trainer.global_batch_size=8", "trainer.micro_batch_size=4", "checkpoint.interval=4")
+# Its objective (no loss group: objective=lm's), at 2 ranks and at 1 (two micro-batches a step there).
+OBJECTIVE = ["objective=tail_tokens", "trainer.max_steps=4", "checkpoint.save=false"]
 RUNS = {
     "one_rank": ["trainer.max_steps=8"],
     "two_ranks": [
@@ -40,6 +42,8 @@ RUNS = {
         "callbacks=stop_at_loss",
         "callbacks.stop_at_loss.target=6.0",
     ],  # fmt: skip
+    "tail_one": OBJECTIVE,
+    "tail_two": [*OBJECTIVE, "distributed.nproc_per_node=2"],
 }
 
 
@@ -58,7 +62,8 @@ def _run(project: str, args: list[str], timeout: float = 300) -> subprocess.Comp
 
 def _train(project: str, name: str, extra: list[str]) -> subprocess.CompletedProcess:
     search = f"hydra.searchpath=[file://{project}/conf]"
-    args = [os.path.join(ROOT, "train.py"), search, *OWN, *BASE, *extra, f"hydra.run.dir={project}/runs/{name}"]
+    own = OWN if "objective=tail_tokens" in extra else [*OWN, "loss=capped"]
+    args = [os.path.join(ROOT, "train.py"), search, *own, *BASE, *extra, f"hydra.run.dir={project}/runs/{name}"]
     return _run(project, args)
 
 
@@ -93,6 +98,17 @@ def test_own_model_at_one_and_two_ranks_and_with_checkpointing(project):
     assert len(one) == 8 and one[-1] < one[0]
     torch.testing.assert_close(_losses(project, "two_ranks"), one, rtol=1e-5, atol=0)
     torch.testing.assert_close(_losses(project, "two_ranks_ac"), one, rtol=1e-5, atol=0)
+
+
+def test_own_objective_at_one_and_two_ranks(project):
+    """Its loss sums weighted by the step's targets (summed over ranks and micro-batches): the same losses at 1 rank
+    (two micro-batches a step) and at 2 (one each)."""
+    project, done = project
+    for name in ("tail_one", "tail_two"):
+        _ok(done[name])
+    one = _losses(project, "tail_one")
+    assert len(one) == 4
+    torch.testing.assert_close(_losses(project, "tail_two"), one, rtol=1e-5, atol=0)
 
 
 def test_own_model_resumes_bitwise(project):
@@ -137,7 +153,7 @@ def _initial_weights(project: str, world_size: int) -> dict:
 
     from fsdp_research.distributed.processes import init_distributed
     from fsdp_research.jobs.compose import compose
-    from fsdp_research.model.parallelize import build_sharded_model
+    from fsdp_research.model.assembly import build_sharded_model
     from tests.helpers.dist import full_state
 
     cfg = compose([f"hydra.searchpath=[file://{project}/conf]", "model=tiny_gpt"])
@@ -177,8 +193,8 @@ def test_mfu_flops_of_an_own_model_match_torchs_counter(project, monkeypatch):
 
     from fsdp_research.jobs.compose import compose
     from fsdp_research.metrics.meters import flops_per_token, matmul_parameters
+    from fsdp_research.model.assembly import planned_model
     from fsdp_research.model.dimensions import dims
-    from fsdp_research.model.parallelize import planned_model
 
     project, _ = project
     monkeypatch.syspath_prepend(project)
@@ -200,7 +216,7 @@ def test_mfu_flops_of_an_own_model_match_torchs_counter(project, monkeypatch):
 def test_an_own_model_without_its_block_class_is_refused(project, monkeypatch):
     from fsdp_research.errors import ConfigError
     from fsdp_research.jobs.compose import compose
-    from fsdp_research.model.parallelize import planned_model
+    from fsdp_research.model.assembly import planned_model
 
     project, _ = project
     monkeypatch.syspath_prepend(project)
@@ -210,3 +226,10 @@ def test_an_own_model_without_its_block_class_is_refused(project, monkeypatch):
     cfg = compose([f"hydra.searchpath=[file://{project}/conf]", "model=tiny_gpt", "model.n_layers=2"])
     with pytest.raises(ConfigError, match=r"^model.n_layers: TinyGPT takes no argument 'n_layers'"):
         planned_model(cfg, None)
+
+
+def test_the_docs_show_the_objective_as_the_example_has_it():
+    with open(os.path.join(ROOT, "docs", "extending.md")) as f:
+        shown = f.read().split("## Objectives", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    with open(os.path.join(EXAMPLE, "my_project", "objectives.py")) as f:
+        assert shown == f.read()

@@ -25,10 +25,10 @@ from fsdp_research.data.pipeline import build_data
 from fsdp_research.errors import CheckpointError, ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.model.assembly import planned_model
 from fsdp_research.model.lora import apply_lora, base_identity, initial_a
-from fsdp_research.model.parallelize import planned_model
+from fsdp_research.train.refusals import checked_plan
 from fsdp_research.train.state import TrainState
-from fsdp_research.train.validation import checked_plan
 from tests.conftest import FAST, ROOT
 from tests.helpers.chats import CONVERSATIONS, chat_llama, write_chats
 from tests.helpers.cli import command, finish, read_metrics, start

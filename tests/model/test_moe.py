@@ -157,7 +157,7 @@ def _bf16_routers(initial: str, out: str) -> dict:
     from fsdp_research.checkpoint.hf_export import export_model
     from fsdp_research.config.schema import typed
     from fsdp_research.distributed.processes import init_distributed
-    from fsdp_research.model.parallelize import build_sharded_model
+    from fsdp_research.model.assembly import build_sharded_model
 
     cfg = compose(FAST + pretrained(initial) + ["precision=bf16"])
     init_distributed(typed(cfg).distributed, torch.device("cpu"))

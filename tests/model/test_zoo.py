@@ -50,7 +50,7 @@ def _family(family: str, initial: str, out: str, batch: torch.Tensor) -> dict:
     import torch.distributed as dist
 
     from fsdp_research.model.architecture import build_hf_config
-    from fsdp_research.model.parallelize import build_sharded_model
+    from fsdp_research.model.assembly import build_sharded_model
     from fsdp_research.train.trainer import train
 
     world = dist.get_world_size()
@@ -84,7 +84,7 @@ def _init_only(families: list) -> dict:
     from fsdp_research.config.schema import typed
     from fsdp_research.distributed.processes import init_distributed
     from fsdp_research.model.architecture import build_hf_config
-    from fsdp_research.model.parallelize import build_sharded_model
+    from fsdp_research.model.assembly import build_sharded_model
 
     init_distributed(typed(compose([])).distributed, torch.device("cpu"))
     built = {}
@@ -191,7 +191,7 @@ def _corrupted_load(initial: str) -> str:
     from fsdp_research.distributed.processes import init_distributed
     from fsdp_research.errors import ConfigError
     from fsdp_research.model.architecture import build_hf_config
-    from fsdp_research.model.parallelize import build_sharded_model
+    from fsdp_research.model.assembly import build_sharded_model
 
     cfg = compose(FAST + pretrained(initial))
     init_distributed(typed(cfg).distributed, torch.device("cpu"))

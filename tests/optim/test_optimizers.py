@@ -9,7 +9,7 @@ from fsdp_research.jobs.compose import compose
 from fsdp_research.optim import build_optimizer, check_optim, param_groups
 from fsdp_research.optim.combined import Combined
 from fsdp_research.optim.muon import Muon
-from fsdp_research.train.validation import check_config
+from fsdp_research.train.refusals import check_config
 from tests.helpers.zoo import tiny_llama
 
 
@@ -130,7 +130,7 @@ def test_callbacks_are_added_and_removed_from_the_command_line():
 
 def test_a_param_group_matching_nothing_is_refused_once_the_model_is_planned():
     from fsdp_research.model.architecture import build_hf_config
-    from fsdp_research.train.validation import checked_plan
+    from fsdp_research.train.refusals import checked_plan
 
     cfg = compose(["optim.param_groups=[{match: nothing_here, lr_scale: 2}]"])
     with pytest.raises(ConfigError, match=r"^optim.param_groups\[0\].match: 'nothing_here' matches no parameter"):

@@ -9,11 +9,11 @@ from fsdp_research.distributed.processes import planned_nodes
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.model.parallelize import planned_model
+from fsdp_research.model.assembly import planned_model
 from fsdp_research.planner import summary
 from fsdp_research.planner.doctor import CHECKS, diagnose
 from fsdp_research.planner.fit import doctor_fit
-from fsdp_research.train.validation import check_doctor
+from fsdp_research.train.refusals import check_doctor
 from tests.helpers.cli import command_started
 from tests.helpers.fsdp_units import plan_for
 

@@ -64,7 +64,7 @@ def _real(out_dir: str) -> dict:
     from fsdp_research.config.schema import typed
     from fsdp_research.distributed.processes import init_distributed
     from fsdp_research.model.architecture import build_hf_config
-    from fsdp_research.model.parallelize import build_sharded_model
+    from fsdp_research.model.assembly import build_sharded_model
     from fsdp_research.optim.factory import build_optimizer
 
     cfg = compose(OVERRIDES)

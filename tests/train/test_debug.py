@@ -20,8 +20,8 @@ from fsdp_research.distributed.precision import LossScaler
 from fsdp_research.errors import AnomalyError, ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.train.anomaly import apply_anomaly_checks
+from fsdp_research.train.refusals import check_data, check_trainer
 from fsdp_research.train.state import TrainState
-from fsdp_research.train.validation import check_data, check_trainer
 from tests.conftest import FAST
 from tests.helpers.cli import Finished, finish, read_metrics, start
 

@@ -25,8 +25,8 @@ from fsdp_research.checkpoint.resume import verify
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.metrics.sinks import JsonlSink, read_records
+from fsdp_research.train.refusals import check_trainer
 from fsdp_research.train.rundir import outcome
-from fsdp_research.train.validation import check_trainer
 from tests.conftest import FAST
 from tests.helpers.checkpointing import complete_steps, with_overrides
 from tests.helpers.cli import TRAIN, read_metrics, subprocess_env

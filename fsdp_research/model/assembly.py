@@ -28,7 +28,7 @@ def planned_model(cfg: DictConfig, hf_config, values: bool = True) -> tuple[nn.M
     """The model on the meta device (hf_config None: a model of one's own, built by its factory), prepared in the
     trainer's order (activation checkpointing, compile), and its sharding plan: nothing allocated, no process group
     needed. Raises ConfigError for a block class the model does not have (the checks that need the planned model:
-    train.validation.checked_plan). values=False: shapes only, for the planner and the checks (see
+    train.refusals.checked_plan). values=False: shapes only, for the planner and the checks (see
     architecture.build_model)."""
     if hf_config is None:
         model = build_own_model(cfg.model, cfg.trainer.seed)

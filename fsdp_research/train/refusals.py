@@ -35,11 +35,12 @@ from fsdp_research.distributed.step_layout import layout
 from fsdp_research.errors import ConfigError
 from fsdp_research.metrics.hardware import GPUS
 from fsdp_research.model.architecture import pretrained_dir
+from fsdp_research.model.assembly import planned_model
 from fsdp_research.model.dimensions import dims, max_positions
 from fsdp_research.model.document_masking import check_document_masking
 from fsdp_research.model.lora import check_lora
-from fsdp_research.model.parallelize import planned_model
 from fsdp_research.model.pretrained import check_weights
+from fsdp_research.objectives import check_objective
 from fsdp_research.optim import check_optim
 from fsdp_research.optim.groups import check_patterns
 from fsdp_research.planner.budget import parse_headroom
@@ -294,6 +295,7 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     check_optim(cfg.optim, cfg.schedule)
     check_optimizer_sharding(cfg, world_size)
     check_loss(cfg.loss, packed(cfg.data))
+    check_objective(cfg)
     check_callbacks(cfg.callbacks)
     check_checkpoint(cfg.checkpoint)
     check_samples(cfg)
@@ -301,7 +303,7 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
 
 
 def check_planned(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) -> None:
-    """What needs the model planned on the meta device (fsdp_research.model.parallelize.planned_model): a model of
+    """What needs the model planned on the meta device (fsdp_research.model.assembly.planned_model): a model of
     one's own against the data, and optim.param_groups' patterns against the parameters' names."""
     if hf_config is None:
         check_data_fits(cfg.data, dims(model, plan.blocks).vocab, None)

@@ -1,0 +1,115 @@
+"""What the trainer asks of an objective, and how one is built from the config (objective._target_ and its keyword
+arguments) and checked before any compute."""
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from fsdp_research.config.data_schema import DataKind
+from fsdp_research.config.plugin_schema import LossConfig
+from fsdp_research.config.targets import check_call, kwargs_of, resolve
+from fsdp_research.data.pipeline import Data
+from fsdp_research.distributed.context_parallel import ContextSplit
+from fsdp_research.errors import ConfigError
+from fsdp_research.train.evaluation import evaluate
+from fsdp_research.train.losses import Router, target_count
+
+# The group's own keys: the others are the target's keyword arguments.
+_OWN = ("name",)
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What the trainer hands an objective with each micro-batch."""
+
+    # The forward runs inside it: autocast under the classic DDP baseline, a null context under FSDP.
+    amp: AbstractContextManager
+    # Context parallel: this rank's chunks of each sequence (train.losses.model_inputs cuts them); None without.
+    split: ContextSplit | None
+    # A mixture of experts' routing (its load-balancing loss goes into the loss); None for a dense model.
+    router: Router | None
+    # What the micro-batch's loss sum is multiplied by: data-parallel ranks x micro-batches / the step's targets
+    # (from Objective.targets, summed over every rank); None where targets() said None.
+    weight: torch.Tensor | None
+
+
+class Objective:
+    """Subclass it and name it in objective._target_ (its other keys are the constructor's keyword arguments). Every
+    rank calls each method; a step's batch is this rank's, [samples, ...] as the data gives it (text windows of
+    seq_len + 1 tokens; packed chat samples [n, 3, seq_len])."""
+
+    # The data kinds (data=...) it reads: anything else is refused before any compute.
+    reads: tuple[DataKind, ...] = tuple(DataKind)
+    # Whether its loss takes context parallel's chunks of each sequence (ctx.split); without, parallel.cp > 1 is
+    # refused.
+    splits_sequences: bool = False
+    # Whether it reads the loss group (objective=lm's settings); without, a loss group other than the default is
+    # refused: it would change nothing.
+    uses_loss_group: bool = False
+
+    def setup(self, cfg: DictConfig) -> None:
+        """Once on every rank before the first step, with the run's typed config."""
+
+    def step_batch(self, model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
+        """The batch step `step` trains on, from this rank's batch of the data: the data's own by default. One that
+        makes its own (online RL: rollouts generated from the data's prompts, several updates per rollout batch)
+        returns it here."""
+        return batch
+
+    def targets(self, batch: torch.Tensor) -> torch.Tensor | None:
+        """Each sample's targets in the step's batch: the trainer weights every micro-batch's loss sum so that the
+        step's loss is the mean over all of them, at any number of ranks (StepContext.weight). None: each
+        micro-batch's loss is already a mean over as many targets as every other's."""
+        return target_count(batch)
+
+    def loss(self, model: nn.Module, batch: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, dict]:
+        """(the micro-batch's loss: its sum over targets times ctx.weight, or its mean where targets() is None; the
+        stats to log, {name: tensor}, their mean over micro-batches logged where the name is in MEAN_LOSSES)."""
+        raise NotImplementedError
+
+    def evaluate(self, model: nn.Module, data: Data, cfg: DictConfig, device: torch.device, amp) -> dict[str, float]:
+        """The eval metrics (a collective): by default the next-token loss over the held-out data."""
+        return evaluate(model, data, cfg, device, amp)
+
+
+def _target(cfg: DictConfig) -> tuple[type, dict]:
+    target = resolve(cfg._target_, "objective._target_")
+    if not (isinstance(target, type) and issubclass(target, Objective)):
+        raise ConfigError(
+            "objective._target_",
+            f"{cfg._target_} is not a subclass of fsdp_research.objectives.Objective",
+            "subclass it (docs/extending.md)",
+        )
+    kwargs = kwargs_of(cfg, _OWN)
+    check_call(target, kwargs, "objective._target_")
+    return target, kwargs
+
+
+def check_objective(cfg: DictConfig) -> None:
+    """The objective imports, takes its keyword arguments, and reads the run's data: refused before any compute."""
+    target, _ = _target(cfg.objective)
+    name = f"objective {target.__qualname__}"
+    if cfg.data.kind not in target.reads:
+        raise ConfigError(
+            "data",
+            f"{cfg.data.kind.value} is not what {name} reads",
+            f"use one of data={', '.join(k.value for k in target.reads)}",
+        )
+    if not target.uses_loss_group and cfg.loss != LossConfig():
+        raise ConfigError("loss", f"{name} does not read it (objective=lm does)", "drop the loss overrides")
+    if cfg.parallel.cp > 1 and not target.splits_sequences:
+        raise ConfigError(
+            "parallel.cp",
+            f"{cfg.parallel.cp}: {name} does not take context parallel's chunks of sequences",
+            "use parallel.cp=1",
+        )
+
+
+def build_objective(cfg: DictConfig) -> Objective:
+    target, kwargs = _target(cfg.objective)
+    objective = target(**kwargs)
+    objective.setup(cfg)
+    return objective
