@@ -21,7 +21,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from tests.helpers.faults import Launch  # noqa: E402
+from harness.jobs import Job, lose_node  # noqa: E402
 
 STEPS, INTERVAL = 60, 10
 BASE = [
@@ -68,7 +68,7 @@ def _after_fault(run_dir: str, done: int, kept: int, fault_time: float, timeout:
 
 
 def _torchrun_kill(out: str) -> dict:
-    job = Launch(f"{out}/torchrun", BASE, torchrun=2, max_restarts=1)
+    job = Job(f"{out}/torchrun", BASE, torchrun=2, max_restarts=1)
     runs = f"{out}/torchrun/outputs/runs/*/*"
     job.wait_until(
         "a checkpoint and a few steps",
@@ -83,24 +83,24 @@ def _torchrun_kill(out: str) -> dict:
     fault = time.time()
     os.kill(job.worker(1), signal.SIGKILL)
     result = _after_fault(run_dir, done, kept, fault)
-    assert job.finish().returncode == 0
+    assert job.ended()[0] == 0
     return result
 
 
 def _sigterm(out: str) -> dict:
     run_dir = f"{out}/sigterm/run"
     overrides = [*BASE, "distributed.nproc_per_node=2", f"hydra.run.dir={run_dir}"]
-    job = Launch(f"{out}/sigterm", overrides)
+    job = Job(f"{out}/sigterm", overrides)
     job.wait_until("a few steps", lambda: len(_rows(run_dir)) >= INTERVAL + 4)
     done, fault = len(_rows(run_dir)), time.time()
     job.signal(signal.SIGTERM)
-    assert job.finish().returncode == 143
+    assert job.ended()[0] == 143
     exited = time.time() - fault
     kept = _checkpoints(run_dir)[-1]
     relaunched = time.time()
-    again = Launch(f"{out}/sigterm", overrides)
+    again = Job(f"{out}/sigterm", overrides)
     result = _after_fault(run_dir, max(done, kept), kept, relaunched)
-    assert again.finish().returncode == 0
+    assert again.ended()[0] == 0
     return {
         "steps_lost": max(done, kept) - kept,
         "seconds_to_exit": exited,
@@ -111,16 +111,16 @@ def _sigterm(out: str) -> dict:
 def _async_kill(out: str) -> dict:
     run_dir = f"{out}/async/run"
     overrides = [*BASE, "distributed.nproc_per_node=2", "checkpoint.async=true", f"hydra.run.dir={run_dir}"]
-    job = Launch(f"{out}/async", overrides)
+    job = Job(f"{out}/async", overrides)
     job.wait_until(
         "a published save and a few steps",
         lambda: _checkpoints(run_dir) and len(_rows(run_dir)) >= _checkpoints(run_dir)[-1] + INTERVAL - 1,
     )
     done, kept, fault = len(_rows(run_dir)), _checkpoints(run_dir)[-1], time.time()
     job.kill()
-    again = Launch(f"{out}/async", overrides)
+    again = Job(f"{out}/async", overrides)
     result = _after_fault(run_dir, done, kept, fault)
-    assert again.finish().returncode == 0
+    assert again.ended()[0] == 0
     return result
 
 
@@ -128,8 +128,6 @@ def _node_loss(out: str) -> dict | None:
     nodes = subprocess.run(["sinfo", "-h", "-N", "-o", "%N"], capture_output=True, text=True).stdout.split()
     if len(set(nodes)) < 2:
         return None
-    from tests.slurm.test_multinode import _lose_node
-
     os.makedirs(f"{out}/slurm", exist_ok=True)
     submitted = subprocess.run(
         [
@@ -153,7 +151,7 @@ def _node_loss(out: str) -> dict | None:
         assert time.monotonic() < deadline, "the SLURM job did not get going"
         time.sleep(0.05)
     done, kept, fault = len(_rows(run_dir)), _checkpoints(run_dir)[-1], time.time()
-    _lose_node("node2")
+    lose_node("node2")
     while (
         "REQUEUE"
         not in subprocess.run(["squeue", "-h", "-j", job, "-o", "%r %T"], capture_output=True, text=True).stdout

@@ -173,3 +173,16 @@ def test_no_module_over_400_lines():
     """The size bar: a module that grows past it splits by concern."""
     long = {m: n for m, path in MODULES.items() if (n := len(open(path).read().splitlines())) > 400}
     assert not long, long
+
+
+def test_benches_and_the_harness_import_no_test():
+    """bench/ and harness/ (what tests and benches both drive) stand beside the tests, never on them."""
+    found = []
+    for folder in ("bench", "harness"):
+        for name in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if name.endswith(".py"):
+                tree = ast.parse(open(os.path.join(ROOT, folder, name)).read())
+                imported = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+                imported += [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+                found += [f"{folder}/{name}: {m}" for m in imported if m and m.split(".")[0] == "tests"]
+    assert not found, found

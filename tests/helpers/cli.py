@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from harness.jobs import job_env
 from tests.conftest import ROOT
 from tests.helpers.forked import Forked
 
@@ -28,14 +29,7 @@ class Finished:
 
 def subprocess_env() -> dict[str, str]:
     """The tests' environment (offline: see conftest), without any launcher's rank layout."""
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "WANDB_DIR")
-        and not k.startswith("SLURM_")
-    }
-    env["WANDB_SILENT"] = "true"
-    return env
+    return job_env()
 
 
 def start(overrides: Sequence[str], cwd: str, torchrun_nproc: int = 0, real: bool = False) -> subprocess.Popen | Forked:

@@ -362,7 +362,7 @@ def spearman(a: list[float], b: list[float]) -> float:
 @pytest.fixture(scope="module")
 def timed():
     configs = {name: compose(TIMED_BASE + o + ["logger=none"]) for name, o in TIMED.items()}
-    return configs, measure_step_times(configs, WORLD, 3, (512, 512, 1376))
+    return configs, measure_step_times(configs, WORLD, 2, (512, 512, 1376))
 
 
 @pytest.mark.slow

@@ -6,19 +6,18 @@ requeued, resuming from its last checkpoint once the node is back, ending with a
 
 import json
 import os
-import signal
 import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from harness.jobs import lose_node
 from tests.conftest import FAST, ROOT
 from tests.helpers.checkpointing import complete_steps, with_overrides
 from tests.helpers.cli import finish, read_metrics, start
 from tests.slurm.cluster import states, wait_done, wait_for
 
-STATE_DIR = os.environ.get("SLURM_LOCAL_DIR", "/var/tmp/fsdp_research_slurm")
 SCRIPT = os.path.join(ROOT, "slurm", "train.sbatch")
 
 
@@ -92,19 +91,6 @@ def test_hsdp_replicas_across_nodes_shards_within(jobs, tmp_path):
         torch.testing.assert_close(ours[key], value, rtol=1e-4, atol=2e-5, msg=key)
 
 
-def _lose_node(node: str) -> None:
-    """The node's slurmd, its step daemons and its tasks, SIGKILLed: as if the machine went away."""
-    with open(os.path.join(STATE_DIR, "run", f"slurmd-{node}.pid")) as f:
-        os.kill(int(f.read().strip()), signal.SIGKILL)
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if f"SLURMD_NODENAME={node}".encode() in f.read().split(b"\0"):
-                    os.kill(pid, signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            continue
-
-
 LOST = with_overrides(
     FAST,
     "trainer.max_steps=40",
@@ -120,7 +106,7 @@ def test_a_lost_node_requeues_and_the_run_resumes(jobs, tmp_path):
     job, run_dir = _run(jobs, tmp_path, ["--nodes=2", "--ntasks-per-node=1"], LOST, 40)
     baseline = start([*LOST, "distributed.nproc_per_node=2", f"hydra.run.dir={tmp_path}/baseline"], str(tmp_path))
     wait_for("the first checkpoint", lambda: complete_steps(run_dir), timeout=240, interval=0.2)
-    _lose_node("node2")
+    lose_node("node2")
     try:
         wait_for("the job to be requeued", lambda: states(job).get(job, [""])[0] == "REQUEUED", timeout=180)
     finally:  # the node comes back
