@@ -336,7 +336,9 @@ def typed(cfg: Any) -> DictConfig:
     trainer.sweep_metric (with a warning)."""
     cfg = OmegaConf.merge(_schema_once(), cfg)
     if cfg.trainer.objective is not None:
-        warnings.warn("trainer.objective is deprecated: use trainer.sweep_metric", FutureWarning, stacklevel=2)
+        # Every config written before the rename holds its default, eval_loss (sweep_metric's): moved unsaid.
+        if cfg.trainer.objective != "eval_loss":
+            warnings.warn("trainer.objective is deprecated: use trainer.sweep_metric", FutureWarning, stacklevel=2)
         cfg.trainer.sweep_metric, cfg.trainer.objective = cfg.trainer.objective, None
     for key in ("warmup_steps", "min_lr_ratio"):
         if cfg.optim[key] is not None:
