@@ -31,7 +31,7 @@ def _check_job(run_dir: str, ranks: int) -> None:
 
 
 def test_hydra_launcher_array(jobs, tmp_path):
-    """3 jobs x 2 tasks: one array, each job's ranks from SLURM, each job in its own dir of the sweep."""
+    """2 jobs x 2 tasks: one array, each job's ranks from SLURM, each job in its own dir of the sweep."""
     sweep = tmp_path / "sweep"
     jobs.logs += [f"{sweep}/.submitit/*/*_log.*", f"{sweep}/*/train.log"]
     proc = start(
@@ -42,7 +42,7 @@ def test_hydra_launcher_array(jobs, tmp_path):
             f"hydra.launcher.name={jobs.name}",
             *FAST,
             f"trainer.max_steps={STEPS}",
-            "trainer.seed=0,1,2",
+            "trainer.seed=0,1",
             f"hydra.sweep.dir={sweep}",
         ],
         str(tmp_path),
@@ -52,7 +52,7 @@ def test_hydra_launcher_array(jobs, tmp_path):
     # submitit names an array task's log dir <array job id>_<task id>.
     array_jobs = {os.path.basename(d).split("_")[0] for d in glob.glob(f"{sweep}/.submitit/*_*")}
     assert len(array_jobs) == 1, f"expected one job array, found {array_jobs}"
-    for job in range(3):
+    for job in range(2):
         _check_job(str(sweep / str(job)), ranks=2)
 
 
