@@ -1,7 +1,8 @@
 """The one owner of the device mesh (as torchtitan's ParallelDims): the parallel degrees a config asks for on a
 world size, the DeviceMesh they make, built once, and every sub-mesh, rank and size the rest of the code asks for.
 The axes, outermost first: replicate, shard (itself dp_shard x cp for context parallel, dp_mod_ep x ep for the
-experts), tp innermost, so the ranks of a tp group are neighbours (one node's devices), the cp ranks next. No other
+experts), tp innermost, so the ranks of a tp group are neighbours (one node's devices), the cp ranks next; pipeline
+stages (issue 47) will be the outermost axis, across nodes. No other
 module builds, slices or unflattens a mesh, or computes a rank from degrees (tests/test_layout.py holds it)."""
 
 from dataclasses import dataclass
