@@ -170,6 +170,14 @@ def sweep_direction(metric: str) -> str | None:
     return DIRECTIONS.get("eval_loss" if metric.startswith("eval_loss/") else metric)
 
 
+def swept(metric: str, old: str | None) -> tuple[str, str]:
+    """(the metric a sweep reads, the key it comes from): trainer.sweep_metric, or its deprecated name's value
+    (trainer.objective) where sweep_metric is left at its default."""
+    if old is not None and metric == TrainerConfig.sweep_metric:
+        return old, "trainer.objective"
+    return metric, "trainer.sweep_metric"
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 300
@@ -335,11 +343,12 @@ def typed(cfg: Any) -> DictConfig:
     deprecated optim.warmup_steps / optim.min_lr_ratio move to the schedule group, trainer.objective to
     trainer.sweep_metric (with a warning)."""
     cfg = OmegaConf.merge(_schema_once(), cfg)
-    if cfg.trainer.objective is not None:
+    old = cfg.trainer.objective
+    if old is not None:
         # Every config written before the rename holds its default, eval_loss (sweep_metric's): moved unsaid.
-        if cfg.trainer.objective != "eval_loss":
+        if old != "eval_loss":
             warnings.warn("trainer.objective is deprecated: use trainer.sweep_metric", FutureWarning, stacklevel=2)
-        cfg.trainer.sweep_metric, cfg.trainer.objective = cfg.trainer.objective, None
+        cfg.trainer.sweep_metric, cfg.trainer.objective = swept(cfg.trainer.sweep_metric, old)[0], None
     for key in ("warmup_steps", "min_lr_ratio"):
         if cfg.optim[key] is not None:
             warnings.warn(f"optim.{key} is deprecated: use schedule.{key}", FutureWarning, stacklevel=2)

@@ -12,7 +12,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.plugins import Plugins
 from omegaconf import DictConfig, OmegaConf
 
-from fsdp_research.config.schema import flat, schema, sweep_direction, typed
+from fsdp_research.config.schema import flat, schema, sweep_direction, swept, typed
 from fsdp_research.distributed.processes import launch_env
 from fsdp_research.errors import ConfigError
 from fsdp_research.train import rundir
@@ -60,7 +60,7 @@ def register_configs() -> None:
     # hydra/sweeper=optuna: the study's direction follows trainer.sweep_metric (or its deprecated name); "unknown"
     # for a metric the framework does not log, refused by the sweep's checks (jobs.sweep) before any job.
     OmegaConf.register_new_resolver(
-        "sweep_direction", lambda metric, old: sweep_direction(old or metric) or "unknown", replace=True
+        "sweep_direction", lambda metric, old: sweep_direction(swept(metric, old)[0]) or "unknown", replace=True
     )
 
 

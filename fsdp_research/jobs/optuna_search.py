@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from optuna.distributions import BaseDistribution, CategoricalDistribution
 from optuna.trial import TrialState
 
-from fsdp_research.config.schema import typed
+from fsdp_research.config.schema import swept, typed
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.launch import check_job
 from fsdp_research.jobs.sweep import MULTIRUN, job_overrides
@@ -175,7 +175,7 @@ class ResumableOptuna(OptunaSweeperImpl):
                 if status in ("preempted", "interrupted"):
                     log.warning(f"trial {number} {status}: left running, for the sweep's re-run to resume")
                     continue
-                metric = self.config.trainer.get("objective") or self.config.trainer.sweep_metric
+                metric = swept(self.config.trainer.sweep_metric, self.config.trainer.get("objective"))[0]
                 why = "status.json says why" if status != "completed" else f"no finite {metric}"
                 log.warning(f"trial {number} failed ({why})")
                 study.tell(number, state=TrialState.FAIL)

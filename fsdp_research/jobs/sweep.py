@@ -11,7 +11,7 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from fsdp_research.config.schema import sweep_direction
+from fsdp_research.config.schema import sweep_direction, swept
 from fsdp_research.errors import ConfigError, SubmitError
 from fsdp_research.jobs.slurm import check_partition, check_sbatch
 from fsdp_research.metrics.sinks import read_records
@@ -113,8 +113,7 @@ def _check_search(config: DictConfig) -> None:
         raise SubmitError(
             "hydra/sweeper=optuna needs Optuna: pip install -e '.[sweep]' (scripts/setup.sh installs it)"
         ) from None
-    key = "trainer.objective" if config.trainer.get("objective") else "trainer.sweep_metric"
-    metric = str(config.trainer.get("objective") or config.trainer.sweep_metric)
+    metric, key = swept(str(config.trainer.sweep_metric), config.trainer.get("objective"))
     if metric.startswith("eval_") and not config.trainer.eval_interval:
         raise ConfigError(
             key,

@@ -11,7 +11,7 @@ from omegaconf import DictConfig
 from fsdp_research.config.data_schema import DataKind
 from fsdp_research.config.plugin_schema import LossConfig
 from fsdp_research.config.targets import check_call, kwargs_of, resolve
-from fsdp_research.data.pipeline import Data
+from fsdp_research.data.pipeline import Data, packed
 from fsdp_research.distributed.context_parallel import ContextSplit
 from fsdp_research.errors import ConfigError
 from fsdp_research.train.evaluation import evaluate
@@ -31,8 +31,9 @@ class StepContext:
     split: ContextSplit | None
     # A mixture of experts' routing (its load-balancing loss goes into the loss); None for a dense model.
     router: Router | None
-    # What the micro-batch's loss sum is multiplied by: data-parallel ranks x micro-batches / the step's targets
-    # (from Objective.targets, summed over every rank); None where targets() said None.
+    # What the micro-batch's loss sum is multiplied by: the ranks gradients are averaged over (data-parallel, cp's
+    # included) x micro-batches / the step's targets (Objective.targets, summed over every rank); None where
+    # targets() said None.
     weight: torch.Tensor | None
 
 
@@ -49,6 +50,9 @@ class Objective:
     # Whether it reads the loss group (objective=lm's settings); without, a loss group other than the default is
     # refused: it would change nothing.
     uses_loss_group: bool = False
+    # Whether it takes packed samples ([n, 3, seq_len]: chat data, text with data.document_masking); without, they
+    # are refused.
+    takes_packed: bool = False
 
     def setup(self, cfg: DictConfig) -> None:
         """Once on every rank before the first step, with the run's typed config."""
@@ -98,6 +102,9 @@ def check_objective(cfg: DictConfig) -> None:
             f"{cfg.data.kind.value} is not what {name} reads",
             f"use one of data={', '.join(k.value for k in target.reads)}",
         )
+    if packed(cfg.data) and not target.takes_packed:
+        key = "data" if cfg.data.kind is DataKind.chat else "data.document_masking"
+        raise ConfigError(key, f"makes packed samples, which {name} does not take", "use windows of tokens")
     if not target.uses_loss_group and cfg.loss != LossConfig():
         raise ConfigError("loss", f"{name} does not read it (objective=lm does)", "drop the loss overrides")
     if cfg.parallel.cp > 1 and not target.splits_sequences:

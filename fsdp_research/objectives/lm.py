@@ -12,7 +12,7 @@ from fsdp_research.train.losses import build_loss, target_count, train_loss
 
 
 class NextToken(Objective):
-    splits_sequences = uses_loss_group = True
+    splits_sequences = uses_loss_group = takes_packed = True
 
     def setup(self, cfg: DictConfig) -> None:
         self.loss_fn = build_loss(cfg.loss, packed=packed(cfg.data))

@@ -14,6 +14,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_research.config.schema import typed
+from fsdp_research.config.targets import resolve
 from fsdp_research.data.pipeline import packed
 from fsdp_research.distributed.context_parallel import SPLITTABLE, unsplittable
 from fsdp_research.distributed.precision import dtypes
@@ -175,6 +176,8 @@ def _cps(cfg: DictConfig, hf_config, world: int, tp: int, keys: dict[str, Any], 
     seq, heads = cfg.data.seq_len, getattr(hf_config, "num_attention_heads", 0)
     if seq < LONG or not heads or packed(cfg.data) or unsplittable(hf_config, seq):
         return [1]
+    if not _objective_takes(cfg, "splits_sequences"):
+        return [1]
     attention = getattr(hf_config, "_attn_implementation", None) or "sdpa"
     if attention not in SPLITTABLE or cfg.trainer.compile or cfg.sharding.cpu_offload or cfg.model.lora.r is not None:
         return [1]
@@ -191,9 +194,16 @@ def _checkpointed(n_blocks: int, stride: int) -> tuple[bool, ...]:
     return tuple(stride > 0 and i % stride == 0 for i in range(n_blocks))
 
 
-def _chunkable(loss_cfg: DictConfig, hf_config) -> tuple[int, ...]:
+def _objective_takes(cfg: DictConfig, flag: str) -> bool:
+    """Whether the run's objective takes what a knob changes (objectives.Objective's flags: cp's chunks of each
+    sequence, the loss group's chunks): --fit searches only what the run would not refuse."""
+    return bool(getattr(resolve(cfg.objective._target_, "objective._target_"), flag, False))
+
+
+def _chunkable(cfg: DictConfig, hf_config) -> tuple[int, ...]:
     transforms = any(getattr(hf_config, key, None) for key in _LOGIT_TRANSFORMS)
-    return (1,) if loss_cfg.get("_target_") or transforms else CHUNKS
+    lm = _objective_takes(cfg, "uses_loss_group")
+    return (1,) if cfg.loss.get("_target_") or transforms or not lm else CHUNKS
 
 
 def _variants(
@@ -242,7 +252,7 @@ def candidates(
     )
     base.sharding.reshard_override = {}
     hf_config = build_hf_config(base.model)
-    chunks = _chunkable(base.loss, hf_config)
+    chunks = _chunkable(base, hf_config)
     shardings = [
         (tp, ep, cp, keys)
         for tp in _tps(base, hf_config, world_size, hw.per_node)

@@ -212,7 +212,8 @@ def train_step(run: Run, step: int) -> StepResult:
     t, scaler, micro_steps = run.cfg.trainer, run.state.scaler, run.layout.micro_steps
     seed_step(t.seed, step, run.layout.tp)
     with region("data"):
-        batch = run.objective.step_batch(run.model, run.batches.get(step).to(run.device, non_blocking=True), step)
+        batch = run.batches.get(step).to(run.device, non_blocking=True)
+    batch = run.objective.step_batch(run.model, batch, step)
     totals: dict[str, torch.Tensor] = {}
     weight, targets = step_weight(run.objective.targets(batch), micro_steps, run.layout.tp, run.layout.cp)
     if targets is not None:

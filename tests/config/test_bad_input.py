@@ -58,6 +58,10 @@ APP_ERRORS = {
     "objective_target": ("objective._target_", ["objective._target_=torch.optim.AdamW"]),
     # The base class reads no loss group (objective=lm does): a z-loss would change nothing.
     "objective_loss": ("loss", ["objective._target_=fsdp_research.objectives.Objective", "loss.z_loss=1e-4"]),
+    "objective_packed": (
+        "data.document_masking",
+        ["objective._target_=fsdp_research.objectives.Objective", "data.document_masking=true"],
+    ),
     "selective_per_linear": ("activation_checkpointing", ["activation_checkpointing=selective", "sharding=per_linear"]),
     "tp_world": ("parallel.tp", ["parallel.tp=2"]),
     "save_ops": (
@@ -97,6 +101,7 @@ MESSAGES = {
     "chunks_softcap": "the model changes its logits after the output layer",
     "objective_target": "torch.optim.AdamW is not a subclass of fsdp_research.objectives.Objective",
     "objective_loss": "objective Objective does not read it (objective=lm does)",
+    "objective_packed": "makes packed samples, which objective Objective does not take",
 }
 COMPOSITION_ERRORS = {
     "unknown_key": (

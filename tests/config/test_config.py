@@ -25,3 +25,6 @@ def test_deprecated_names_are_read_with_a_warning():
         cfg = compose(["trainer.objective=tokens_per_s"])
     assert cfg.trainer.sweep_metric == "tokens_per_s" and cfg.trainer.objective is None
     assert compose([]).objective._target_ == "fsdp_research.objectives.lm.NextToken"
+    # The new name, set, wins (an old hparams_search file may still set the old one).
+    both = compose(["trainer.objective=eval_loss", "trainer.sweep_metric=tokens_per_s"])
+    assert both.trainer.sweep_metric == "tokens_per_s"

@@ -10,7 +10,7 @@ from fsdp_research.objectives import Objective
 
 
 class TailTokens(Objective):
-    # Windows of text (its loss slices positions: not chat's packed samples, nor context parallel's chunks).
+    # Windows of text (its loss slices positions: not packed samples, nor context parallel's chunks).
     reads = (DataKind.local_text, DataKind.hub, DataKind.synthetic)
 
     def __init__(self, skip: int = 8):
