@@ -13,21 +13,13 @@ class Launch(Job):
     """harness.jobs.Job; `forked`: forked from the suite's forkserver (tests/helpers/forked.py) rather than a new
     interpreter, for a run whose outputs are the point (a baseline, a resume); `finish` gives a Run."""
 
-    def __init__(
-        self,
-        cwd: str,
-        overrides: Sequence[str],
-        torchrun: int = 0,
-        max_restarts: int = 0,
-        rendezvous: Sequence[str] = (),
-        env: dict[str, str] | None = None,
-        forked: bool = False,
-    ):
+    def __init__(self, cwd: str, overrides: Sequence[str], forked: bool = False, **job):
+        """job: harness.jobs.Job's keyword arguments (torchrun, max_restarts, rendezvous, env)."""
         if not forked:
-            super().__init__(cwd, overrides, torchrun, max_restarts, rendezvous, env)
+            super().__init__(cwd, overrides, **job)
             return
-        assert not torchrun, "torchrun's launch is the point: a real interpreter"
-        self._open(cwd, env)
+        assert not job.get("torchrun"), "torchrun's launch is the point: a real interpreter"
+        self._open(cwd, job.get("env"))
         command = train_command(overrides)
         self.proc = Forked(command[1], command[2:], cwd, self.env, new_session=True, logs=(self._out, self._err))
 
