@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 import transformers
-from omegaconf import OmegaConf
+from omegaconf import OmegaConf, open_dict
 from safetensors.torch import load_file
 
 from fsdp_research.jobs.compose import compose
@@ -49,37 +49,50 @@ def _logits(model, batch):
     return out.float()
 
 
-def _one(family: str, initial: str, out: str, batch: torch.Tensor, base) -> dict:
+def _one(family: str, initial: str, out: str, base) -> dict:
     """Everything one family is checked for, on this pool's ranks; `base`: the composed config, each family's its
     model.name_or_path (the one override that differs: Hydra's compose took a third of a family's time)."""
     import torch.distributed as dist
 
-    from fsdp_research.checkpoint.hf_export import export_model
     from fsdp_research.model.architecture import build_hf_config
     from fsdp_research.model.assembly import build_sharded_model
     from fsdp_research.train.trainer import train
 
     world = dist.get_world_size()
-    record = {}
     cfg = base.copy()
     cfg.model.name_or_path = initial
-    if world > 1:
-        loaded, plan = build_sharded_model(cfg, build_hf_config(cfg.model), torch.device("cpu"), world)
-        record["logits"] = _logits(loaded, batch)
-        record["block"] = ", ".join(sorted({type(loaded.get_submodule(b)).__name__[4:] for b in plan.blocks}))
-        export_model(loaded, loaded.config, f"{out}/{family}/export", torch.float32, 10**10, None)
-        made = OmegaConf.merge(cfg, {"model": {"load_weights": False}})
-        record["init"] = full_state(
-            build_sharded_model(made, build_hf_config(made.model), torch.device("cpu"), world)[0]
-        )
-    record["losses"] = train(cfg, f"{out}/{family}/train{world}").losses
+    if world == 1:
+        return {"losses": train(cfg, f"{out}/{family}/train1").losses}
+    with open_dict(cfg):  # the loaded model as the trainer loaded it, before its first step
+        cfg.callbacks["loaded"] = {"_target_": f"{__name__}.AsLoaded", "out": f"{out}/{family}"}
+    record = {"losses": train(cfg, f"{out}/{family}/train{world}").losses}
+    record |= torch.load(f"{out}/{family}/loaded.pt")
+    made = OmegaConf.merge(cfg, {"model": {"load_weights": False}})
+    record["init"] = full_state(build_sharded_model(made, build_hf_config(made.model), torch.device("cpu"), world)[0])
     return record
 
 
-def _one_rank(initials: dict, out: str, batch: torch.Tensor, base) -> tuple[dict, dict]:
+class AsLoaded:
+    """A callback: at the start of training, before any step, the loaded model's logits on BATCH and its export
+    (the weights-in and weights-out checks), of the trainer's own load (a family's model built once fewer)."""
+
+    def __init__(self, out: str):
+        self.out = out
+
+    def on_train_start(self, run) -> None:
+        from fsdp_research.checkpoint.hf_export import export_model
+
+        logits = _logits(run.model, BATCH)
+        block = ", ".join(sorted({type(run.model.get_submodule(b)).__name__[4:] for b in run.blocks}))
+        if run.rank == 0:
+            torch.save({"logits": logits, "block": block}, f"{self.out}/loaded.pt")
+        export_model(run.model, run.model.config, f"{self.out}/export", torch.float32, 10**10, None)
+
+
+def _one_rank(initials: dict, out: str, base) -> tuple[dict, dict]:
     """The 1-rank pool's work: each family's training, then its initialisation taken as a large model's (after the
     training, which it would change): beside the 2-rank pool, it keeps the second core busy."""
-    return each_family(_one, initials, out, batch, base), _initialised_as_large(initials)
+    return each_family(_one, initials, out, base), _initialised_as_large(initials)
 
 
 def _initial(family: str, out_dir: str) -> str:
@@ -100,8 +113,8 @@ def census(tmp_path_factory):
     # Each family sets its own model.name_or_path; data.tokenizer=auto is byte for all (no tokenizer was saved).
     base = compose(TRAIN + pretrained(str(out / "initial")))
     with ThreadPoolExecutor(1) as pool:
-        two = pool.submit(run_distributed, each_family, 2, _one, initials, str(out), BATCH, base)
-        one, large = run_distributed(_one_rank, 1, initials, str(out), BATCH, base)
+        two = pool.submit(run_distributed, each_family, 2, _one, initials, str(out), base)
+        one, large = run_distributed(_one_rank, 1, initials, str(out), base)
         return out, initials, two.result(), one, {}, large
 
 
