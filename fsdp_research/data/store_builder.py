@@ -301,6 +301,12 @@ def ensure_store(
     progress = _Progress(len(spec.parts), report, every_s)
     try:
         os.makedirs(build_dir, exist_ok=True)
+        if verify(path, spec.fingerprint) is None:
+            # Another job published it (renamed the build dir) after this one looked and before the makedirs above
+            # made the build dir anew: open that store, never build one to replace it under its readers.
+            with contextlib.suppress(OSError):
+                os.rmdir(build_dir)
+            return TokenStore(path)
         mine = [(i, p) for i, p in enumerate(spec.parts) if i % world == rank and _done(build_dir, i) is None]
         jobs = _claimed(build_dir, build, rank, world, spec.parts)
         with heartbeat(build_dir, build, rank, min(5.0, timeout_s / 4)):

@@ -145,6 +145,26 @@ def test_a_store_another_job_publishes_while_this_one_builds_is_opened(tmp_path,
     np.testing.assert_array_equal(store.tokens(0, store.n_tokens), serial.tokens(0, serial.n_tokens))
 
 
+def test_a_store_published_after_this_job_looked_is_opened_not_replaced(tmp_path, monkeypatch):
+    """The other job publishes (renames the build dir) after this one found no store and before it makes the build
+    dir: this one opens that store; its files, which the other job reads, are never removed or replaced."""
+    paths = _many_parts(tmp_path, monkeypatch)
+    [spec] = store_specs(_cfg(tmp_path, paths))
+    root, progress, other = str(tmp_path / "stores"), store_builder._Progress, []
+
+    def the_other_job_publishes_now(*args):
+        monkeypatch.setattr(store_builder, "_Progress", progress)
+        other.append(ensure_store(spec, root, 0, 1, 1, "other", timeout_s=60))
+        other.append(os.stat(os.path.join(other[0].path, "part_00000.tokens")).st_ino)
+        return progress(*args)
+
+    monkeypatch.setattr(store_builder, "_Progress", the_other_job_publishes_now)
+    store = ensure_store(spec, root, 0, 1, 1, "this", timeout_s=60)
+    assert store.path == other[0].path and os.stat(os.path.join(store.path, "part_00000.tokens")).st_ino == other[1]
+    np.testing.assert_array_equal(other[0].tokens(0, other[0].n_tokens), store.tokens(0, store.n_tokens))
+    assert os.listdir(root) == [spec.fingerprint]
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_builder_that_died_without_a_word_fails_the_waiters(tmp_path, monkeypatch, rank):
     """A builder took part 1 and died before it could record an error (its claim is all that is left): once no
