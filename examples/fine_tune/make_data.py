@@ -1,4 +1,5 @@
-"""A tiny fine-tuning setup made here, offline: chats in JSON Lines (train and eval), a byte-level BPE tokenizer with
+"""A tiny fine-tuning setup made here, offline: chats in JSON Lines (train and eval), preference pairs of the same sums
+(pairs_train, pairs_eval: the right answer chosen, a wrong one rejected), a byte-level BPE tokenizer with
 ChatML's turn tokens and chat template, and a small llama beside it written with save_pretrained (random weights:
 it stands in for the pretrained model you would name).
 
@@ -37,10 +38,26 @@ def chats(n: int, seed: int) -> list[dict]:
     return out
 
 
+def pairs(n: int, seed: int) -> list[dict]:
+    """TRL's conversational preference format: the sum asked, the right answer chosen, one off by 1 to 3 rejected."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        a, b, off = rng.randint(0, 20), rng.randint(0, 20), rng.choice([-3, -2, -1, 1, 2, 3])
+        prompt = [
+            {"role": "system", "content": "Answer with the number."},
+            {"role": "user", "content": f"What is {a} + {b}?"},
+        ]
+        answer = [{"role": "assistant", "content": str(a + b)}], [{"role": "assistant", "content": str(a + b + off)}]
+        out.append({"prompt": prompt, "chosen": answer[0], "rejected": answer[1]})
+    return out
+
+
 def main(out: str, hidden: int = 128, layers: int = 4, n_chats: int = 2000) -> None:
     os.makedirs(out, exist_ok=True)
     train, evals = chats(n_chats, 0), chats(100, 1)
-    for name, rows in (("train", train), ("eval", evals)):
+    both = (("train", train), ("eval", evals), ("pairs_train", pairs(n_chats, 2)), ("pairs_eval", pairs(100, 3)))
+    for name, rows in both:
         with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)
     texts = [m["content"] for row in train for m in row["messages"]]
@@ -66,7 +83,8 @@ def main(out: str, hidden: int = 128, layers: int = 4, n_chats: int = 2000) -> N
     )  # fmt: skip
     torch.manual_seed(0)  # the same initial weights on every machine: the walkthrough's figures reproduce
     AutoModelForCausalLM.from_config(config).save_pretrained(model_dir)
-    print(f"wrote {out}/train.jsonl, {out}/eval.jsonl and {model_dir} (tokenizer with a chat template, llama)")
+    written = ", ".join(f"{out}/{name}.jsonl" for name, _ in both)
+    print(f"wrote {written} and {model_dir} (tokenizer with a chat template, llama)")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The data group's schema (data=local_text|hub|synthetic|chat): sources, tokenizer, windows, eval sets, and the
-chat data's rendering, targets, truncation and packing."""
+"""The data group's schema (data=local_text|hub|synthetic|chat|preference): sources, tokenizer, windows, eval sets,
+and the chat and preference data's rendering, targets, truncation and packing."""
 
 from dataclasses import dataclass, field
 from enum import Enum
@@ -10,6 +10,12 @@ class DataKind(str, Enum):
     hub = "hub"
     synthetic = "synthetic"
     chat = "chat"
+    preference = "preference"
+
+    @property
+    def templated(self) -> bool:
+        """Records rendered (a chat template, or a prompt and its completion) into documents with targets."""
+        return self in (DataKind.chat, DataKind.preference)
 
 
 class LossOn(str, Enum):
@@ -78,6 +84,10 @@ class DataConfig:
     prompt_field: str | None = None
     completion_field: str | None = None
     chat_template: str | None = None
+    # preference: each record's preferred and dispreferred completion (TRL's fields: text, or messages); the prompt
+    # is prompt_field's, or without one (prompt_field null, or a record without it) their common start.
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     # The targets: every assistant message (its end-of-turn token included, its role header not), the last one, or
     # every token.
     loss_on: LossOn = LossOn.assistant

@@ -43,7 +43,7 @@ def chat_tokenizer(cfg: DataConfig):
     tok = load_tokenizer(cfg.tokenizer).hf
     if tok is None:
         raise ConfigError(
-            "data.tokenizer", "data=chat needs a Hugging Face tokenizer, not `byte`", "name one with a chat template"
+            "data.tokenizer", f"data={cfg.kind.value} needs a Hugging Face tokenizer, not `byte`", "name one"
         )
     if cfg.chat_template:
         tok = copy.copy(tok)  # load_tokenizer's is shared: its own template stays
@@ -155,6 +155,59 @@ def _prompt_completion(tok, prompt: str, completion: str, loss_on: LossOn) -> Do
     return Document(ids, targets)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
+    """(prompt, chosen, rejected) of a pair without a prompt, as TRL's extract_prompt cuts it: their common start (by
+    character for text, by message for conversations), a space before where they part going with the completions."""
+    idx = 0
+    for idx in range(min(len(chosen), len(rejected))):
+        if chosen[idx] != rejected[idx]:
+            if chosen[idx - 1] == " ":
+                idx -= 1
+            break
+    return chosen[:idx], chosen[idx:], rejected[idx:]
+
+
+def _pair_documents(tok, prompt: Any, chosen: Any, rejected: Any) -> tuple[Document, Document]:
+    """A preference pair's two documents as TRL's DPOTrainer tokenizes them: the prompt alone (a conversation's with
+    the generation prompt) and the prompt with each completion (text: its end-of-sequence text appended), the
+    prompt being the three's common start in tokens; the completions' tokens are the targets."""
+    if isinstance(prompt, list):
+
+        def ids(messages, **kwargs):
+            return tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"]
+
+        alone = ids(prompt, add_generation_prompt=True)
+        whole = [ids(prompt + completion) for completion in (chosen, rejected)]
+    else:
+        eos = tok.eos_token or ""
+        alone = tok(prompt)["input_ids"]
+        whole = [tok(prompt + (c if c.endswith(eos) else c + eos))["input_ids"] for c in (chosen, rejected)]
+    cut = min(_common_prefix(alone, w) for w in whole)
+    docs = (Document(np.asarray(w, np.int64), np.arange(len(w)) >= cut) for w in whole)
+    return next(docs), next(docs)
+
+
+def _preference(tok, cfg: DataConfig, record: Any, path: str, where: str) -> tuple[Document, Document]:
+    chosen = _messages(_field(record, "data.chosen_field", cfg.chosen_field, path, where))
+    rejected = _messages(_field(record, "data.rejected_field", cfg.rejected_field, path, where))
+    if cfg.prompt_field and cfg.prompt_field in record:
+        prompt = _messages(record[cfg.prompt_field])
+    else:
+        prompt, chosen, rejected = _implicit_prompt(chosen, rejected)
+    kinds = {type(x) for x in (prompt, chosen, rejected)}
+    if kinds not in ({str}, {list}):
+        raise ConfigError(
+            "data.chosen_field",
+            f"{path} {where}: prompt, chosen and rejected must all be text or all messages",
+            "fix that record",
+        )
+    return _pair_documents(tok, prompt, chosen, rejected)
+
+
 def _field(record: Any, key: str, name: str, path: str, where: str) -> Any:
     if key == "data.messages_field" and isinstance(record, dict) and name not in record and _PAIR <= record.keys():
         raise ConfigError(
@@ -184,7 +237,9 @@ def _documents_of(tok, cfg: DataConfig, source: Iterator[tuple[str, str, Any]]) 
     """The document of each record."""
     for path, where, record in source:
         try:
-            if cfg.prompt_field or cfg.completion_field:
+            if cfg.kind is DataKind.preference:
+                yield from _preference(tok, cfg, record, path, where)
+            elif cfg.prompt_field or cfg.completion_field:
                 prompt = _field(record, "data.prompt_field", cfg.prompt_field, path, where)
                 completion = _field(record, "data.completion_field", cfg.completion_field, path, where)
                 if not isinstance(prompt, str) or not isinstance(completion, str):
@@ -210,15 +265,15 @@ def check_chat(cfg: DataConfig) -> None:
     """data=chat before any compute: the tokenizer and its template, the first record of the first file (its
     fields, its roles) rendered, as the eval files' first."""
     if cfg.sources:
-        raise ConfigError("data.sources", "data=chat reads data.paths, not a mixture", "give data.paths")
-    if bool(cfg.prompt_field) != bool(cfg.completion_field):
+        raise ConfigError("data.sources", f"data={cfg.kind.value} reads data.paths, not a mixture", "give data.paths")
+    if cfg.kind is DataKind.chat and bool(cfg.prompt_field) != bool(cfg.completion_field):
         raise ConfigError(
             "data.prompt_field", "prompt/completion pairs need both fields", "set data.completion_field too"
         )
     if bool(cfg.paths) == bool(cfg.hub_name):
         raise ConfigError(
             "data.paths",
-            f"data=chat reads files or a hub dataset: {'both' if cfg.paths else 'neither'} given",
+            f"data={cfg.kind.value} reads files or a hub dataset: {'both' if cfg.paths else 'neither'} given",
             "give data.paths=[...] or data.hub_name=<dataset>",
         )
     tok = chat_tokenizer(cfg)

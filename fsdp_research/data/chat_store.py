@@ -1,9 +1,9 @@
-"""Conversations (and prompt/completion pairs) tokenized once, into a token store (fsdp_research.data.store): the
-documents' token ids in the store's dtype, a byte a token saying which are targets, and per document its target
-count, built by one rank and read by every rank and every later start at the positions it packs
-(fsdp_research.data.packing.ChatWindows). Its fingerprint is of the files (or hub dataset), the tokenizer, the chat
-template's text, the fields and data.loss_on: what decides the ids and targets. Sequence length, packing and
-truncation are not in it: they apply when it is read."""
+"""Conversations (and prompt/completion pairs; preference pairs, two documents each) tokenized once, into a token
+store (fsdp_research.data.store): the documents' token ids in the store's dtype, a byte a token saying which are
+targets, and per document its target count, built by one rank and read by every rank and every later start at the
+positions it packs (fsdp_research.data.packing.ChatWindows, PairWindows). Its fingerprint is of the files (or hub
+dataset), the tokenizer, the chat template's text, the fields and data.loss_on: what decides the ids and targets.
+Sequence length, packing and truncation are not in it: they apply when it is read."""
 
 import functools
 import json
@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from fsdp_research.config.data_schema import DataConfig
+from fsdp_research.config.data_schema import DataConfig, DataKind
 from fsdp_research.data.chat import chat_tokenizer, documents
 from fsdp_research.data.parts import Part, identity, scan
 from fsdp_research.data.store import VERSION, StoreSpec, part_name
@@ -29,11 +29,12 @@ def chat_spec(cfg: DataConfig, paths: list[str] | None, key: str) -> StoreSpec:
         source = identity(scan(paths, key))
     spec = {
         "version": VERSION,
-        "kind": "chat",
+        "kind": cfg.kind.value,
         "source": source,
         "tokenizer": tok.fingerprint,
         "template": chat_tokenizer(cfg).chat_template,
-        "fields": [cfg.messages_field, cfg.prompt_field, cfg.completion_field],
+        "fields": [cfg.messages_field, cfg.prompt_field, cfg.completion_field]
+        + ([cfg.chosen_field, cfg.rejected_field] if cfg.kind is DataKind.preference else []),
         "loss_on": cfg.loss_on.value,
         "dtype": tok.dtype.name,
     }

@@ -245,3 +245,45 @@ class TextDocuments(PackedDocuments):
         pieces = f", {self.in_pieces:,} longer than data.seq_len in pieces" if self.in_pieces else ""
         filled = self.lengths.sum() / (self.count * self.length)
         return f"{self.documents:,} documents of {self.what} packed whole ({filled:.0%} of positions filled{pieces})"
+
+
+class PairWindows(PackedDocuments):
+    """A store of preference pairs (documents 2i and 2i + 1: the prompt with its chosen completion, then with its
+    rejected one) packed into samples a pair at a time, never split: the two side by side in one sample, each
+    attending to itself only (its positions from 0), so that a pair's log-probabilities are its sequences' fed
+    alone. data.packing: several pairs a sample, best-fit decreasing; else one a sample, padded. A pair longer
+    than seq_len is dropped or refused (data.truncation); one whose completions hold no target is left out."""
+
+    def __init__(self, store: TokenStore, seq_len: int, pad: int, packing: bool, truncation: Truncation, what: str):
+        self.store, self.length, self.shape = store, seq_len, (3, seq_len)
+        self.pad_id, self.masking, self.what = pad, True, what
+        self.first, self.lengths = _documents(store)
+        counts = store.target_counts()
+        pair_lengths = self.lengths[0::2] + self.lengths[1::2]
+        longest = int(pair_lengths.max(initial=0))
+        if longest > seq_len and truncation is Truncation.error:
+            raise ConfigError(
+                "data.truncation",
+                f"a pair of {what} has {longest} tokens (prompt twice, both completions), more than data.seq_len="
+                f"{seq_len}",
+                "raise data.seq_len, or set data.truncation=drop",
+            )
+        keep = (counts[0::2] > 0) & (counts[1::2] > 0)
+        self.untargeted = int((~keep).sum())
+        self.dropped = int((keep & (pair_lengths > seq_len)).sum())
+        kept = np.flatnonzero(keep & (pair_lengths <= seq_len))
+        order, starts = assign(pair_lengths[kept], seq_len, packing)
+        self.pairs = kept[order]
+        self.docs = np.stack([2 * self.pairs, 2 * self.pairs + 1], 1).reshape(-1)
+        self.starts = 2 * starts
+        self.count = len(starts) - 1
+
+    def span_targets(self, start: int, stop: int) -> np.ndarray:
+        return self.store.targets(start, stop)
+
+    def describe(self) -> str:
+        filled = int(self.lengths[self.docs].sum()) / max(1, self.count * self.length)
+        left_out = f"; {self.untargeted:,} with an empty completion left out" if self.untargeted else ""
+        if self.dropped:
+            left_out += f"; {self.dropped:,} longer than data.seq_len dropped"
+        return f"{len(self.pairs):,} pairs of {self.what} ({filled:.0%} of the positions filled{left_out})"

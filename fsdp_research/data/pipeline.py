@@ -19,7 +19,7 @@ import torch
 from fsdp_research.config.data_schema import DataConfig, DataKind
 from fsdp_research.data.chat import chat_tokenizer
 from fsdp_research.data.chat_store import chat_spec
-from fsdp_research.data.packing import ChatWindows, DocumentWindows, PackedDocuments, TextDocuments
+from fsdp_research.data.packing import ChatWindows, DocumentWindows, PackedDocuments, PairWindows, TextDocuments
 from fsdp_research.data.parts import default_paths, hub_parts, identity, plan_parts, scan
 from fsdp_research.data.sampling import StoreWindows, Stream, SyntheticWindows
 from fsdp_research.data.store import StoreSpec, TokenStore, store_spec
@@ -30,7 +30,7 @@ from fsdp_research.errors import ConfigError
 
 def packed(cfg: DataConfig) -> bool:
     """Whether the samples are packed documents with targets (fsdp_research.data.packing), not token windows."""
-    return cfg.kind is DataKind.chat or bool(cfg.document_masking)
+    return cfg.kind.templated or bool(cfg.document_masking)
 
 
 def store_root(cfg: DataConfig) -> str:
@@ -63,7 +63,7 @@ def sources(cfg: DataConfig) -> list[Source]:
 def store_specs(cfg: DataConfig) -> list[StoreSpec]:
     """Each source's store spec (the files are listed and stat'ed; nothing is read); data=chat: the conversations'
     and each eval set's."""
-    if cfg.kind is DataKind.chat:
+    if cfg.kind.templated:
         evals = [chat_spec(cfg, paths, key) for key, paths in eval_set_paths(cfg).values()]
         return [chat_spec(cfg, None if cfg.hub_name else list(cfg.paths), _chat_key(cfg)), *evals]
     if cfg.kind is DataKind.hub:
@@ -190,13 +190,18 @@ def _chat_key(cfg: DataConfig) -> str:
     return "data.hub_name" if cfg.hub_name else "data.paths"
 
 
-def chat_windows(cfg: DataConfig, paths: list[str] | None, key: str, build: Build) -> ChatWindows:
-    """The conversations of `paths` (None: of data.hub_name) from their store (built first where there is none),
-    packed (data.packing, data.document_masking: on unless false)."""
+def chat_windows(cfg: DataConfig, paths: list[str] | None, key: str, build: Build) -> ChatWindows | PairWindows:
+    """The conversations (or preference pairs) of `paths` (None: of data.hub_name) from their store (built first
+    where there is none), packed (data.packing, data.document_masking: on unless false)."""
     store = _ensure(chat_spec(cfg, paths, key), store_root(cfg), build)
     what = cfg.hub_name if paths is None else list(paths)
     tok = chat_tokenizer(cfg)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if cfg.kind is DataKind.preference:
+        pairs = PairWindows(store, cfg.seq_len, pad, cfg.packing, cfg.truncation, key)
+        if not pairs.count:
+            raise ConfigError(key, f"{what} holds no pair of at most data.seq_len tokens", "raise data.seq_len")
+        return pairs
     windows = ChatWindows(store, cfg.seq_len, pad, cfg.packing, cfg.document_masking is not False, cfg.truncation, key)
     if not windows.count and windows.untargeted:
         raise ConfigError(key, f"{what} holds no target token (data.loss_on={cfg.loss_on.value})", "check it")
@@ -214,7 +219,7 @@ def eval_set_paths(cfg: DataConfig) -> dict[str, tuple[str, list[str]]]:
 
 def _eval_sets(cfg: DataConfig, build: Build) -> dict[str, StoreWindows | PackedDocuments]:
     return {
-        name: chat_windows(cfg, paths, key, build) if cfg.kind is DataKind.chat else _eval_text(cfg, paths, key, build)
+        name: chat_windows(cfg, paths, key, build) if cfg.kind.templated else _eval_text(cfg, paths, key, build)
         for name, (key, paths) in eval_set_paths(cfg).items()
     }
 
@@ -244,7 +249,7 @@ def build_data(cfg: DataConfig, vocab_size: int, seed: int, build: Build = Build
     if cfg.kind is DataKind.synthetic:
         count = min(cfg.num_sequences, cfg.max_windows or cfg.num_sequences)
         windows, weights, keys = [SyntheticWindows(count, length, vocab_size, seed)], [1.0], ["data"]
-    elif cfg.kind is DataKind.chat:
+    elif cfg.kind.templated:
         key, paths = _chat_key(cfg), None if cfg.hub_name else list(cfg.paths)
         windows, weights, keys = [chat_windows(cfg, paths, key, build)], [1.0], [key]
     else:

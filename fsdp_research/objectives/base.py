@@ -14,6 +14,7 @@ from fsdp_research.config.targets import check_call, kwargs_of, resolve
 from fsdp_research.data.pipeline import Data, packed
 from fsdp_research.distributed.context_parallel import ContextSplit
 from fsdp_research.errors import ConfigError
+from fsdp_research.metrics.meters import loss_metrics
 from fsdp_research.train.evaluation import evaluate
 from fsdp_research.train.losses import Router, target_count
 
@@ -42,8 +43,9 @@ class Objective:
     rank calls each method; a step's batch is this rank's, [samples, ...] as the data gives it (text windows of
     seq_len + 1 tokens; packed chat samples [n, 3, seq_len])."""
 
-    # The data kinds (data=...) it reads: anything else is refused before any compute.
-    reads: tuple[DataKind, ...] = tuple(DataKind)
+    # The data kinds (data=...) it reads: anything else is refused before any compute. Preference pairs only where
+    # an objective says so: two documents a pair, which a per-token loss would take as any two.
+    reads: tuple[DataKind, ...] = tuple(k for k in DataKind if k is not DataKind.preference)
     # Whether its loss takes context parallel's chunks of each sequence (ctx.split); without, parallel.cp > 1 is
     # refused.
     splits_sequences: bool = False
@@ -54,8 +56,15 @@ class Objective:
     # are refused.
     takes_packed: bool = False
 
+    def check(self, cfg: DictConfig) -> None:
+        """What it refuses of the run's typed config, before any compute (its constructor does no more than keep its
+        arguments: it is called then too)."""
+
     def setup(self, cfg: DictConfig) -> None:
         """Once on every rank before the first step, with the run's typed config."""
+
+    def prepare(self, model: nn.Module, device: torch.device) -> None:
+        """Once on every rank after setup, with the sharded model (a collective where it builds one of its own)."""
 
     def step_batch(self, model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
         """The batch step `step` trains on, from this rank's batch of the data: the data's own by default. One that
@@ -78,6 +87,11 @@ class Objective:
         """The eval metrics (a collective): by default the next-token loss over the held-out data."""
         return evaluate(model, data, cfg, device, amp)
 
+    def metrics(self, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+        """What a logged step shows of its stats (each micro-batch's loss() stats summed, MEAN_LOSSES averaged, and
+        "targets": the step's, summed over ranks): a collective, every rank the same keys."""
+        return loss_metrics(stats)
+
 
 def _target(cfg: DictConfig) -> tuple[type, dict]:
     target = resolve(cfg._target_, "objective._target_")
@@ -94,7 +108,8 @@ def _target(cfg: DictConfig) -> tuple[type, dict]:
 
 def check_objective(cfg: DictConfig) -> None:
     """The objective imports, takes its keyword arguments, and reads the run's data: refused before any compute."""
-    target, _ = _target(cfg.objective)
+    target, kwargs = _target(cfg.objective)
+    target(**kwargs).check(cfg)
     name = f"objective {target.__qualname__}"
     if cfg.data.kind not in target.reads:
         raise ConfigError(
@@ -115,8 +130,9 @@ def check_objective(cfg: DictConfig) -> None:
         )
 
 
-def build_objective(cfg: DictConfig) -> Objective:
+def build_objective(cfg: DictConfig, model: nn.Module, device: torch.device) -> Objective:
     target, kwargs = _target(cfg.objective)
     objective = target(**kwargs)
     objective.setup(cfg)
+    objective.prepare(model, device)
     return objective

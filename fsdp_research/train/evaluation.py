@@ -18,6 +18,37 @@ from fsdp_research.train.losses import target_count, token_losses
 
 
 @torch.no_grad()
+def held_out_sums(
+    model: nn.Module,
+    read: Callable[[np.ndarray], torch.Tensor],
+    samples: int,
+    micro_batch: int,
+    device: torch.device,
+    sums_of: Callable[[torch.Tensor], torch.Tensor],
+    tp: int = 1,
+    split: ContextSplit | None = None,
+) -> torch.Tensor:
+    """The sums over samples 0 .. samples - 1 (`read` gives samples by index) of what sums_of says of each sample
+    ([samples in the batch, k]), data-parallel rank r taking r, r + world, ... (under context parallel each rank its
+    chunks of them, as in training): [k], float64. Every rank runs as many forwards (one with fewer samples pads
+    with a sample weighted 0): FSDP's collectives need them all. A collective: every rank calls it."""
+    cp = split.cp if split else 1
+    rank, world = data_parallel(tp, cp)
+    index = rank + world * np.arange(-(-samples // world))
+    weight = torch.from_numpy(index < samples).double().to(device)
+    index = np.minimum(index, samples - 1)
+    sums = None
+    model.eval()
+    with split.splitting() if split else contextlib.nullcontext():
+        for a in range(0, len(index), micro_batch):
+            batch = read(index[a : a + micro_batch]).to(device)
+            part = weight[a : a + micro_batch] @ sums_of(batch).double()
+            sums = part if sums is None else sums + part
+    model.train()
+    dist.all_reduce(sums)
+    return sums / tp
+
+
 def held_out_loss(
     model: nn.Module,
     read: Callable[[np.ndarray], torch.Tensor],
@@ -29,27 +60,15 @@ def held_out_loss(
     tp: int = 1,
     split: ContextSplit | None = None,
 ) -> tuple[float, int]:
-    """(loss summed over the targets, targets) of samples 0 .. samples - 1 (`read` gives samples by index), data-
-    parallel rank r taking r, r + world, ... (under context parallel each rank its chunks of them, as in training).
-    Every rank runs as many forwards (one with fewer samples pads with a sample weighted 0): FSDP's collectives need
-    them all. A collective: every rank calls it."""
+    """(loss summed over the targets, targets) of samples 0 .. samples - 1 (see held_out_sums)."""
     cp = split.cp if split else 1
-    rank, world = data_parallel(tp, cp)
-    index = rank + world * np.arange(-(-samples // world))
-    weight = torch.from_numpy(index < samples).float().to(device)
-    index = np.minimum(index, samples - 1)
-    sums = torch.zeros(2, device=device, dtype=torch.float64)  # loss summed over tokens, tokens
-    model.eval()
-    with split.splitting() if split else contextlib.nullcontext():
-        for a in range(0, len(index), micro_batch):
-            batch = read(index[a : a + micro_batch]).to(device)
-            w = weight[a : a + micro_batch]
-            per_sample = token_losses(model, batch, amp, chunks, split).sum(1)
-            # A cp rank's share of the targets: windows of tokens, split evenly.
-            sums += torch.stack([(per_sample * w).sum(), (target_count(batch) * w).sum() / cp]).double()
-    model.train()
-    dist.all_reduce(sums)
-    sums /= tp
+
+    def sums_of(batch: torch.Tensor) -> torch.Tensor:
+        # A cp rank's share of the targets: windows of tokens, split evenly.
+        per_sample = token_losses(model, batch, amp, chunks, split).sum(1)
+        return torch.stack([per_sample, target_count(batch) / cp], 1)
+
+    sums = held_out_sums(model, read, samples, micro_batch, device, sums_of, tp, split)
     return sums[0].item(), int(sums[1].item())
 
 

@@ -7,7 +7,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_research.callbacks.hooks import check_callbacks
-from fsdp_research.config.data_schema import DataConfig, DataKind
+from fsdp_research.config.data_schema import DataConfig, DataKind, Truncation
 from fsdp_research.config.schema import (
     ActivationCheckpointingConfig,
     CheckpointConfig,
@@ -88,7 +88,7 @@ def check_sources(cfg: DataConfig) -> None:
             )
         for source in sources(cfg):
             probe(first_file(source.paths, source.key), source.text_field)
-    if cfg.kind is DataKind.chat:
+    if cfg.kind.templated:
         check_chat(cfg)
     if cfg.build_workers < 0:
         raise ConfigError("data.build_workers", f"{cfg.build_workers} is negative", "use 0 (all cores) or N")
@@ -123,7 +123,13 @@ def check_data(cfg: DataConfig, t: TrainerConfig, hf_config) -> None:
         )
     if cfg.document_masking and cfg.kind is DataKind.synthetic:
         raise ConfigError("data.document_masking", "synthetic tokens have no documents", "leave it unset")
-    if cfg.kind is not DataKind.chat:
+    if cfg.kind is DataKind.preference and cfg.document_masking is False:
+        raise ConfigError(
+            "data.document_masking", "false: a pair's two sequences would attend to each other", "leave it unset"
+        )
+    if cfg.kind is DataKind.preference and cfg.truncation is Truncation.truncate:
+        raise ConfigError("data.truncation", "truncate: data=preference does not cut pairs", "use drop or error")
+    if not cfg.kind.templated:
         for key, paths in eval_set_paths(cfg).values():
             probe(first_file(paths, key), cfg.text_field)
     if cfg.eval_paths and cfg.eval_sources:

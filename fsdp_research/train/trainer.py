@@ -26,7 +26,7 @@ from fsdp_research.distributed.precision import LossScaler, autocast
 from fsdp_research.distributed.processes import broadcast_object, device_for, init_distributed, launch_env, on_rank0
 from fsdp_research.distributed.sharding import ShardingPlan
 from fsdp_research.distributed.step_layout import Layout, layout
-from fsdp_research.metrics.meters import MEAN_LOSSES, PeakMemory, Throughput, loss_metrics, packed_tokens
+from fsdp_research.metrics.meters import MEAN_LOSSES, PeakMemory, Throughput, packed_tokens
 from fsdp_research.metrics.profiling import StepProfiler, region
 from fsdp_research.metrics.sinks import Sinks, setup_logging
 from fsdp_research.model.architecture import build_hf_config
@@ -178,7 +178,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         data=data,
         batches=batches,
         amp=autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp_classic),
-        objective=build_objective(cfg),
+        objective=build_objective(cfg, model, device),
         router=router_of(hf_config, d.experts, d.experts_per_token),
         callbacks=callbacks,
         handle=handle,
@@ -345,7 +345,7 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> dic
         "lr": out.lr,
         "grad_norm": out.grad_norm.item(),
         "samples": run.state.samples,
-        **loss_metrics(out.stats),
+        **run.objective.metrics(out.stats),
         **run.throughput.stop(steps),
         **run.peak.window(),
     }

@@ -1,0 +1,229 @@
+"""objective=dpo on data=preference through the CLI, against TRL's DPOTrainer.evaluate in one process
+(per_device_eval_batch_size=1: means over the pairs) on the same pairs, in each of TRL's formats (text with its
+prompt, messages, and the implicit prompt): the eval loss of every loss type at once (weighted, as TRL combines
+them) and TRL's metrics, at 1 and 2 ranks, with a reference model that differs from the policy. With LoRA and
+objective.reference=auto, step 1's loss is log 2 (the adapters start at zero: policy = reference) and the losses
+are the same at 1, 2 and 4 ranks; a resumed run ends where the uninterrupted one ends. Bad settings: one line,
+before any compute."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from fsdp_research.errors import ConfigError
+from fsdp_research.jobs.compose import compose
+from fsdp_research.model.architecture import build_hf_config
+from fsdp_research.train.refusals import check_config
+from tests.conftest import ROOT
+from tests.helpers.chats import chat_llama
+from tests.helpers.cli import finish, read_metrics, start
+from tests.helpers.zoo import hf_config, pretrained
+
+pytestmark = pytest.mark.distributed
+
+PAIRS = [
+    ("What is x + 1 when x is 2?", " It is 3.", " It is 4, or so."),
+    ("Name a colour.", " Blue", " A dog"),
+    ("def f(x): return", " x + 1", " what?"),
+    ("The sky is", " blue today", " green"),
+    ("import", " os", " nothing at all here"),
+    ("Say hi.", " Hi!", " No."),
+]
+LOSSES = ["sigmoid", "ipo", "hinge", "robust", "sft"]
+WEIGHTS = [1.0, 0.5, 0.25, 0.125, 0.0625]
+METRICS = ["loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins"]
+METRICS += ["logps/chosen", "logps/rejected"]
+
+
+def _records(form: str) -> list[dict]:
+    if form == "text":
+        return [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS]
+    if form == "implicit":
+        return [{"chosen": p + c, "rejected": p + r} for p, c, r in PAIRS]
+    return [
+        {
+            "prompt": [{"role": "user", "content": p}],
+            "chosen": [{"role": "assistant", "content": c.strip()}],
+            "rejected": [{"role": "assistant", "content": r.strip()}],
+        }
+        for p, c, r in PAIRS
+    ]
+
+
+def _write(path, records: list[dict]) -> str:
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tmp = tmp_path_factory.mktemp("dpo")
+    model = chat_llama(str(tmp / "model"))
+    torch.manual_seed(1)  # the reference: another model of the same vocabulary
+    tok = AutoTokenizer.from_pretrained(model)
+    AutoModelForCausalLM.from_config(hf_config("llama", vocab_size=len(tok))).save_pretrained(tmp / "ref")
+    tok.save_pretrained(tmp / "ref")
+    files = {form: _write(tmp / f"{form}.jsonl", _records(form)) for form in ("text", "chat", "implicit")}
+    return tmp, model, str(tmp / "ref"), files
+
+
+def _common(tmp, model, files, *more):
+    return [
+        *pretrained(model),
+        "data=preference",
+        f"data.paths=[{files['text']},{files['chat']}]",
+        f"data.store_dir={tmp / 'stores'}",
+        "data.seq_len=128",
+        "objective=dpo",
+        "precision=fp32",
+        "logger=none",
+        "trainer.log_interval=1",
+        "trainer.global_batch_size=4",
+        "trainer.micro_batch_size=1",
+        *more,
+    ]
+
+
+def _trl_eval(model: str, ref: str, records: list[dict], out: str) -> dict:
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import DPOConfig, DPOTrainer
+
+    args = DPOConfig(
+        output_dir=out,
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        per_device_eval_batch_size=1,
+        gradient_checkpointing=False,
+        max_length=None,
+        loss_type=LOSSES,
+        loss_weights=WEIGHTS,
+        label_smoothing=0.1,
+        disable_tqdm=True,
+    )
+    data = Dataset.from_list(records)
+    policy, reference = (AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32) for m in (model, ref))
+    tok = AutoTokenizer.from_pretrained(model)
+    trainer = DPOTrainer(
+        model=policy, ref_model=reference, args=args, train_dataset=data, eval_dataset=data, processing_class=tok
+    )
+    return trainer.evaluate()
+
+
+@pytest.fixture(scope="module")
+def evaluated(work):
+    """Runs at lr 0 evaluating each format as an eval set of its own (data.eval_sources), at 1 and 2 ranks."""
+    tmp, model, ref, files = work
+    sources = ",".join(f"{form}:[{path}]" for form, path in files.items())
+    common = _common(
+        tmp,
+        model,
+        files,
+        f"data.eval_sources={{{sources}}}",
+        f"objective.loss_type=[{','.join(LOSSES)}]",
+        f"objective.loss_weights=[{','.join(map(str, WEIGHTS))}]",
+        "objective.label_smoothing=0.1",
+        f"objective.reference={ref}",
+        "optim.lr=0",
+        "trainer.max_steps=2",
+        "trainer.eval_interval=2",
+        "checkpoint.save=false",
+        "checkpoint.export=false",
+    )
+    procs = {
+        n: start([*common, f"distributed.nproc_per_node={n}", f"hydra.run.dir={tmp / f'eval{n}'}"], ROOT)
+        for n in (1, 2)
+    }
+    runs = {}
+    for n, proc in procs.items():
+        result = finish(proc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        with open(tmp / f"eval{n}" / "metrics.jsonl") as f:
+            runs[n] = [row for row in map(json.loads, f) if "eval_loss" in row][-1], read_metrics(tmp / f"eval{n}")
+    return runs
+
+
+@pytest.mark.parametrize("form", ["text", "chat", "implicit"])
+def test_eval_equals_trl_dpo_trainer_at_1_and_2_ranks(work, evaluated, form):
+    tmp, model, ref, _ = work
+    trl = _trl_eval(model, ref, _records(form), str(tmp / f"trl_{form}"))
+    for n, (ours, _) in evaluated.items():
+        assert ours[f"eval_pairs/{form}"] == len(PAIRS)
+        for key in METRICS:
+            assert ours[f"eval_{key}/{form}"] == pytest.approx(trl[f"eval_{key}"], rel=2e-3, abs=1e-6), (n, key)
+
+
+def test_training_metrics_are_the_same_at_1_and_2_ranks(evaluated):
+    (_, one), (_, two) = evaluated[1], evaluated[2]
+    # Each step's pairs: 4 samples of packed pairs, as many at any world size.
+    assert [r["targets"] for r in one] == [r["targets"] for r in two] and min(r["targets"] for r in one) > 4
+    for key in ["loss", *METRICS[1:]]:
+        assert [r[key] for r in one] == pytest.approx([r[key] for r in two], rel=1e-5), key
+
+
+LORA = ["model.lora.r=4", "model.lora.alpha=8", "optim.lr=1e-2", "trainer.eval_interval=0"]
+
+
+@pytest.mark.slow
+def test_lora_reference_auto_starts_at_log_2_and_is_the_same_at_1_2_4_ranks_and_on_resume(work):
+    tmp, model, _, files = work
+    common = _common(tmp, model, files, *LORA, "checkpoint.export=false")
+    run = {n: tmp / f"lora{n}" for n in (1, 2, 4)}
+    procs = [
+        start(
+            [
+                *common,
+                "trainer.max_steps=4",
+                "checkpoint.save=false",
+                f"distributed.nproc_per_node={n}",
+                f"hydra.run.dir={run[n]}",
+            ],
+            ROOT,
+        )  # fmt: skip
+        for n in (1, 2, 4)
+    ]
+    procs.append(
+        start([*common, "trainer.max_steps=2", "checkpoint.interval=2", f"hydra.run.dir={tmp / 'half'}"], ROOT)
+    )
+    for proc in procs:
+        result = finish(proc)
+        assert result.returncode == 0, result.stderr[-3000:]
+    resumed = finish(
+        start(
+            [*common, "trainer.max_steps=4", f"checkpoint.resume={tmp / 'half'}", f"hydra.run.dir={tmp / 'half'}"], ROOT
+        )
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    losses = {n: [r["loss"] for r in read_metrics(path)] for n, path in run.items()}
+    assert losses[1][0] == pytest.approx(math.log(2), abs=1e-7)  # policy = reference: the sigmoid of 0
+    assert losses[1][-1] < losses[1][0]
+    for n in (2, 4):
+        assert losses[n] == pytest.approx(losses[1], abs=1e-5), n
+    assert [r["loss"] for r in read_metrics(tmp / "half")] == losses[1]  # bitwise: steps 1-2, then 3-4 resumed
+
+
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["objective=lm"], "data"),
+        (["objective.loss_type=[sigmoid,kto]"], "objective.loss_type"),
+        (["objective.loss_type=[sigmoid,sft]", "objective.loss_weights=[1.0]"], "objective.loss_weights"),
+        (["objective.reference=/nonexistent"], "objective.reference"),
+        (["objective.beta=0"], "objective.beta"),
+        (["data.truncation=truncate"], "data.truncation"),
+        (["data.document_masking=false"], "data.document_masking"),
+        (["trainer.eval_interval=1"], "data.eval_paths"),
+    ],
+)
+def test_bad_settings_are_one_line_before_any_compute(work, overrides, key):
+    tmp, model, _, files = work
+    cfg = compose(_common(tmp, model, files, "trainer.eval_interval=0", *overrides))
+    with pytest.raises(ConfigError) as err:
+        check_config(cfg, 1, build_hf_config(cfg.model), torch.device("cpu"))
+    assert err.value.key == key
