@@ -32,6 +32,10 @@ PROMPTS = "prompts.json"
 
 
 def prompt_rendering(cfg: DataConfig) -> str:
+    if cfg.kind is DataKind.preference:  # as the pairs are: messages (the first record's) or text
+        first = [first_file(cfg.paths, "data.paths")] if cfg.paths else None
+        record = next(records(cfg, first, "data.paths"), (None, None, {}))[2]
+        return "chat" if isinstance(record, dict) and isinstance(record.get(cfg.chosen_field), list) else "pair"
     if cfg.kind is not DataKind.chat:
         return "text"
     return "pair" if cfg.prompt_field else "chat"

@@ -12,6 +12,7 @@ import math
 import pytest
 import torch
 
+from fsdp_research.data.chat import prompt_rendering
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
@@ -206,6 +207,15 @@ def test_lora_reference_auto_starts_at_log_2_and_is_the_same_at_1_2_4_ranks_and_
     for n in (2, 4):
         assert losses[n] == pytest.approx(losses[1], abs=1e-5), n
     assert [r["loss"] for r in read_metrics(tmp / "half")] == losses[1]  # bitwise: steps 1-2, then 3-4 resumed
+
+
+@pytest.mark.parametrize("form, rendering", [("chat", "chat"), ("text", "pair"), ("implicit", "pair")])
+def test_samples_and_generate_render_prompts_as_the_pairs_are(work, form, rendering):
+    """A run's samples (and `generate` on its export) take a prompt as the pairs' prompts are tokenized: a user's
+    message in the chat template where the pairs are messages, else the text as TRL tokenizes it."""
+    tmp, model, _, files = work
+    cfg = compose(_common(tmp, model, files, f"data.paths=[{files[form]}]"))
+    assert prompt_rendering(cfg.data) == rendering
 
 
 @pytest.mark.parametrize(
