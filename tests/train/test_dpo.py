@@ -2,9 +2,9 @@
 (per_device_eval_batch_size=1: means over the pairs) on the same pairs, in each of TRL's formats (text with its
 prompt, messages, and the implicit prompt): the eval loss of every loss type at once (weighted, as TRL combines
 them) and TRL's metrics, at 1 and 2 ranks, with a reference model that differs from the policy. With LoRA and
-objective.reference=auto, step 1's loss is log 2 (the adapters start at zero: policy = reference) and the losses
-are the same at 1, 2 and 4 ranks; a resumed run ends where the uninterrupted one ends. Bad settings: one line,
-before any compute."""
+objective.reference=auto, step 1's loss is log 2 (the adapters start at zero: policy = reference), the losses and the
+eval on held-out windows of pairs are the same at 1, 2 and 4 ranks; a resumed run ends where the uninterrupted one
+ends. Bad settings: one line, before any compute."""
 
 import json
 import math
@@ -168,7 +168,46 @@ def test_training_metrics_are_the_same_at_1_and_2_ranks(evaluated):
         assert [r[key] for r in one] == pytest.approx([r[key] for r in two], rel=1e-5), key
 
 
-LORA = ["model.lora.r=4", "model.lora.alpha=8", "optim.lr=1e-2", "trainer.eval_interval=0"]
+# Eval on the held-out windows of pairs (no eval files) at the last step.
+def test_simpo_eval_equals_trl_cpo_trainer(work):
+    """objective=simpo at lr 0 against TRL's CPOTrainer(loss_type="simpo", cpo_alpha=0).evaluate on the same pairs of
+    text (where CPO's tokenization, the end-of-sequence token appended, is DPO's)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    tmp, model, _, files = work
+    overrides = ["objective=simpo", "objective.beta=2.0", "objective.gamma=1.0", "optim.lr=0", "trainer.max_steps=1"]
+    overrides += ["trainer.eval_interval=1", f"data.paths=[{files['text']}]", f"data.eval_paths=[{files['text']}]"]
+    run = finish(start([*_common(tmp, model, files, *overrides), f"hydra.run.dir={tmp / 'simpo'}"], ROOT))
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(tmp / "simpo" / "metrics.jsonl") as f:
+        ours = [row for row in map(json.loads, f) if "eval_loss" in row][-1]
+    tok = AutoTokenizer.from_pretrained(model)
+    tok.pad_token = tok.eos_token  # CPO's collator reads it before the trainer would set it
+    args = CPOConfig(
+        output_dir=str(tmp / "trl_simpo"),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        per_device_eval_batch_size=1,
+        gradient_checkpointing=False,
+        max_length=None,
+        loss_type="simpo",
+        cpo_alpha=0.0,
+        beta=2.0,
+        simpo_gamma=1.0,
+        disable_tqdm=True,
+    )
+    data = Dataset.from_list(_records("text"))
+    policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    trl = CPOTrainer(model=policy, args=args, train_dataset=data, eval_dataset=data, processing_class=tok).evaluate()
+    assert ours["eval_pairs"] == len(PAIRS)
+    for key in METRICS:
+        assert ours[f"eval_{key}"] == pytest.approx(trl[f"eval_{key}"], rel=2e-3, abs=1e-6), key
+
+
+LORA = ["model.lora.r=4", "model.lora.alpha=8", "optim.lr=1e-2", "trainer.eval_interval=4"]
 
 
 @pytest.mark.slow
@@ -207,6 +246,15 @@ def test_lora_reference_auto_starts_at_log_2_and_is_the_same_at_1_2_4_ranks_and_
     for n in (2, 4):
         assert losses[n] == pytest.approx(losses[1], abs=1e-5), n
     assert [r["loss"] for r in read_metrics(tmp / "half")] == losses[1]  # bitwise: steps 1-2, then 3-4 resumed
+    evals = {}
+    for n, path in run.items():
+        with open(path / "metrics.jsonl") as f:
+            evals[n] = [row for row in map(json.loads, f) if "eval_loss" in row][-1]
+    assert evals[1]["eval_pairs"] > 0 and evals[1]["eval_rewards/accuracies"] > 0
+    for n in (2, 4):
+        assert evals[n]["eval_pairs"] == evals[1]["eval_pairs"]
+        for key in METRICS:
+            assert evals[n][f"eval_{key}"] == pytest.approx(evals[1][f"eval_{key}"], rel=1e-5, abs=1e-7), (n, key)
 
 
 @pytest.mark.parametrize("form, rendering", [("chat", "chat"), ("text", "pair"), ("implicit", "pair")])
@@ -226,9 +274,10 @@ def test_samples_and_generate_render_prompts_as_the_pairs_are(work, form, render
         (["objective.loss_type=[sigmoid,sft]", "objective.loss_weights=[1.0]"], "objective.loss_weights"),
         (["objective.reference=/nonexistent"], "objective.reference"),
         (["objective.beta=0"], "objective.beta"),
+        (["objective=simpo", "objective.label_smoothing=0.5"], "objective.label_smoothing"),
         (["data.truncation=truncate"], "data.truncation"),
         (["data.document_masking=false"], "data.document_masking"),
-        (["trainer.eval_interval=1"], "data.eval_paths"),
+        (["trainer.eval_interval=1", "data.eval_fraction=0"], "trainer.eval_interval"),
     ],
 )
 def test_bad_settings_are_one_line_before_any_compute(work, overrides, key):

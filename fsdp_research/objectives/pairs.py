@@ -1,0 +1,116 @@
+"""What the preference objectives (objective=dpo, simpo) share: a pair's sums over its two documents of packed
+preference samples (data.packing.PairWindows), the pairs as the step's targets (its loss the mean over the step's
+pairs on every rank and micro-batch, so 1 rank = N ranks), TRL's metrics (rewards/chosen, rewards/rejected,
+rewards/accuracies, rewards/margins, logps/chosen, logps/rejected: summed over pairs in a step's stats, logged as
+means over them), and eval over the eval pairs, eval_-prefixed as TRL's evaluate names them."""
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from fsdp_research.config.data_schema import DataKind
+from fsdp_research.data.packing import IGNORE, LABELS, POSITIONS
+from fsdp_research.data.pipeline import Data
+from fsdp_research.objectives.base import Objective, StepContext
+from fsdp_research.train.evaluation import held_out_sums
+from fsdp_research.train.losses import token_losses
+
+METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def pair_sums(values: torch.Tensor, batch: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(chosen, rejected, their target counts, whether each is a pair) of packed preference samples (documents 2k
+    and 2k + 1 of a sample: a pair's chosen and rejected sequence, each with its positions from 0;
+    data.packing.PairWindows): values [n, seq_len] summed over each document's targets, [n, seq_len // 2] each."""
+    document = (batch[:, POSITIONS] == 0).cumsum(1) - 1
+    targets = (batch[:, LABELS] != IGNORE).to(values.dtype)
+    sums = torch.zeros_like(values).scatter_add_(1, document, values * targets)
+    counts = torch.zeros_like(values).scatter_add_(1, document, targets)
+    pairs = values.shape[1] // 2
+    chosen, rejected = sums[:, 0 : 2 * pairs : 2], sums[:, 1 : 2 * pairs : 2]
+    n_chosen, n_rejected = counts[:, 0 : 2 * pairs : 2], counts[:, 1 : 2 * pairs : 2]
+    # The padding after the last pair is a document of its own, with no target.
+    return chosen, rejected, n_chosen, n_rejected, (n_chosen > 0) & (n_rejected > 0)
+
+
+def pair_logps(model: nn.Module, batch: torch.Tensor, amp) -> tuple[torch.Tensor, ...]:
+    """(chosen's and rejected's log-probabilities summed over their completions, their completions' tokens: [pairs]
+    each, in order; where the pairs are in the samples: [n, seq_len // 2])."""
+    chosen, rejected, n_chosen, n_rejected, real = pair_sums(-token_losses(model, batch, amp), batch)
+    return chosen[real], rejected[real], n_chosen[real], n_rejected[real], real
+
+
+def pair_result(loss: torch.Tensor, rewards: tuple, logps: tuple, real: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What PairObjective.pairs returns, of each pair's loss, (chosen's, rejected's) rewards and logps."""
+    chosen, rejected = (r.detach() for r in rewards)
+    metrics = (chosen, rejected, (chosen > rejected).float(), chosen - rejected, *(x.detach() for x in logps))
+    return {"loss": loss, **dict(zip(METRICS, metrics)), "sample": real.nonzero()[:, 0]}
+
+
+class PairObjective(Objective):
+    """What the preference objectives share: pairs as the targets, TRL's metrics (summed over pairs, logged as
+    means over the step's), and eval over the eval pairs. A subclass says each pair's loss and metrics (`pairs`)."""
+
+    reads = (DataKind.preference,)
+    takes_packed = True
+
+    def setup(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+
+    def pairs(self, model: nn.Module, batch: torch.Tensor, amp) -> dict[str, torch.Tensor]:
+        """Each pair's loss and METRICS, [pairs], of this micro-batch, and the sample it is in ("sample")."""
+        raise NotImplementedError
+
+    def targets(self, batch: torch.Tensor) -> torch.Tensor:
+        return pair_sums(batch[:, LABELS].float(), batch)[-1].sum(1)
+
+    def loss(self, model: nn.Module, batch: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, dict]:
+        pairs = self.pairs(model, batch, ctx.amp)
+        stats = {k: pairs[k].detach().sum() for k in METRICS}
+        return pairs["loss"].sum() * ctx.weight, stats
+
+    def metrics(self, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+        # The step's pairs (stats["targets"]) are already summed over ranks; the tp ranks of a group sum the same.
+        sums = torch.stack([stats[k].double() for k in METRICS])
+        dist.all_reduce(sums)
+        means = sums / (stats["targets"].double() * self.cfg.parallel.tp)
+        return {"targets": round(stats["targets"].item()), **dict(zip(METRICS, means.tolist()))}
+
+    def evaluate(self, model: nn.Module, data: Data, cfg: DictConfig, device: torch.device, amp) -> dict[str, float]:
+        """eval_loss and TRL's metrics, eval_-prefixed: means over the eval pairs (data.eval_paths or eval_sources,
+        read whole; else the held-out windows of pairs)."""
+        keys = ("loss", *METRICS)
+
+        def sums_of(batch: torch.Tensor) -> torch.Tensor:
+            """Each sample's pairs' sums of the metrics, and its pairs."""
+            pairs = self.pairs(model, batch, amp)
+            values = torch.stack([*(pairs[k] for k in keys), torch.ones_like(pairs["loss"])], 1).double()
+            return values.new_zeros(len(batch), len(keys) + 1).index_add_(0, pairs["sample"], values)
+
+        t = cfg.trainer
+        if data.eval_sets:
+            reads = {name: (functools.partial(data.eval_batch, name), w.count) for name, w in data.eval_sets.items()}
+        else:  # the held-out windows of pairs, as objective=lm evaluates
+            reads = {"": (functools.partial(data.batch, held_out=True), t.eval_batches * t.micro_batch_size)}
+        sets = {
+            name: held_out_sums(model, read, n, t.micro_batch_size, device, sums_of, cfg.parallel.tp)
+            for name, (read, n) in reads.items()
+        }
+        out = {}
+        # data.eval_sources: each set's as eval_<metric>/<name> too; eval_<metric> over all of them.
+        for name, sums in [(n, s) for n, s in sets.items() if n] + [("", sum(sets.values()))]:
+            means = (sums[:-1] / sums[-1]).tolist()
+            suffix = f"/{name}" if name else ""
+            out.update({f"eval_{k}{suffix}": v for k, v in zip(keys, means)})
+            out[f"eval_pairs{suffix}"] = int(sums[-1].item())
+        return out
