@@ -90,24 +90,24 @@ def _common(tmp, model, files, *more):
     ]
 
 
+# TRL's trainers evaluating in this process: fp32, a pair at a time (its metrics then means over pairs), uncut.
+TRL_EVAL = dict(
+    report_to="none",
+    use_cpu=True,
+    bf16=False,
+    per_device_eval_batch_size=1,
+    gradient_checkpointing=False,
+    max_length=None,
+    disable_tqdm=True,
+)
+
+
 def _trl_eval(model: str, ref: str, records: list[dict], out: str) -> dict:
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(
-        output_dir=out,
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        per_device_eval_batch_size=1,
-        gradient_checkpointing=False,
-        max_length=None,
-        loss_type=LOSSES,
-        loss_weights=WEIGHTS,
-        label_smoothing=0.1,
-        disable_tqdm=True,
-    )
+    args = DPOConfig(out, loss_type=LOSSES, loss_weights=WEIGHTS, label_smoothing=0.1, **TRL_EVAL)
     data = Dataset.from_list(records)
     policy, reference = (AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32) for m in (model, ref))
     tok = AutoTokenizer.from_pretrained(model)
@@ -185,20 +185,7 @@ def test_simpo_eval_equals_trl_cpo_trainer(work):
         ours = [row for row in map(json.loads, f) if "eval_loss" in row][-1]
     tok = AutoTokenizer.from_pretrained(model)
     tok.pad_token = tok.eos_token  # CPO's collator reads it before the trainer would set it
-    args = CPOConfig(
-        output_dir=str(tmp / "trl_simpo"),
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        per_device_eval_batch_size=1,
-        gradient_checkpointing=False,
-        max_length=None,
-        loss_type="simpo",
-        cpo_alpha=0.0,
-        beta=2.0,
-        simpo_gamma=1.0,
-        disable_tqdm=True,
-    )
+    args = CPOConfig(str(tmp / "trl_simpo"), loss_type="simpo", cpo_alpha=0.0, beta=2.0, simpo_gamma=1.0, **TRL_EVAL)
     data = Dataset.from_list(_records("text"))
     policy = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
     trl = CPOTrainer(model=policy, args=args, train_dataset=data, eval_dataset=data, processing_class=tok).evaluate()
