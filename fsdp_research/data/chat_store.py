@@ -33,11 +33,14 @@ def chat_spec(cfg: DataConfig, paths: list[str] | None, key: str) -> StoreSpec:
         "source": source,
         "tokenizer": tok.fingerprint,
         "template": chat_tokenizer(cfg).chat_template,
-        "fields": [cfg.messages_field, cfg.prompt_field, cfg.completion_field]
-        + ([cfg.chosen_field, cfg.rejected_field] if cfg.kind is DataKind.preference else []),
+        "fields": [cfg.messages_field, cfg.prompt_field, cfg.completion_field],
         "loss_on": cfg.loss_on.value,
         "dtype": tok.dtype.name,
     }
+    if cfg.kind is DataKind.preference:
+        # Text completions end with the end-of-sequence token's text, which tokenizer.json alone does not say.
+        hf = chat_tokenizer(cfg)
+        spec["pairs"] = {"fields": [cfg.chosen_field, cfg.rejected_field], "eos": hf.eos_token, "bos": hf.bos_token}
     part = Part(tuple(paths or [cfg.hub_name]), "chat", "")
     build = functools.partial(_build, cfg, paths, key, tok.dtype)
     return StoreSpec(lambda: [part], json.dumps(spec, sort_keys=True), cfg.tokenizer, build)

@@ -241,8 +241,17 @@ class _Progress:
             self.report(_done_count(build_dir), self.total, now - self.started)
 
 
+def _published(path: str, spec: StoreSpec) -> bool:
+    """Whether another job's rank 0, building in the same build dir, published the store (renamed the dir) first."""
+    return verify(path, spec.fingerprint) is None
+
+
 def _publish(build_dir: str, path: str, spec: StoreSpec) -> None:
     done = [_done(build_dir, i) for i in range(len(spec.parts))]
+    if None in done:  # the build dir was renamed since this rank 0 saw every part done
+        if _published(path, spec):
+            return
+        raise DataError(f"token store build {build_dir}: a finished part's marker is gone; start the job again")
     files = {name: size for d in done for name, size in d["files"].items()}
     tok = load_tokenizer(spec.tokenizer)
     manifest = {
@@ -266,11 +275,13 @@ def _publish(build_dir: str, path: str, spec: StoreSpec) -> None:
                 shutil.rmtree(os.path.join(build_dir, name), ignore_errors=True)
                 with contextlib.suppress(OSError):
                     os.remove(os.path.join(build_dir, name))
-        if os.path.exists(path):  # a broken store of this fingerprint: replaced
-            shutil.rmtree(path)
+        if os.path.exists(path):
+            if _published(path, spec):  # just now, by another job, whose ranks read it
+                return
+            shutil.rmtree(path)  # a broken store of this fingerprint: replaced
         os.rename(build_dir, path)
     except OSError as err:
-        if verify(path, spec.fingerprint) is None:  # another job published the same store first
+        if _published(path, spec):
             return
         raise DataError(f"publishing token store {path} failed ({type(err).__name__}: {err})") from None
 

@@ -26,8 +26,17 @@ def flops_per_token(model: ModelDims, matmul_params: int, seq_len: int, frozen: 
     for the input's gradient, 2 for the weight's), 4 for the `frozen` ones among them (no weight gradient: LoRA's
     base), plus each attention's scores and weighted sum, 6 * T * heads * (qk head size + v head size) per block
     (12 * L * d * T where the two sizes are equal; unmasked, as torch's FlopCounterMode counts them)."""
-    attention = sum(a.heads * (a.qk_dim + a.v_dim) for a in model.attention if a)
-    return 6.0 * matmul_params - 2.0 * frozen + 6.0 * attention * seq_len
+    return 6.0 * matmul_params - 2.0 * frozen + 3.0 * _attention_forward(model, seq_len)
+
+
+def forward_flops_per_token(model: ModelDims, matmul_params: int, seq_len: int) -> float:
+    """A forward's FLOPs per token with no gradient (a reference model's): 2 per parameter a token is multiplied
+    with, and the attentions' scores and weighted sums."""
+    return 2.0 * matmul_params + _attention_forward(model, seq_len)
+
+
+def _attention_forward(model: ModelDims, seq_len: int) -> float:
+    return 2.0 * seq_len * sum(a.heads * (a.qk_dim + a.v_dim) for a in model.attention if a)
 
 
 def matmul_parameters(model: torch.nn.Module, d: ModelDims, frozen: bool = False) -> int:
@@ -178,15 +187,28 @@ class Throughput:
 
     @classmethod
     def of(
-        cls, model, d: ModelDims, batch: int, seq_len: int, world: int, dtype, device, peak: float | None, group: int
+        cls,
+        model,
+        d: ModelDims,
+        batch: int,
+        seq_len: int,
+        world: int,
+        dtype,
+        device,
+        peak: float | None,
+        group: int,
+        reference_forwards: int = 0,
     ):
         """The rates of a model's steps of `batch` sequences of seq_len tokens over `world` devices (`group` of them
-        reading the same batch), MFU against the device's peak in dtype (or `peak` TFLOP/s)."""
+        reading the same batch), MFU against the device's peak in dtype (or `peak` TFLOP/s); each step also runs
+        `reference_forwards` forwards with no gradient of the model (LoRA's: its frozen base alone)."""
+        params, frozen = matmul_parameters(model, d), matmul_parameters(model, d, frozen=True)
+        reference = reference_forwards * forward_flops_per_token(d, frozen or params, seq_len)
         return cls(
             batch * seq_len,
             batch,
             world,
-            flops_per_token(d, matmul_parameters(model, d), seq_len, matmul_parameters(model, d, frozen=True)),
+            flops_per_token(d, params, seq_len, frozen) + reference,
             peak_tflops(device, dtype, peak),
             device,
             group,

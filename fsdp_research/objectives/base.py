@@ -56,6 +56,10 @@ class Objective:
     # are refused.
     takes_packed: bool = False
 
+    # Forwards with no gradient of the model (or a copy of it) a step runs over its tokens besides its own forward
+    # and backward (DPO's reference): throughput's MFU counts them.
+    reference_forwards: int = 0
+
     def check(self, cfg: DictConfig) -> None:
         """What it refuses of the run's typed config, before any compute (its constructor does no more than keep its
         arguments: it is called then too)."""

@@ -7,6 +7,7 @@ The reference: `auto` is the policy with its LoRA adapters switched off (no seco
 frozen copy of the initial weights sharded as the policy is; a model directory is loaded as such a copy."""
 
 import contextlib
+import logging
 import os
 from collections.abc import Iterator
 
@@ -19,13 +20,28 @@ from omegaconf import DictConfig, open_dict
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.assembly import build_sharded_model
-from fsdp_research.model.lora import enabled, lora_layers
+from fsdp_research.model.dimensions import expert_modules
+from fsdp_research.model.lora import enabled, lora_layers, saved_modules
 from fsdp_research.objectives.pairs import PairObjective, pair_logps, pair_result
+
+log = logging.getLogger("fsdp_research")
 
 LOSSES = ("sigmoid", "ipo", "hinge", "robust", "sft")
 
 
+def _no_dropout(model: nn.Module) -> None:
+    """Dropout off, as TRL's disable_dropout (its default): the policy's log-probabilities, and with LoRA the
+    reference's (the same model, in train mode), are then those of the model itself, not of a random sub-network."""
+    dropouts = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    for module in dropouts:
+        module.p = 0.0
+    if dropouts:
+        log.info(f"objective=dpo: dropout off in {len(dropouts)} module(s), as TRL's DPOTrainer (disable_dropout)")
+
+
 class DPO(PairObjective):
+    reference_forwards = 1
+
     def __init__(
         self,
         beta: float = 0.1,
@@ -52,6 +68,10 @@ class DPO(PairObjective):
             )
         if self.beta <= 0:
             raise ConfigError("objective.beta", f"{self.beta} is not above 0", "use e.g. 0.1")
+        if self.label_smoothing and "robust" not in self.loss_types:
+            raise ConfigError(
+                "objective.label_smoothing", "is robust's, which objective.loss_type does not name", "add robust, or 0"
+            )
         if not 0 <= self.label_smoothing < 0.5:
             raise ConfigError(
                 "objective.label_smoothing", f"{self.label_smoothing} is not in [0, 0.5)", "use e.g. 0.1 (robust)"
@@ -64,6 +84,11 @@ class DPO(PairObjective):
             )
 
     def prepare(self, model: nn.Module, device: torch.device) -> None:
+        if expert_modules(model):
+            raise ConfigError(
+                "objective", "dpo leaves a mixture of experts' load-balancing loss out", "use a dense model"
+            )
+        _no_dropout(model)
         self.model = None  # the policy, its adapters off: the reference
         if self.reference == "auto" and enabled(self.cfg.model.lora):
             return
@@ -77,17 +102,23 @@ class DPO(PairObjective):
 
     @contextlib.contextmanager
     def _reference(self, policy: nn.Module) -> Iterator[nn.Module]:
+        """The reference model: the frozen copy, or the policy with every adapter off (LoRA's layers and the
+        trained copies of model.lora.modules_to_save: the base model), as PEFT's disable_adapter switches them."""
         if self.model is not None:
             yield self.model
             return
-        layers = [layer for _, layer in lora_layers(policy)]
-        for layer in layers:
-            layer.enable_adapters(False)
+        adapted = [m for _, m in lora_layers(policy)] + [m for _, m in saved_modules(policy)]
+        # PEFT's switch sets requires_grad on the adapters' parameters: put back as it was.
+        trains = [(p, p.requires_grad) for m in adapted for p in m.parameters()]
+        for module in adapted:
+            module.enable_adapters(False)
         try:
             yield policy
         finally:
-            for layer in layers:
-                layer.enable_adapters(True)
+            for module in adapted:
+                module.enable_adapters(True)
+            for p, requires_grad in trains:
+                p.requires_grad_(requires_grad)
 
     def pairs(self, model: nn.Module, batch: torch.Tensor, amp) -> dict[str, torch.Tensor]:
         chosen, rejected, n_chosen, n_rejected, real = pair_logps(model, batch, amp)

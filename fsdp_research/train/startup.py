@@ -91,10 +91,16 @@ def mesh_line(cfg: DictConfig, world: int) -> str | None:
 
 
 def throughput_of(
-    cfg: DictConfig, d: ModelDims, model: nn.Module, plan: ShardingPlan, device: torch.device, start: int
+    cfg: DictConfig,
+    d: ModelDims,
+    model: nn.Module,
+    plan: ShardingPlan,
+    device: torch.device,
+    start: int,
+    reference_forwards: int = 0,
 ) -> Throughput:
     """Throughput and MFU (from the parameters a token is multiplied with: a mixture of experts' active ones, no
-    embedding lookups; against the device's peak in the compute dtype)."""
+    embedding lookups; and the objective's reference forwards; against the device's peak in the compute dtype)."""
     t, world = cfg.trainer, dist.get_world_size()
     n_params, active = sum(p.numel() for p in model.parameters()), active_parameters(model, d)
     moe = f" ({active / 1e6:.2f}M active per token)" if active != n_params else ""
@@ -112,7 +118,9 @@ def throughput_of(
     if d.unknown:
         log.info(f"MFU: no attention found in {', '.join(d.unknown)}: their parameters counted, not their mixing")
     dtype, group = dtypes(cfg.precision)[0], cfg.parallel.tp * cfg.parallel.cp
-    return Throughput.of(model, d, t.global_batch_size, cfg.data.seq_len, world, dtype, device, t.peak_tflops, group)
+    return Throughput.of(
+        model, d, t.global_batch_size, cfg.data.seq_len, world, dtype, device, t.peak_tflops, group, reference_forwards
+    )
 
 
 def moe_balancer(model: nn.Module, moe: DictConfig, resources: contextlib.ExitStack) -> BiasBalancer:

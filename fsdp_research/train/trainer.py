@@ -160,7 +160,8 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         state.scheduler = continue_schedule(state.scheduler, cfg, base_lrs, resume_dir)
         callbacks.load_state_dict(callback_state)
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
-    throughput = throughput_of(cfg, d, model, plan, device, state.step)
+    objective = build_objective(cfg, model, device)
+    throughput = throughput_of(cfg, d, model, plan, device, state.step, objective.reference_forwards)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)
     batches = read_ahead(data, t, (state.step, state.samples), device, resources, cfg.parallel.tp, cfg.parallel.cp)
@@ -178,7 +179,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         data=data,
         batches=batches,
         amp=autocast(cfg.precision, device, enabled=plan.strategy is Strategy.ddp_classic),
-        objective=build_objective(cfg, model, device),
+        objective=objective,
         router=router_of(hf_config, d.experts, d.experts_per_token),
         callbacks=callbacks,
         handle=handle,

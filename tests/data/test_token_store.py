@@ -165,6 +165,17 @@ def test_a_store_published_after_this_job_looked_is_opened_not_replaced(tmp_path
     assert os.listdir(root) == [spec.fingerprint]
 
 
+def test_a_rank_0_that_finds_its_build_dir_published_by_another_job_leaves_the_store(tmp_path, monkeypatch):
+    """Two jobs' rank 0 saw every part done in the one build dir; the other renamed it first: this one's publish
+    finds the markers gone (or the store there) and leaves the published store as it is."""
+    [spec] = store_specs(_cfg(tmp_path, _many_parts(tmp_path, monkeypatch)))
+    root = str(tmp_path / "stores")
+    store = ensure_store(spec, root, 0, 1, 1, "other", timeout_s=60)
+    before = os.stat(os.path.join(store.path, "part_00000.tokens")).st_ino
+    store_builder._publish(os.path.join(root, f".build-{spec.fingerprint}"), store.path, spec)
+    assert os.stat(os.path.join(store.path, "part_00000.tokens")).st_ino == before
+
+
 @pytest.mark.parametrize("rank", [0, 1])
 def test_a_builder_that_died_without_a_word_fails_the_waiters(tmp_path, monkeypatch, rank):
     """A builder took part 1 and died before it could record an error (its claim is all that is left): once no

@@ -1,7 +1,7 @@
 """MFU's numerator and denominator. FLOPs per token against torch's FlopCounterMode over a real forward and backward
 of transformers' own model (eager attention and experts, whose matmuls the counter sees), on a large vocabulary
 (where counting the embedding lookup as a matmul inflated MFU 1.6x), a tied one, mixtures of experts, and PEFT's
-LoRA (a frozen base takes no weight gradient). The peak
+LoRA (a frozen base takes no weight gradient), and DPO's reference forward beside it. The peak
 table on the device names torch.cuda.get_device_name() returns."""
 
 import pytest
@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import AutoModelForCausalLM
 
 from fsdp_research.metrics.hardware import peak_for
-from fsdp_research.metrics.meters import flops_per_token, matmul_parameters
+from fsdp_research.metrics.meters import flops_per_token, forward_flops_per_token, matmul_parameters
 from fsdp_research.model.dimensions import dims
 from tests.helpers.zoo import MOE, hf_config
 
@@ -57,6 +57,28 @@ def test_lora_s_frozen_base_takes_no_weight_gradient():
     counted = counter.get_total_flops() / (BATCH * SEQ)
     claimed = flops_per_token(d, matmul_parameters(model, d), SEQ, matmul_parameters(model, d, frozen=True))
     assert claimed == pytest.approx(counted, rel=0.02)  # measured: 0.8% over (block 0's inputs take no gradient)
+
+
+def test_dpo_s_reference_forward_is_counted():
+    """A DPO step with LoRA: the policy's forward and backward, and the reference's forward with no gradient (the
+    adapters off: the frozen base alone), as objective=dpo runs it and MFU counts it."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    config = hf_config("llama", vocab_size=8192)
+    base = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    d = dims(base)
+    peft = get_peft_model(base, LoraConfig(r=4, target_modules="all-linear"))
+    model = peft.base_model.model
+    ids = torch.randint(0, config.vocab_size, (BATCH, SEQ))
+    with FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).loss.backward()
+        with torch.no_grad(), peft.disable_adapter():
+            model(ids)
+    counted = counter.get_total_flops() / (BATCH * SEQ)
+    params, frozen = matmul_parameters(model, d), matmul_parameters(model, d, frozen=True)
+    claimed = flops_per_token(d, params, SEQ, frozen) + forward_flops_per_token(d, frozen, SEQ)
+    assert claimed == pytest.approx(counted, rel=0.02)
 
 
 def test_embedding_lookups_are_not_matmuls():

@@ -194,7 +194,10 @@ def test_simpo_eval_equals_trl_cpo_trainer(work):
         assert ours[f"eval_{key}"] == pytest.approx(trl[f"eval_{key}"], rel=2e-3, abs=1e-6), key
 
 
-LORA = ["model.lora.r=4", "model.lora.alpha=8", "optim.lr=1e-2", "trainer.eval_interval=4"]
+# The head trained whole beside the adapters (a copy, which the reference switches off with them); LoRA's dropout
+# (switched off, as TRL's disable_dropout).
+LORA = ["model.lora.r=4", "model.lora.alpha=8", "model.lora.modules_to_save=[lm_head]", "model.lora.dropout=0.1"]
+LORA += ["optim.lr=1e-2", "trainer.eval_interval=4"]
 
 
 @pytest.mark.slow
@@ -218,9 +221,12 @@ def test_lora_reference_auto_starts_at_log_2_and_is_the_same_at_1_2_4_ranks_and_
     procs.append(
         start([*common, "trainer.max_steps=2", "checkpoint.interval=2", f"hydra.run.dir={tmp / 'half'}"], ROOT)
     )
+    base = [*common, "trainer.max_steps=4", "optim.lr=0", "checkpoint.save=false", f"hydra.run.dir={tmp / 'base'}"]
+    procs.append(start(base, ROOT))
     for proc in procs:
         result = finish(proc)
         assert result.returncode == 0, result.stderr[-3000:]
+        assert "objective=dpo: dropout off in" in result.stdout + result.stderr
     resumed = finish(
         start(
             [*common, "trainer.max_steps=4", f"checkpoint.resume={tmp / 'half'}", f"hydra.run.dir={tmp / 'half'}"], ROOT
@@ -234,10 +240,15 @@ def test_lora_reference_auto_starts_at_log_2_and_is_the_same_at_1_2_4_ranks_and_
         assert losses[n] == pytest.approx(losses[1], abs=1e-5), n
     assert [r["loss"] for r in read_metrics(tmp / "half")] == losses[1]  # bitwise: steps 1-2, then 3-4 resumed
     evals = {}
-    for n, path in run.items():
+    for n, path in {**run, "base": tmp / "base"}.items():
         with open(path / "metrics.jsonl") as f:
             evals[n] = [row for row in map(json.loads, f) if "eval_loss" in row][-1]
     assert evals[1]["eval_pairs"] > 0 and evals[1]["eval_rewards/accuracies"] > 0
+    # The reference is the base model however far the adapters and the head's copy have moved: the policy's logps
+    # less its rewards / beta are the untrained run's logps.
+    for side in ("chosen", "rejected"):
+        reference = evals[1][f"eval_logps/{side}"] - evals[1][f"eval_rewards/{side}"] / 0.1
+        assert reference == pytest.approx(evals["base"][f"eval_logps/{side}"], rel=1e-5)
     for n in (2, 4):
         assert evals[n]["eval_pairs"] == evals[1]["eval_pairs"]
         for key in METRICS:
@@ -253,6 +264,24 @@ def test_samples_and_generate_render_prompts_as_the_pairs_are(work, form, render
     assert prompt_rendering(cfg.data) == rendering
 
 
+def test_the_store_of_text_pairs_is_of_the_end_of_sequence_text_too(work, tmp_path):
+    """Text completions end with the tokenizer's end-of-sequence text: two tokenizers alike but for it (a base and
+    an instruct model's) make two stores."""
+    from transformers import AutoTokenizer
+
+    from fsdp_research.data.chat_store import chat_spec
+
+    tmp, model, _, files = work
+    other = AutoTokenizer.from_pretrained(model)
+    other.add_special_tokens({"eos_token": "<|im_end|>"})
+    other.save_pretrained(tmp_path / "other")
+    specs = [
+        chat_spec(compose(_common(tmp, model, files, f"data.tokenizer={tok}")).data, [files["text"]], "data.paths")
+        for tok in (model, tmp_path / "other")
+    ]
+    assert specs[0].fingerprint != specs[1].fingerprint
+
+
 @pytest.mark.parametrize(
     "overrides, key",
     [
@@ -261,6 +290,7 @@ def test_samples_and_generate_render_prompts_as_the_pairs_are(work, form, render
         (["objective.loss_type=[sigmoid,sft]", "objective.loss_weights=[1.0]"], "objective.loss_weights"),
         (["objective.reference=/nonexistent"], "objective.reference"),
         (["objective.beta=0"], "objective.beta"),
+        (["objective.label_smoothing=0.1"], "objective.label_smoothing"),
         (["objective=simpo", "objective.label_smoothing=0.5"], "objective.label_smoothing"),
         (["data.truncation=truncate"], "data.truncation"),
         (["data.document_masking=false"], "data.document_masking"),
