@@ -18,11 +18,8 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from fsdp_research.metrics.sinks import read_records  # noqa: E402
+from fine_tune_runs import WARMUP, arguments, make_data, step_clock, train_run
 
-WARMUP = 4
 LORA = ["model.lora.r=16", "model.lora.alpha=32"]
 CASES = {
     "DPO, LoRA r=16": ["data=preference", "objective=dpo", *LORA],
@@ -42,21 +39,12 @@ def _as_chats(tmp: str) -> None:
 
 def _trl(tmp: str, steps: int, pairs: int) -> dict:
     """In this process: TRL's DPOTrainer (fp32, a frozen reference given) on tmp's pairs, `pairs` a step."""
-    import time
-
     import torch
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
     seconds: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            seconds.append(time.perf_counter() - self.started)
 
     config = DPOConfig(
         output_dir=f"{tmp}/trl", per_device_train_batch_size=pairs, max_steps=steps, learning_rate=3e-4,
@@ -70,7 +58,7 @@ def _trl(tmp: str, steps: int, pairs: int) -> dict:
         args=config,
         train_dataset=load_dataset("json", data_files=f"{tmp}/pairs_train.jsonl", split="train"),
         processing_class=AutoTokenizer.from_pretrained(f"{tmp}/model"),
-        callbacks=[Clock()],
+        callbacks=[step_clock(seconds)],
     )
     trainer.train()
     step_s = statistics.median(seconds[WARMUP:])
@@ -84,19 +72,9 @@ def _run(tmp: str, name: str, repeat: int, args, extra: list[str] | None, pairs:
         return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     data = "pairs_as_chats" if "data=chat" in extra else "pairs_train"
     run_dir = os.path.join(tmp, f"case{list(CASES).index(name)}_{repeat}")
-    cmd = [
-        sys.executable, os.path.join(ROOT, "train.py"), "model=pretrained", f"model.name_or_path={tmp}/model",
-        f"data.paths=[{tmp}/{data}.jsonl]", f"data.seq_len={args.seq_len}", "logger=none",
-        "trainer.log_interval=1", "trainer.eval_interval=0", f"trainer.max_steps={args.steps}",
-        "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "checkpoint.interval=0",
-        "checkpoint.export=false", f"hydra.run.dir={run_dir}", *extra, *args.overrides,
-    ]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
-    if run.returncode:
-        raise SystemExit(f"{name}: exit {run.returncode}\n{run.stderr[-3000:]}")
-    records = read_records(run_dir)
-    steps = [r for r in records if "loss" in r and r["step"] > WARMUP]
-    summary = next(r["summary"] for r in records if "summary" in r)
+    steps, summary = train_run(
+        tmp, run_dir, name, args.steps, args.seq_len, [f"data.paths=[{tmp}/{data}.jsonl]", *extra, *args.overrides]
+    )
     step_s = statistics.median(r["step_time_s"] for r in steps)
     # Pairs a step (the preference objectives' targets); for SFT half its conversations, which the windows hold.
     pairs_a_step = statistics.median(r["targets"] for r in steps) if "data=preference" in extra else float("nan")
@@ -106,12 +84,7 @@ def _run(tmp: str, name: str, repeat: int, args, extra: list[str] | None, pairs:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--trl", metavar="DIR", help="(internal) run TRL's case on DIR's pairs, print its figures")
+    arguments(parser, 20, "(internal) run TRL's case on DIR's pairs, print its figures")
     parser.add_argument("--pairs", type=int, default=0, help="(internal) TRL's pairs a step")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
@@ -119,11 +92,7 @@ def main() -> None:
         print(json.dumps(_trl(args.trl, args.steps, args.pairs)))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, os.path.join(ROOT, "examples", "fine_tune", "make_data.py"), tmp,
-             "--hidden", str(args.hidden), "--layers", str(args.layers)],
-            check=True, capture_output=True,
-        )  # fmt: skip
+        make_data(tmp, args)
         _as_chats(tmp)
         results: dict[str, list[dict]] = {name: [] for name in CASES}
         pairs = 0

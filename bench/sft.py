@@ -17,11 +17,7 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from fsdp_research.metrics.sinks import read_records  # noqa: E402
-
-WARMUP = 4
+from fine_tune_runs import WARMUP, arguments, make_data, step_clock, train_run
 
 CASES = {
     "packed, full": [],
@@ -41,22 +37,13 @@ MARKED = (
 def _trl(tmp: str, steps: int, seq_len: int) -> dict:
     """In this process: TRL's SFTTrainer on tmp's chats and model; the target share of its packed windows (the
     positions its labels train, from the assistant masks, over windows x seq_len) and its step times."""
-    import time
-
     from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
     tok = AutoTokenizer.from_pretrained(f"{tmp}/model")
     tok.chat_template = MARKED
     seconds: list[float] = []
-
-    class Clock(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.started = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            seconds.append(time.perf_counter() - self.started)
 
     config = SFTConfig(
         output_dir=f"{tmp}/trl", max_length=seq_len, packing=True, assistant_only_loss=True,
@@ -68,7 +55,7 @@ def _trl(tmp: str, steps: int, seq_len: int) -> dict:
         args=config,
         train_dataset=load_dataset("json", data_files=f"{tmp}/train.jsonl", split="train"),
         processing_class=tok,
-        callbacks=[Clock()],
+        callbacks=[step_clock(seconds)],
     )
     packed = trainer.train_dataset
     share = sum(sum(label != -100 for label in row) for row in packed["labels"]) / (len(packed) * seq_len)
@@ -83,19 +70,8 @@ def _run(tmp: str, name: str, repeat: int, args, extra: list[str] | None) -> dic
         cmd = [sys.executable, __file__, "--trl", tmp, "--steps", str(args.steps), "--seq-len", str(args.seq_len)]
         return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
     run_dir = os.path.join(tmp, f"case{list(CASES).index(name)}_{repeat}")
-    cmd = [
-        sys.executable, os.path.join(ROOT, "train.py"), "model=pretrained", f"model.name_or_path={tmp}/model",
-        "data=chat", f"data.paths=[{tmp}/train.jsonl]", f"data.seq_len={args.seq_len}", "logger=none",
-        "trainer.log_interval=1", "trainer.eval_interval=0", f"trainer.max_steps={args.steps}",
-        "trainer.global_batch_size=8", "trainer.micro_batch_size=8", "checkpoint.interval=0",
-        "checkpoint.export=false", f"hydra.run.dir={run_dir}", *extra, *args.overrides,
-    ]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
-    if run.returncode:
-        raise SystemExit(f"{name}: exit {run.returncode}\n{run.stderr[-3000:]}")
-    records = read_records(run_dir)
-    steps = [r for r in records if "loss" in r and r["step"] > WARMUP]
-    summary = next(r["summary"] for r in records if "summary" in r)
+    extra = ["data=chat", f"data.paths=[{tmp}/train.jsonl]", *extra, *args.overrides]
+    steps, summary = train_run(tmp, run_dir, name, args.steps, args.seq_len, extra)
     step_s = statistics.median(r["step_time_s"] for r in steps)
     positions = 8 * args.seq_len
     targets = statistics.median(r["targets"] for r in steps)
@@ -106,23 +82,14 @@ def _run(tmp: str, name: str, repeat: int, args, extra: list[str] | None) -> dic
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--seq-len", type=int, default=512)
-    parser.add_argument("--trl", metavar="DIR", help="(internal) run TRL's case on DIR's chats, print its figures")
+    arguments(parser, 30, "(internal) run TRL's case on DIR's chats, print its figures")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.trl:
         print(json.dumps(_trl(args.trl, args.steps, args.seq_len)))
         return
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(
-            [sys.executable, os.path.join(ROOT, "examples", "fine_tune", "make_data.py"), tmp,
-             "--hidden", str(args.hidden), "--layers", str(args.layers)],
-            check=True, capture_output=True,
-        )  # fmt: skip
+        make_data(tmp, args)
         results: dict[str, list[dict]] = {name: [] for name in CASES}
         for repeat in range(args.repeats):
             for name, extra in CASES.items():
