@@ -21,6 +21,8 @@ class PlannedRank:
     world_size: int
     # Ranks a parameter is sharded over (1: replicated).
     shard_group: int
+    # Whether the model trains adapters (LoRA) on a frozen base.
+    adapters: bool = False
 
 
 Declared = tuple[tuple[str, Callable[[PlannedRank], int]], ...]

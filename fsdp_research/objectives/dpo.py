@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import DictConfig, open_dict
 
+from fsdp_research.callbacks.footprint import PlannedRank
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.assembly import build_sharded_model
@@ -53,6 +54,12 @@ class DPO(PairObjective):
         self.beta, self.label_smoothing, self.reference = beta, label_smoothing, reference
         self.loss_types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
         self.loss_weights = list(loss_weights) if loss_weights is not None else [1.0] * len(self.loss_types)
+
+    @classmethod
+    def planned_bytes(cls, rank: PlannedRank, reference: str = "auto", **_) -> int:
+        """What the planner counts (as a callback's state): the reference's copy of the rank's parameters; none
+        where it is the policy with its adapters off."""
+        return 0 if reference == "auto" and rank.adapters else rank.param_bytes
 
     def check(self, cfg: DictConfig) -> None:
         unknown = [t for t in self.loss_types if t not in LOSSES]

@@ -14,11 +14,13 @@ GIB = 2**30
 
 
 def callback_bytes(m: ModelSummary, run: Run) -> int:
-    """The callbacks' declared state on a rank, given the parameters the rank holds."""
+    """The callbacks' declared state on a rank (and the objective's: DPO's reference), given the parameters the rank
+    holds."""
     replicated = m.strategy is Strategy.ddp_classic
     n = 1 if replicated else run.shard_group
     params = m.n_params if replicated else sum(u.shard_numel(n) for u in [*m.units, m.root])
-    rank = PlannedRank(param_bytes=FP32 * params, params=params, world_size=run.world_size, shard_group=n)
+    adapters = any(u.frozen for u in [*m.units, m.root])
+    rank = PlannedRank(FP32 * params, params, run.world_size, n, adapters)
     return sum(int(declared(rank)) for _, declared in run.callbacks)
 
 

@@ -369,7 +369,7 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str) -> Run:
         prefetch_forward=cfg.sharding.prefetch_forward,
         prefetch_backward=cfg.sharding.prefetch_backward,
         loss_chunks=cfg.loss.chunks,
-        callbacks=declared_state(cfg.callbacks),
+        callbacks=declared_state({**cfg.callbacks, f"objective={cfg.objective.name}": cfg.objective}),
         nccl=device_type == "cuda",
         tp=steps.tp,
         cp=steps.cp,

@@ -282,6 +282,23 @@ def test_the_store_of_text_pairs_is_of_the_end_of_sequence_text_too(work, tmp_pa
     assert specs[0].fingerprint != specs[1].fingerprint
 
 
+def test_the_planner_counts_the_reference_copy_and_none_with_lora(work):
+    """The frozen reference is a copy of each rank's parameters (fp32 shards, as the policy's), in the peak and on
+    the plan's row of declared state; with LoRA the reference is the policy itself: nothing."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_research.planner.memory import memory
+    from fsdp_research.planner.summary import run_settings, summary_for
+
+    tmp, model, _, files = work
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model).parameters())
+    copy, lora = (compose(_common(tmp, model, files, *more)) for more in ([], ["model.lora.r=4"]))
+    summary = summary_for(copy)
+    planned = memory(summary, run_settings(copy, 2, "cpu"))
+    assert planned.callbacks == pytest.approx(4 * params / 2, rel=0.01)
+    assert memory(summary_for(lora), run_settings(lora, 2, "cpu")).callbacks == 0
+
+
 @pytest.mark.parametrize(
     "overrides, key",
     [
