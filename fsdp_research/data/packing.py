@@ -252,13 +252,20 @@ class PairWindows(PackedDocuments):
     rejected one) packed into samples a pair at a time, never split: the two side by side in one sample, each
     attending to itself only (its positions from 0), so that a pair's log-probabilities are its sequences' fed
     alone. data.packing: several pairs a sample, best-fit decreasing; else one a sample, padded. A pair longer
-    than seq_len is dropped or refused (data.truncation); one whose completions hold no target is left out."""
+    than seq_len is dropped or refused (data.truncation), or with truncate each of its sequences cut to its first
+    seq_len // 2 tokens (TRL's max_length, keep_start); one whose completions hold no target (after a cut: whose
+    prompt fills the half, which TRL drops too) is left out."""
 
     def __init__(self, store: TokenStore, seq_len: int, pad: int, packing: bool, truncation: Truncation, what: str):
         self.store, self.length, self.shape = store, seq_len, (3, seq_len)
         self.pad_id, self.masking, self.what = pad, True, what
         self.first, self.lengths = _documents(store)
         counts = store.target_counts()
+        if truncation is Truncation.truncate:
+            half = seq_len // 2
+            for d in np.flatnonzero(self.lengths > half).tolist():
+                counts[d] = int(store.targets(self.first[d] + 1, self.first[d] + half).sum())
+            self.lengths = np.minimum(self.lengths, half)
         pair_lengths = self.lengths[0::2] + self.lengths[1::2]
         longest = int(pair_lengths.max(initial=0))
         if longest > seq_len and truncation is Truncation.error:
@@ -266,7 +273,7 @@ class PairWindows(PackedDocuments):
                 "data.truncation",
                 f"a pair of {what} has {longest} tokens (prompt twice, both completions), more than data.seq_len="
                 f"{seq_len}",
-                "raise data.seq_len, or set data.truncation=drop",
+                "raise data.seq_len, or set data.truncation=drop or truncate",
             )
         keep = (counts[0::2] > 0) & (counts[1::2] > 0)
         self.untargeted = int((~keep).sum())

@@ -7,7 +7,7 @@ import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
 from fsdp_research.callbacks.hooks import check_callbacks
-from fsdp_research.config.data_schema import DataConfig, DataKind, Truncation
+from fsdp_research.config.data_schema import DataConfig, DataKind
 from fsdp_research.config.schema import (
     ActivationCheckpointingConfig,
     CheckpointConfig,
@@ -127,8 +127,6 @@ def check_data(cfg: DataConfig, t: TrainerConfig, hf_config) -> None:
         raise ConfigError(
             "data.document_masking", "false: a pair's two sequences would attend to each other", "leave it unset"
         )
-    if cfg.kind is DataKind.preference and cfg.truncation is Truncation.truncate:
-        raise ConfigError("data.truncation", "truncate: data=preference does not cut pairs", "use drop or error")
     if not cfg.kind.templated:
         for key, paths in eval_set_paths(cfg).values():
             probe(first_file(paths, key), cfg.text_field)

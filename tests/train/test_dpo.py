@@ -102,19 +102,21 @@ TRL_EVAL = dict(
 )
 
 
-def _trl_eval(model: str, ref: str, records: list[dict], out: str) -> dict:
+def _trl_eval(model: str, ref: str, records: list[dict], out: str, **settings) -> dict:
+    """DPOTrainer.evaluate (every loss type weighted, unless settings say otherwise), and the pairs it kept."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(out, loss_type=LOSSES, loss_weights=WEIGHTS, label_smoothing=0.1, **TRL_EVAL)
+    settings = {**TRL_EVAL, **(settings or dict(loss_type=LOSSES, loss_weights=WEIGHTS, label_smoothing=0.1))}
+    args = DPOConfig(out, **settings)
     data = Dataset.from_list(records)
     policy, reference = (AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32) for m in (model, ref))
     tok = AutoTokenizer.from_pretrained(model)
     trainer = DPOTrainer(
         model=policy, ref_model=reference, args=args, train_dataset=data, eval_dataset=data, processing_class=tok
     )
-    return trainer.evaluate()
+    return {**trainer.evaluate(), "pairs": len(trainer.eval_dataset)}
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +160,23 @@ def test_eval_equals_trl_dpo_trainer_at_1_and_2_ranks(work, evaluated, form):
         assert ours[f"eval_pairs/{form}"] == len(PAIRS)
         for key in METRICS:
             assert ours[f"eval_{key}/{form}"] == pytest.approx(trl[f"eval_{key}"], rel=2e-3, abs=1e-6), (n, key)
+
+
+def test_truncate_cuts_each_sequence_as_trl_s_max_length(work):
+    """data.truncation=truncate at data.seq_len 24: each sequence cut to its first 12 tokens, as TRL's max_length=12
+    (keep_start) cuts it, a pair whose prompt fills them dropped by both: the eval equals DPOTrainer's."""
+    tmp, model, ref, files = work
+    overrides = ["data.seq_len=24", "data.truncation=truncate", f"objective.reference={ref}", "optim.lr=0"]
+    overrides += ["trainer.max_steps=1", "trainer.eval_interval=1", "trainer.global_batch_size=2"]
+    overrides += [f"data.paths=[{files['text']}]", f"data.eval_paths=[{files['text']}]", "checkpoint.save=false"]
+    run = finish(start([*_common(tmp, model, files, *overrides), f"hydra.run.dir={tmp / 'cut'}"], ROOT))
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(tmp / "cut" / "metrics.jsonl") as f:
+        ours = [row for row in map(json.loads, f) if "eval_loss" in row][-1]
+    trl = _trl_eval(model, ref, _records("text"), str(tmp / "trl_cut"), loss_type="sigmoid", max_length=12)
+    assert ours["eval_pairs"] == trl["pairs"] and 0 < ours["eval_pairs"]
+    for key in METRICS:
+        assert ours[f"eval_{key}"] == pytest.approx(trl[f"eval_{key}"], rel=2e-3, abs=1e-6), key
 
 
 def test_training_metrics_are_the_same_at_1_and_2_ranks(evaluated):
@@ -309,7 +328,6 @@ def test_the_planner_counts_the_reference_copy_and_none_with_lora(work):
         (["objective.beta=0"], "objective.beta"),
         (["objective.label_smoothing=0.1"], "objective.label_smoothing"),
         (["objective=simpo", "objective.label_smoothing=0.5"], "objective.label_smoothing"),
-        (["data.truncation=truncate"], "data.truncation"),
         (["data.document_masking=false"], "data.document_masking"),
         (["trainer.eval_interval=1", "data.eval_fraction=0"], "trainer.eval_interval"),
     ],
