@@ -188,6 +188,29 @@ def test_training_metrics_are_the_same_at_1_and_2_ranks(evaluated):
 
 
 # Eval on the held-out windows of pairs (no eval files) at the last step.
+@pytest.mark.slow
+def test_full_dpo_composes_with_tp_hsdp_and_activation_checkpointing(work):
+    """DPO with its reference a frozen copy, sharded as the policy is: the losses of 3 steps under tensor parallel
+    (2 ranks), hsdp (2 x 2) and activation checkpointing are the 1-rank run's (1e-5)."""
+    tmp, model, ref, files = work
+    common = _common(tmp, model, files, "optim.lr=1e-3", "trainer.max_steps=3", "trainer.eval_interval=0")
+    common += ["checkpoint.save=false", "checkpoint.export=false"]
+    cases = {
+        "one": ["distributed.nproc_per_node=1"],
+        "tp2": ["distributed.nproc_per_node=2", "parallel.tp=2"],
+        "hsdp": ["distributed.nproc_per_node=4", "sharding=hsdp"],
+        "ac": ["distributed.nproc_per_node=1", "activation_checkpointing=every_block"],
+    }
+    procs = {name: start([*common, *more, f"hydra.run.dir={tmp / name}"], ROOT) for name, more in cases.items()}
+    for proc in procs.values():
+        result = finish(proc)
+        assert result.returncode == 0, result.stderr[-3000:]
+    losses = {name: [r["loss"] for r in read_metrics(tmp / name)] for name in cases}
+    assert losses["one"][-1] != losses["one"][0]
+    for name in ("tp2", "hsdp", "ac"):
+        assert losses[name] == pytest.approx(losses["one"], abs=1e-5), name
+
+
 def test_simpo_eval_equals_trl_cpo_trainer(work):
     """objective=simpo at lr 0 against TRL's CPOTrainer(loss_type="simpo", cpo_alpha=0).evaluate on the same pairs of
     text (where CPO's tokenization, the end-of-sequence token appended, is DPO's)."""
