@@ -18,6 +18,8 @@ from fsdp_research.errors import ConfigError
 
 IGNORE = -100
 INPUTS, LABELS, POSITIONS = 0, 1, 2
+# Preference samples' fourth row: each position's document, as its index in the store (-1: padding).
+DOCUMENTS = 3
 
 
 class _Rooms:
@@ -251,13 +253,15 @@ class PairWindows(PackedDocuments):
     """A store of preference pairs (documents 2i and 2i + 1: the prompt with its chosen completion, then with its
     rejected one) packed into samples a pair at a time, never split: the two side by side in one sample, each
     attending to itself only (its positions from 0), so that a pair's log-probabilities are its sequences' fed
-    alone. data.packing: several pairs a sample, best-fit decreasing; else one a sample, padded. A pair longer
+    alone; a fourth row says each position's document (DOCUMENTS: the store's index, which precomputed reference
+    log-probabilities are looked up by). data.packing: several pairs a sample, best-fit decreasing; else one a
+    sample, padded. A pair longer
     than seq_len is dropped or refused (data.truncation), or with truncate each of its sequences cut to its first
     seq_len // 2 tokens (TRL's max_length, keep_start); one whose completions hold no target (after a cut: whose
     prompt fills the half, which TRL drops too) is left out."""
 
     def __init__(self, store: TokenStore, seq_len: int, pad: int, packing: bool, truncation: Truncation, what: str):
-        self.store, self.length, self.shape = store, seq_len, (3, seq_len)
+        self.store, self.length, self.shape = store, seq_len, (4, seq_len)
         self.pad_id, self.masking, self.what = pad, True, what
         self.first, self.lengths = _documents(store)
         counts = store.target_counts()
@@ -287,6 +291,15 @@ class PairWindows(PackedDocuments):
 
     def span_targets(self, start: int, stop: int) -> np.ndarray:
         return self.store.targets(start, stop)
+
+    def read(self, index: np.ndarray) -> np.ndarray:
+        """[n, 4, seq_len]: the packed rows, and each position's document (DOCUMENTS)."""
+        out = super().read(index)
+        for row, w in zip(out, index.tolist()):
+            docs = self.docs[self.starts[w] : self.starts[w + 1]]
+            row[DOCUMENTS] = -1
+            row[DOCUMENTS, : int(self.lengths[docs].sum())] = np.repeat(docs, self.lengths[docs])
+        return out
 
     def describe(self) -> str:
         filled = int(self.lengths[self.docs].sum()) / max(1, self.count * self.length)

@@ -22,7 +22,7 @@ from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.sharding import local_shard, reshard
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import pretrained_dir
-from fsdp_research.model.pretrained import checkpoint_files
+from fsdp_research.model.pretrained import weights_identity
 
 ADAPTER = "default"
 # Where an export keeps the adapters in PEFT's format: <export>/adapter.
@@ -114,20 +114,9 @@ def store_frozen(model: nn.Module, dtype: torch.dtype, kept_in_fp32: list[str]) 
 
 
 def base_identity(cfg: ModelConfig) -> str | None:
-    """With LoRA, what identifies the pretrained weights cheaply: each safetensors file's size, header (names,
-    dtypes, shapes, offsets) and first and last MiB; None without."""
-    if not enabled(cfg.lora):
-        return None
-    digest = hashlib.sha256()
-    for path in checkpoint_files(pretrained_dir(cfg.name_or_path)):
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            header = 8 + int.from_bytes(f.read(8), "little")
-            f.seek(0)
-            digest.update(f"{os.path.basename(path)} {size}".encode() + f.read(header + 2**20))
-            f.seek(max(header, size - 2**20))
-            digest.update(f.read())
-    return digest.hexdigest()
+    """With LoRA, what identifies the pretrained weights cheaply (model.pretrained.weights_identity); None
+    without."""
+    return weights_identity(pretrained_dir(cfg.name_or_path)) if enabled(cfg.lora) else None
 
 
 def _is_adapter(name: str) -> bool:

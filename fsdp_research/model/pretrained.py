@@ -14,6 +14,7 @@ moved rows count) summed over the shards equals the whole tensor's, converted fr
 unsharded pass that the ranks share; a tensor that differs (or stayed uninitialised) refuses the run by name."""
 
 import contextlib
+import hashlib
 import importlib
 import json
 import math
@@ -60,6 +61,21 @@ def checkpoint_files(path: str) -> list[str]:
             "point it at a directory written by save_pretrained (safetensors)",
         )
     return [single]
+
+
+def weights_identity(path: str) -> str:
+    """What identifies a checkpoint's weights cheaply: each safetensors file's size, header (names, dtypes, shapes,
+    offsets) and first and last MiB."""
+    digest = hashlib.sha256()
+    for file in checkpoint_files(path):
+        size = os.path.getsize(file)
+        with open(file, "rb") as f:
+            header = 8 + int.from_bytes(f.read(8), "little")
+            f.seek(0)
+            digest.update(f"{os.path.basename(file)} {size}".encode() + f.read(header + 2**20))
+            f.seek(max(header, size - 2**20))
+            digest.update(f.read())
+    return digest.hexdigest()
 
 
 def _slices(files: list[str], handles: ExitStack, meta: bool) -> dict[str, Any]:

@@ -67,8 +67,9 @@ class Objective:
     def setup(self, cfg: DictConfig) -> None:
         """Once on every rank before the first step, with the run's typed config."""
 
-    def prepare(self, model: nn.Module, device: torch.device) -> None:
-        """Once on every rank after setup, with the sharded model (a collective where it builds one of its own)."""
+    def prepare(self, model: nn.Module, device: torch.device, data: Data) -> None:
+        """Once on every rank after setup, with the sharded model and the run's data (a collective where it builds
+        a model of its own or computes over the data)."""
 
     def step_batch(self, model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
         """The batch step `step` trains on, from this rank's batch of the data: the data's own by default. One that
@@ -134,9 +135,9 @@ def check_objective(cfg: DictConfig) -> None:
         )
 
 
-def build_objective(cfg: DictConfig, model: nn.Module, device: torch.device) -> Objective:
+def build_objective(cfg: DictConfig, model: nn.Module, device: torch.device, data: Data) -> Objective:
     target, kwargs = _target(cfg.objective)
     objective = target(**kwargs)
     objective.setup(cfg)
-    objective.prepare(model, device)
+    objective.prepare(model, device, data)
     return objective

@@ -4,7 +4,8 @@ log-probability ratios of policy to reference (summed over the completion's toke
 metrics (objectives.pairs).
 
 The reference: `auto` is the policy with its LoRA adapters switched off (no second model) or, without LoRA, a
-frozen copy of the initial weights sharded as the policy is; a model directory is loaded as such a copy."""
+frozen copy of the initial weights sharded as the policy is; a model directory is loaded as such a copy;
+`precompute` computes its log-probabilities once before training and looks them up (objectives.reference)."""
 
 import contextlib
 import logging
@@ -18,12 +19,17 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, open_dict
 
 from fsdp_research.callbacks.footprint import PlannedRank
+from fsdp_research.config.schema import Strategy
+from fsdp_research.data.pipeline import Data
+from fsdp_research.distributed.precision import autocast
+from fsdp_research.distributed.processes import broadcast_object
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.assembly import build_sharded_model
 from fsdp_research.model.dimensions import expert_modules
 from fsdp_research.model.lora import enabled, lora_layers, saved_modules
-from fsdp_research.objectives.pairs import PairObjective, pair_logps, pair_result
+from fsdp_research.objectives.pairs import PairObjective, pair_documents, pair_logps, pair_result
+from fsdp_research.objectives.reference import compute_table, load_table, save_table, table_path
 
 log = logging.getLogger("fsdp_research")
 
@@ -41,8 +47,6 @@ def _no_dropout(model: nn.Module) -> None:
 
 
 class DPO(PairObjective):
-    reference_forwards = 1
-
     def __init__(
         self,
         beta: float = 0.1,
@@ -52,14 +56,17 @@ class DPO(PairObjective):
         reference: str = "auto",
     ):
         self.beta, self.label_smoothing, self.reference = beta, label_smoothing, reference
+        # precompute: the reference's log-probabilities are looked up, not computed, while training.
+        self.reference_forwards = 0 if reference == "precompute" else 1
         self.loss_types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
         self.loss_weights = list(loss_weights) if loss_weights is not None else [1.0] * len(self.loss_types)
+        self.tables: dict[str | None, torch.Tensor] = {}  # precompute: by eval set name, None: the training data
 
     @classmethod
     def planned_bytes(cls, rank: PlannedRank, reference: str = "auto", **_) -> int:
         """What the planner counts (as a callback's state): the reference's copy of the rank's parameters; none
         where it is the policy with its adapters off."""
-        return 0 if reference == "auto" and rank.adapters else rank.param_bytes
+        return 0 if (reference == "auto" and rank.adapters) or reference == "precompute" else rank.param_bytes
 
     def check(self, cfg: DictConfig) -> None:
         unknown = [t for t in self.loss_types if t not in LOSSES]
@@ -83,29 +90,68 @@ class DPO(PairObjective):
             raise ConfigError(
                 "objective.label_smoothing", f"{self.label_smoothing} is not in [0, 0.5)", "use e.g. 0.1 (robust)"
             )
-        if self.reference != "auto" and not os.path.isfile(os.path.join(self.reference, "config.json")):
+        if self.reference not in ("auto", "precompute"):
+            if not os.path.isfile(os.path.join(self.reference, "config.json")):
+                raise ConfigError(
+                    "objective.reference",
+                    f"{self.reference!r} is neither auto, precompute nor a model directory (no config.json)",
+                    "use auto, precompute, or a directory save_pretrained wrote",
+                )
+        elif self.reference == "precompute" and not cfg.model.load_weights:
             raise ConfigError(
                 "objective.reference",
-                f"{self.reference!r} is neither auto nor a model directory (no config.json)",
-                "use auto, or a directory save_pretrained wrote",
+                "precompute: the reference is the pretrained weights, which this model does not load",
+                "use model=pretrained, or reference=auto",
             )
 
-    def prepare(self, model: nn.Module, device: torch.device) -> None:
+    def prepare(self, model: nn.Module, device: torch.device, data: Data) -> None:
         if expert_modules(model):
             raise ConfigError(
                 "objective", "dpo leaves a mixture of experts' load-balancing loss out", "use a dense model"
             )
         _no_dropout(model)
         self.model = None  # the policy, its adapters off: the reference
-        if self.reference == "auto" and enabled(self.cfg.model.lora):
-            return
+        if self.reference == "precompute":
+            self._precompute(model, device, data)
+        elif self.reference != "auto" or not enabled(self.cfg.model.lora):
+            self.model = self._copy(device)
+
+    def _copy(self, device: torch.device) -> nn.Module:
+        """The reference as a frozen model of its own, sharded as the policy: the initial weights (a resume's too),
+        or objective.reference's directory."""
         cfg = self.cfg.copy()
         with open_dict(cfg):
             cfg.model.lora.r = None
-            if self.reference != "auto":
+            if self.reference not in ("auto", "precompute"):  # a model directory
                 cfg.model.name_or_path, cfg.model.load_weights = self.reference, True
-        self.model, _ = build_sharded_model(cfg, build_hf_config(cfg.model), device, dist.get_world_size())
-        self.model.requires_grad_(False).eval()
+        copy, _ = build_sharded_model(cfg, build_hf_config(cfg.model), device, dist.get_world_size())
+        return copy.requires_grad_(False).eval()
+
+    def _precompute(self, policy: nn.Module, device: torch.device, data: Data) -> None:
+        """Each store's table of reference log-probabilities (objectives.reference): read where a start before
+        made it, else computed with the reference (the policy with its adapters off, or a copy built for it and let
+        go) and kept."""
+        sets = {None: data.stream.windows[0], **data.eval_sets}
+        by_path: dict[str, torch.Tensor] = {}
+        t, classic = self.cfg.trainer, Strategy(self.cfg.sharding.strategy) is Strategy.ddp_classic
+        amp = autocast(self.cfg.precision, device, enabled=classic)  # as the trainer's forward runs
+        for name, windows in sets.items():
+            path = table_path(windows, self.cfg)
+            if path not in by_path:
+                kept = broadcast_object(os.path.isfile(path))  # one answer for every rank, however files appear
+                by_path[path] = load_table(path, len(windows.first), device) if kept else None
+                if by_path[path] is not None:
+                    log.info(f"objective.reference=precompute: read {path}")
+            if by_path[path] is None:
+                if self.model is None and not enabled(self.cfg.model.lora):
+                    self.model = self._copy(device)
+                with self._reference(policy) as reference:
+                    tp = self.cfg.parallel.tp
+                    by_path[path] = compute_table(reference, windows, t.micro_batch_size, device, amp, tp)
+                save_table(path, by_path[path])
+                log.info(f"objective.reference=precompute: {len(windows.first):,} documents' log-probs in {path}")
+            self.tables[name] = by_path[path]
+        self.model = None  # a copy built for it is let go
 
     @contextlib.contextmanager
     def _reference(self, policy: nn.Module) -> Iterator[nn.Module]:
@@ -129,8 +175,12 @@ class DPO(PairObjective):
 
     def pairs(self, model: nn.Module, batch: torch.Tensor, amp) -> dict[str, torch.Tensor]:
         chosen, rejected, n_chosen, n_rejected, real = pair_logps(model, batch, amp)
-        with torch.no_grad(), self._reference(model) as reference:
-            ref_chosen, ref_rejected = pair_logps(reference, batch, amp)[:2]
+        if self.reference == "precompute":
+            table = self.tables.get(self.evaluating, self.tables[None])  # held-out windows: the training store's
+            ref_chosen, ref_rejected = (table[docs[real]].to(chosen.dtype) for docs in pair_documents(batch))
+        else:
+            with torch.no_grad(), self._reference(model) as reference:
+                ref_chosen, ref_rejected = pair_logps(reference, batch, amp)[:2]
         ratios = chosen - ref_chosen, rejected - ref_rejected
         delta, b, eps = ratios[0] - ratios[1], self.beta, self.label_smoothing
         loss = torch.zeros_like(delta)

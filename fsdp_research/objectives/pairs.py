@@ -12,7 +12,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from fsdp_research.config.data_schema import DataKind
-from fsdp_research.data.packing import IGNORE, LABELS, POSITIONS
+from fsdp_research.data.packing import DOCUMENTS, IGNORE, LABELS, POSITIONS
 from fsdp_research.data.pipeline import Data
 from fsdp_research.objectives.base import Objective, StepContext
 from fsdp_research.train.evaluation import held_out_sums
@@ -43,6 +43,15 @@ def pair_sums(values: torch.Tensor, batch: torch.Tensor) -> tuple[torch.Tensor, 
     return chosen, rejected, n_chosen, n_rejected, (n_chosen > 0) & (n_rejected > 0)
 
 
+def pair_documents(batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each pair's chosen and rejected document, as its store's index ([n, seq_len // 2] each, as pair_sums's; -1
+    where a sample holds no pair)."""
+    document = (batch[:, POSITIONS] == 0).cumsum(1) - 1
+    docs = torch.full_like(batch[:, DOCUMENTS], -1).scatter_reduce_(1, document, batch[:, DOCUMENTS], "amax")
+    pairs = batch.shape[-1] // 2
+    return docs[:, 0 : 2 * pairs : 2], docs[:, 1 : 2 * pairs : 2]
+
+
 def pair_logps(model: nn.Module, batch: torch.Tensor, amp) -> tuple[torch.Tensor, ...]:
     """(chosen's and rejected's log-probabilities summed over their completions, their completions' tokens: [pairs]
     each, in order; where the pairs are in the samples: [n, seq_len // 2])."""
@@ -63,6 +72,8 @@ class PairObjective(Objective):
 
     reads = (DataKind.preference,)
     takes_packed = True
+    # While evaluate runs: the eval set's name (data.eval_sources'; "": data.eval_paths' or the held-out windows).
+    evaluating: str | None = None
 
     def setup(self, cfg: DictConfig) -> None:
         self.cfg = cfg
@@ -102,10 +113,11 @@ class PairObjective(Objective):
             reads = {name: (functools.partial(data.eval_batch, name), w.count) for name, w in data.eval_sets.items()}
         else:  # the held-out windows of pairs, as objective=lm evaluates
             reads = {"": (functools.partial(data.batch, held_out=True), t.eval_batches * t.micro_batch_size)}
-        sets = {
-            name: held_out_sums(model, read, n, t.micro_batch_size, device, sums_of, cfg.parallel.tp)
-            for name, (read, n) in reads.items()
-        }
+        sets = {}
+        for name, (read, n) in reads.items():
+            self.evaluating = name
+            sets[name] = held_out_sums(model, read, n, t.micro_batch_size, device, sums_of, cfg.parallel.tp)
+        self.evaluating = None
         out = {}
         # data.eval_sources: each set's as eval_<metric>/<name> too; eval_<metric> over all of them.
         for name, sums in [(n, s) for n, s in sets.items() if n] + [("", sum(sets.values()))]:

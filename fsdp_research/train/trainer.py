@@ -160,7 +160,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         state.scheduler = continue_schedule(state.scheduler, cfg, base_lrs, resume_dir)
         callbacks.load_state_dict(callback_state)
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
-    objective = build_objective(cfg, model, device)
+    objective = build_objective(cfg, model, device, data)
     throughput = throughput_of(cfg, d, model, plan, device, state.step, objective.reference_forwards)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)

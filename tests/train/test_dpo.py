@@ -211,6 +211,39 @@ def test_full_dpo_composes_with_tp_hsdp_and_activation_checkpointing(work):
         assert losses[name] == pytest.approx(losses["one"], abs=1e-5), name
 
 
+@pytest.mark.slow
+def test_precomputed_reference_trains_as_the_reference_it_replaces(work):
+    """objective.reference=precompute: the losses and eval of 3 steps are those of the reference it stands for (the
+    frozen copy; with LoRA the adapters off), at 1 and 2 ranks; a later start reads the kept tables."""
+    tmp, model, _, files = work
+    common = _common(tmp, model, files, "optim.lr=1e-3", "trainer.max_steps=3", "trainer.eval_interval=3")
+    common += [f"data.eval_paths=[{files['text']}]", "checkpoint.save=false", "checkpoint.export=false"]
+    lora = ["model.lora.r=4", "model.lora.alpha=8", "optim.lr=1e-2"]
+    cases = {
+        "copy": [],
+        "pre": ["objective.reference=precompute"],
+        "lora": lora,
+        "lora_pre": [*lora, "objective.reference=precompute"],
+        "pre2": ["objective.reference=precompute", "distributed.nproc_per_node=2"],
+    }
+    runs = {}
+    for group in (["copy", "pre", "lora", "lora_pre"], ["pre2"]):  # pre2 after the tables exist
+        procs = {name: start([*common, *cases[name], f"hydra.run.dir={tmp / name}"], ROOT) for name in group}
+        for name, proc in procs.items():
+            runs[name] = finish(proc)
+            assert runs[name].returncode == 0, runs[name].stderr[-3000:]
+    assert "objective.reference=precompute: read" in runs["pre2"].stdout + runs["pre2"].stderr
+    rows = {}
+    for name in cases:
+        with open(tmp / name / "metrics.jsonl") as f:
+            rows[name] = [json.loads(line) for line in f if '"loss"' in line or '"eval_loss"' in line]
+    for name, like in (("pre", "copy"), ("pre2", "copy"), ("lora_pre", "lora")):
+        for ours, theirs in zip(rows[name], rows[like], strict=True):
+            for key in ("loss", "eval_loss", "rewards/chosen", "eval_rewards/margins"):
+                if key in theirs:
+                    assert ours[key] == pytest.approx(theirs[key], rel=1e-5, abs=1e-6), (name, key)
+
+
 def test_simpo_eval_equals_trl_cpo_trainer(work):
     """objective=simpo at lr 0 against TRL's CPOTrainer(loss_type="simpo", cpo_alpha=0).evaluate on the same pairs of
     text (where CPO's tokenization, the end-of-sequence token appended, is DPO's)."""
@@ -349,6 +382,7 @@ def test_the_planner_counts_the_reference_copy_and_none_with_lora(work):
         (["objective.loss_type=[sigmoid,sft]", "objective.loss_weights=[1.0]"], "objective.loss_weights"),
         (["objective.reference=/nonexistent"], "objective.reference"),
         (["objective.beta=0"], "objective.beta"),
+        (["model=llama_tiny", "objective.reference=precompute"], "objective.reference"),
         (["objective.label_smoothing=0.1"], "objective.label_smoothing"),
         (["objective=simpo", "objective.label_smoothing=0.5"], "objective.label_smoothing"),
         (["data.document_masking=false"], "data.document_masking"),

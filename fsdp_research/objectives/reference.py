@@ -1,0 +1,68 @@
+"""objective.reference=precompute: the reference model's log-probability of every document of the preference stores
+(training and eval), summed over its targets, computed once before training and kept beside the store, so that the
+reference is not held while training. Every rank computes its share of the windows (a collective); rank 0 writes
+the table (<store>.reference-<key>.npy, atomically); a later start or a resume reads it. The key: the store, the
+reference weights (their files' identity), the compute dtype and how documents are cut (seq_len, truncation): what
+decides a document's log-probability. A table holds a float64 a document: O(documents) on every rank, as the
+store's document index is."""
+
+import hashlib
+import os
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from fsdp_research.data.packing import DOCUMENTS, IGNORE, LABELS, PairWindows
+from fsdp_research.data.store_builder import write_atomic
+from fsdp_research.distributed.mesh import data_parallel
+from fsdp_research.model.architecture import pretrained_dir
+from fsdp_research.model.pretrained import weights_identity
+from fsdp_research.train.losses import token_losses
+
+
+def table_path(windows: PairWindows, cfg: DictConfig) -> str:
+    """Where the reference's table of `windows`' store is kept, for this run's reference."""
+    key = [
+        weights_identity(pretrained_dir(cfg.model.name_or_path)),
+        cfg.precision.param_dtype,
+        cfg.data.seq_len,
+        cfg.data.truncation.value,
+    ]
+    digest = hashlib.sha256(repr(key).encode()).hexdigest()[:24]
+    return f"{windows.store.path}.reference-{digest}.npy"
+
+
+@torch.no_grad()
+def compute_table(reference: nn.Module, windows: PairWindows, micro_batch: int, device: torch.device, amp, tp: int):
+    """Each document's reference log-probability, summed over its targets ([documents], float64; 0 for those no
+    window holds): data-parallel rank r reads windows r, r + world, ... (a rank with fewer runs a window weighted 0:
+    FSDP's collectives need as many forwards on every rank). A collective."""
+    rank, world = data_parallel(tp, 1)
+    index = rank + world * np.arange(-(-windows.count // world))
+    weight = torch.from_numpy(index < windows.count).double().to(device)
+    index = np.minimum(index, windows.count - 1)
+    table = torch.zeros(len(windows.first), dtype=torch.float64, device=device)
+    for a in range(0, len(index), micro_batch):
+        batch = torch.from_numpy(windows.read(index[a : a + micro_batch])).to(device)
+        logps = -token_losses(reference, batch, amp).double() * weight[a : a + micro_batch, None]
+        logps = logps * (batch[:, LABELS] != IGNORE)
+        docs = batch[:, DOCUMENTS]
+        table.index_add_(0, docs[docs >= 0], logps[docs >= 0])
+    dist.all_reduce(table)
+    return table / tp
+
+
+def load_table(path: str, documents: int, device: torch.device) -> torch.Tensor | None:
+    if not os.path.isfile(path):
+        return None
+    table = torch.from_numpy(np.load(path)).to(device)
+    return table if len(table) == documents else None
+
+
+def save_table(path: str, table: torch.Tensor) -> None:
+    if dist.get_rank() == 0:
+        write_atomic(path, lambda f: np.save(f, table.cpu().numpy()), "wb")
+    dist.barrier()
