@@ -23,7 +23,8 @@ from fsdp_research.data.packing import ChatWindows, DocumentWindows, PackedDocum
 from fsdp_research.data.parts import default_paths, hub_parts, identity, plan_parts, scan
 from fsdp_research.data.sampling import StoreWindows, Stream, SyntheticWindows
 from fsdp_research.data.store import StoreSpec, TokenStore, store_spec
-from fsdp_research.data.store_builder import Report, ensure_store
+from fsdp_research.data.store_builder import ensure_store
+from fsdp_research.data.store_wait import Report
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.errors import ConfigError
 

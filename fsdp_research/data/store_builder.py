@@ -2,7 +2,8 @@
 this rank's share of the node's cores, in worker processes: its own (r, r + world, ...), then any other's not yet
 taken (each claimed once); rank 0 publishes. Ranks wait for parts and for the manifest on the file system, never
 inside a collective, so an hour of tokenization cannot time a job out. A part that fails leaves an error marker
-that the waiting ranks raise too; a builder that dies without one fails them after distributed.timeout_s."""
+that the waiting ranks raise too; a builder that dies without one fails them after distributed.timeout_s (the
+waiting: fsdp_research.data.store_wait)."""
 
 import contextlib
 import json
@@ -12,8 +13,6 @@ import selectors
 import shutil
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict
 from typing import Any
@@ -22,12 +21,22 @@ import numpy as np
 
 from fsdp_research.data.parts import Part, batches, read_part, text_bytes
 from fsdp_research.data.store import KEY, MANIFEST, VERSION, StoreSpec, TokenStore, part_name, verify
+from fsdp_research.data.store_wait import (
+    POLL_S,
+    Progress,
+    Report,
+    done_count,
+    error_record,
+    heartbeat,
+    part_done,
+    recorded_error,
+    wait,
+)
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.errors import ConfigError, DataError
 
 log = logging.getLogger("fsdp_research")
 
-POLL_S = 0.2
 PartBuild = Callable[[Part, int, str], dict[str, Any]]
 # About a second of one core's work: the text a worker process is worth starting for.
 WORKER_BYTES = {"byte": 100 * 2**20, "other": 4 * 2**20}
@@ -44,18 +53,6 @@ def write_atomic(path: str, write: Callable[[Any], None], mode: str = "w") -> No
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def error_record(err: BaseException, build: str) -> dict[str, Any]:
-    if isinstance(err, ConfigError):
-        return {"build": build, "kind": "config", "key": err.key, "problem": err.problem, "fix": err.fix}
-    return {"build": build, "kind": "data", "message": str(err)}
-
-
-def raise_recorded(record: dict[str, Any]) -> None:
-    if record["kind"] == "config":
-        raise ConfigError(record["key"], record["problem"], record["fix"])
-    raise DataError(record["message"])
 
 
 def build_part(part: Part, index: int, build_dir: str, tokenizer_name: str) -> dict[str, int]:
@@ -112,32 +109,6 @@ def build_parts(
             raise error from None
 
 
-def _done(build_dir: str, index: int) -> dict | None:
-    try:
-        with open(os.path.join(build_dir, f"{part_name(index)}.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-def _done_count(build_dir: str) -> int:
-    """Complete parts in the build dir (one directory listing, however many parts)."""
-    return sum(name.startswith("part_") and name.endswith(".json") for name in os.listdir(build_dir))
-
-
-def _recorded_error(build_dir: str, build: str) -> None:
-    """Raise the first error a part of this build recorded (markers of earlier builds are ignored)."""
-    for name in sorted(os.listdir(build_dir)) if os.path.isdir(build_dir) else []:
-        if name.endswith(".error"):
-            try:
-                with open(os.path.join(build_dir, name)) as f:
-                    record = json.load(f)
-            except (OSError, ValueError):
-                continue
-            if record.get("build") == build:
-                raise_recorded(record)
-
-
 def _worker_count(jobs: Sequence[tuple[int, Part]], tokenizer_name: str, workers: int) -> int:
     """Worker processes worth starting: each costs about a second, so only for about a second of work each."""
     per_worker = WORKER_BYTES["byte" if tokenizer_name == "byte" else "other"]
@@ -160,7 +131,7 @@ def _claimed(build_dir: str, build: str, rank: int, world: int, parts: Sequence[
         i for i in reversed(range(len(parts))) if i % world != rank
     ]
     for i in order:
-        if _done(build_dir, i) is not None:
+        if part_done(build_dir, i) is not None:
             continue
         try:
             os.close(os.open(os.path.join(claims, part_name(i)), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
@@ -216,29 +187,12 @@ def _run_workers(
                         selector.unregister(key.fileobj)
                 tick()
         if any(proc.wait() for proc in procs):
-            _recorded_error(build_dir, build)
+            recorded_error(build_dir, build)
             codes = sorted({proc.returncode for proc in procs})
             raise DataError(f"a tokenization worker failed (exit codes {codes}; its error is on stderr)")
     finally:
         for proc in procs:
             proc.kill()
-
-
-Report = Callable[[int, int, float], None]
-
-
-class _Progress:
-    """report(parts done, parts, seconds) now and then while a store is built."""
-
-    def __init__(self, total_parts: int, report: Report | None, every_s: float):
-        self.total, self.report, self.every_s = total_parts, report, every_s
-        self.started = self._last = time.monotonic()
-
-    def update(self, build_dir: str) -> None:
-        now = time.monotonic()
-        if self.report is not None and now - self._last >= self.every_s:
-            self._last = now
-            self.report(_done_count(build_dir), self.total, now - self.started)
 
 
 def _published(path: str, spec: StoreSpec) -> bool:
@@ -247,7 +201,7 @@ def _published(path: str, spec: StoreSpec) -> bool:
 
 
 def _publish(build_dir: str, path: str, spec: StoreSpec) -> None:
-    done = [_done(build_dir, i) for i in range(len(spec.parts))]
+    done = [part_done(build_dir, i) for i in range(len(spec.parts))]
     if None in done:  # the build dir was renamed since this rank 0 saw every part done
         if _published(path, spec):
             return
@@ -309,7 +263,7 @@ def ensure_store(
         if rank == 0:
             log.warning(f"token store {path}: {problem}; rebuilding it")
     build_dir = os.path.join(root, f".build-{spec.fingerprint}")
-    progress = _Progress(len(spec.parts), report, every_s)
+    progress = Progress(len(spec.parts), report, every_s)
     try:
         os.makedirs(build_dir, exist_ok=True)
         if verify(path, spec.fingerprint) is None:
@@ -318,90 +272,18 @@ def ensure_store(
             with contextlib.suppress(OSError):
                 os.rmdir(build_dir)
             return TokenStore(path)
-        mine = [(i, p) for i, p in enumerate(spec.parts) if i % world == rank and _done(build_dir, i) is None]
+        mine = [(i, p) for i, p in enumerate(spec.parts) if i % world == rank and part_done(build_dir, i) is None]
         jobs = _claimed(build_dir, build, rank, world, spec.parts)
         with heartbeat(build_dir, build, rank, min(5.0, timeout_s / 4)):
             _run_workers(jobs, mine, build_dir, spec, build, workers, lambda: progress.update(build_dir))
         if rank == 0:
-            _wait(build_dir, build, timeout_s, progress, lambda: _done_count(build_dir) == len(spec.parts))
+            wait(build_dir, build, timeout_s, progress, lambda: done_count(build_dir) == len(spec.parts))
             _publish(build_dir, path, spec)
         else:
-            _wait(build_dir, build, timeout_s, progress, lambda: verify(path, spec.fingerprint) is None)
+            wait(build_dir, build, timeout_s, progress, lambda: verify(path, spec.fingerprint) is None)
     except (OSError, DataError):
         # Another job building the same store (a sweep's first jobs start together) published it first: its build
         # dir, this job's too, became the store while this one built or waited.
         if verify(path, spec.fingerprint) is not None:
             raise
     return TokenStore(path)
-
-
-# However the build dir's time stamp behaves (coarse on some file systems), the waiters look in full this often.
-LOOK_S = 5.0
-
-
-@contextlib.contextmanager
-def heartbeat(build_dir: str, build: str, rank: int, every_s: float) -> Iterator[None]:
-    """While this rank builds: a file of its own touched every every_s, which tells the waiters it is alive however
-    long a part takes (not while it waits: a rank waiting for a dead one must not keep the build alive)."""
-    path = os.path.join(build_dir, f"alive-{build}-{rank}")
-    stop = threading.Event()
-
-    def beat() -> None:
-        while True:
-            with contextlib.suppress(OSError), open(path, "a"):
-                os.utime(path)
-            if stop.wait(every_s):
-                return
-
-    thread = threading.Thread(target=beat, name="token-store-heartbeat", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
-def alive(build_dir: str, build: str, within_s: float) -> bool:
-    """Whether a builder of this build has touched its heartbeat in the last within_s seconds."""
-    try:
-        names = [name for name in os.listdir(build_dir) if name.startswith(f"alive-{build}-")]
-    except FileNotFoundError:
-        return False
-    for name in names:
-        with contextlib.suppress(OSError):
-            if time.time() - os.stat(os.path.join(build_dir, name)).st_mtime < within_s:
-                return True
-    return False
-
-
-def _wait(build_dir: str, build: str, timeout_s: float, progress: _Progress, finished: Callable[[], bool]) -> None:
-    """Until finished(), which is asked when the build dir changes: one stat a poll (a part's marker, an error's
-    and the publishing rename all change it), not a listing of the parts. An error a builder recorded is raised;
-    no change for timeout_s with no builder's heartbeat in that time (a builder killed before it could record an
-    error) fails on every waiter. A part may take longer than timeout_s: its builder's heartbeat goes on."""
-    seen, changed, looked = None, time.monotonic(), 0.0
-    while True:
-        try:
-            stamp = os.stat(build_dir).st_mtime_ns
-        except FileNotFoundError:  # renamed: published
-            stamp = None
-        now = time.monotonic()
-        if stamp != seen or now - looked >= LOOK_S:
-            if stamp != seen:
-                seen, changed = stamp, now
-            looked = now
-            _recorded_error(build_dir, build)
-            if finished():
-                return
-        if now - changed > timeout_s:
-            if alive(build_dir, build, timeout_s):
-                changed = now
-            else:
-                raise DataError(
-                    f"token store build {build_dir}: no part finished, no error recorded and no builder alive for "
-                    f"{timeout_s:g} s (distributed.timeout_s): a builder died without a word; start the job again "
-                    "(finished parts are kept)"
-                )
-        progress.update(build_dir)
-        time.sleep(POLL_S)

@@ -150,15 +150,15 @@ def test_a_store_published_after_this_job_looked_is_opened_not_replaced(tmp_path
     dir: this one opens that store; its files, which the other job reads, are never removed or replaced."""
     paths = _many_parts(tmp_path, monkeypatch)
     [spec] = store_specs(_cfg(tmp_path, paths))
-    root, progress, other = str(tmp_path / "stores"), store_builder._Progress, []
+    root, progress, other = str(tmp_path / "stores"), store_builder.Progress, []
 
     def the_other_job_publishes_now(*args):
-        monkeypatch.setattr(store_builder, "_Progress", progress)
+        monkeypatch.setattr(store_builder, "Progress", progress)
         other.append(ensure_store(spec, root, 0, 1, 1, "other", timeout_s=60))
         other.append(os.stat(os.path.join(other[0].path, "part_00000.tokens")).st_ino)
         return progress(*args)
 
-    monkeypatch.setattr(store_builder, "_Progress", the_other_job_publishes_now)
+    monkeypatch.setattr(store_builder, "Progress", the_other_job_publishes_now)
     store = ensure_store(spec, root, 0, 1, 1, "this", timeout_s=60)
     assert store.path == other[0].path and os.stat(os.path.join(store.path, "part_00000.tokens")).st_ino == other[1]
     np.testing.assert_array_equal(other[0].tokens(0, other[0].n_tokens), store.tokens(0, store.n_tokens))
