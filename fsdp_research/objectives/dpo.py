@@ -8,6 +8,7 @@ frozen copy of the initial weights sharded as the policy is; a model directory i
 `precompute` computes its log-probabilities once before training and looks them up (objectives.reference)."""
 
 import contextlib
+import gc
 import logging
 import os
 from collections.abc import Iterator
@@ -22,11 +23,9 @@ from fsdp_research.callbacks.footprint import PlannedRank
 from fsdp_research.config.schema import Strategy
 from fsdp_research.data.pipeline import Data
 from fsdp_research.distributed.precision import autocast
-from fsdp_research.distributed.processes import broadcast_object
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.assembly import build_sharded_model
-from fsdp_research.model.dimensions import expert_modules
 from fsdp_research.model.lora import enabled, lora_layers, saved_modules
 from fsdp_research.objectives.pairs import PairObjective, pair_documents, pair_logps, pair_result
 from fsdp_research.objectives.reference import compute_table, load_table, save_table, table_path
@@ -34,16 +33,6 @@ from fsdp_research.objectives.reference import compute_table, load_table, save_t
 log = logging.getLogger("fsdp_research")
 
 LOSSES = ("sigmoid", "ipo", "hinge", "robust", "sft")
-
-
-def _no_dropout(model: nn.Module) -> None:
-    """Dropout off, as TRL's disable_dropout (its default): the policy's log-probabilities, and with LoRA the
-    reference's (the same model, in train mode), are then those of the model itself, not of a random sub-network."""
-    dropouts = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0]
-    for module in dropouts:
-        module.p = 0.0
-    if dropouts:
-        log.info(f"objective=dpo: dropout off in {len(dropouts)} module(s), as TRL's DPOTrainer (disable_dropout)")
 
 
 class DPO(PairObjective):
@@ -105,11 +94,7 @@ class DPO(PairObjective):
             )
 
     def prepare(self, model: nn.Module, device: torch.device, data: Data) -> None:
-        if expert_modules(model):
-            raise ConfigError(
-                "objective", "dpo leaves a mixture of experts' load-balancing loss out", "use a dense model"
-            )
-        _no_dropout(model)
+        super().prepare(model, device, data)
         self.model = None  # the policy, its adapters off: the reference
         if self.reference == "precompute":
             self._precompute(model, device, data)
@@ -138,8 +123,7 @@ class DPO(PairObjective):
         for name, windows in sets.items():
             path = table_path(windows, self.cfg)
             if path not in by_path:
-                kept = broadcast_object(os.path.isfile(path))  # one answer for every rank, however files appear
-                by_path[path] = load_table(path, len(windows.first), device) if kept else None
+                by_path[path] = load_table(path, len(windows.first), device)
                 if by_path[path] is not None:
                     log.info(f"objective.reference=precompute: read {path}")
             if by_path[path] is None:
@@ -151,7 +135,10 @@ class DPO(PairObjective):
                 save_table(path, by_path[path])
                 log.info(f"objective.reference=precompute: {len(windows.first):,} documents' log-probs in {path}")
             self.tables[name] = by_path[path]
-        self.model = None  # a copy built for it is let go
+        self.model = None  # a copy built for it is let go (FSDP's state holds cycles: collected now, not later)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
     @contextlib.contextmanager
     def _reference(self, policy: nn.Module) -> Iterator[nn.Module]:

@@ -5,6 +5,7 @@ rewards/accuracies, rewards/margins, logps/chosen, logps/rejected: summed over p
 means over them), and eval over the eval pairs, eval_-prefixed as TRL's evaluate names them."""
 
 import functools
+import logging
 
 import torch
 import torch.distributed as dist
@@ -14,9 +15,13 @@ from omegaconf import DictConfig
 from fsdp_research.config.data_schema import DataKind
 from fsdp_research.data.packing import DOCUMENTS, IGNORE, LABELS, POSITIONS
 from fsdp_research.data.pipeline import Data
+from fsdp_research.errors import ConfigError
+from fsdp_research.model.dimensions import expert_modules
 from fsdp_research.objectives.base import Objective, StepContext
 from fsdp_research.train.evaluation import held_out_sums
 from fsdp_research.train.losses import token_losses
+
+log = logging.getLogger("fsdp_research")
 
 METRICS = (
     "rewards/chosen",
@@ -66,6 +71,18 @@ def pair_result(loss: torch.Tensor, rewards: tuple, logps: tuple, real: torch.Te
     return {"loss": loss, **dict(zip(METRICS, metrics)), "sample": real.nonzero()[:, 0]}
 
 
+def _no_dropout(model: nn.Module, objective: str) -> None:
+    """Dropout off, as TRL's disable_dropout (its default): the policy's log-probabilities, and with LoRA the
+    reference's (the same model, in train mode), are then those of the model itself, not of a random sub-network."""
+    dropouts = [m for m in model.modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    for module in dropouts:
+        module.p = 0.0
+    if dropouts:
+        log.info(
+            f"objective={objective}: dropout off in {len(dropouts)} module(s), as TRL's trainers (disable_dropout)"
+        )
+
+
 class PairObjective(Objective):
     """What the preference objectives share: pairs as the targets, TRL's metrics (summed over pairs, logged as
     means over the step's), and eval over the eval pairs. A subclass says each pair's loss and metrics (`pairs`)."""
@@ -77,6 +94,14 @@ class PairObjective(Objective):
 
     def setup(self, cfg: DictConfig) -> None:
         self.cfg = cfg
+
+    def prepare(self, model: nn.Module, device: torch.device, data: Data) -> None:
+        if expert_modules(model):
+            name = self.cfg.objective.name
+            raise ConfigError(
+                "objective", f"{name} leaves a mixture of experts' load-balancing loss out", "use a dense model"
+            )
+        _no_dropout(model, self.cfg.objective.name)
 
     def pairs(self, model: nn.Module, batch: torch.Tensor, amp) -> dict[str, torch.Tensor]:
         """Each pair's loss and METRICS, [pairs], of this micro-batch, and the sample it is in ("sample")."""
@@ -114,10 +139,12 @@ class PairObjective(Objective):
         else:  # the held-out windows of pairs, as objective=lm evaluates
             reads = {"": (functools.partial(data.batch, held_out=True), t.eval_batches * t.micro_batch_size)}
         sets = {}
-        for name, (read, n) in reads.items():
-            self.evaluating = name
-            sets[name] = held_out_sums(model, read, n, t.micro_batch_size, device, sums_of, cfg.parallel.tp)
-        self.evaluating = None
+        try:
+            for name, (read, n) in reads.items():
+                self.evaluating = name
+                sets[name] = held_out_sums(model, read, n, t.micro_batch_size, device, sums_of, cfg.parallel.tp)
+        finally:
+            self.evaluating = None
         out = {}
         # data.eval_sources: each set's as eval_<metric>/<name> too; eval_<metric> over all of them.
         for name, sums in [(n, s) for n, s in sets.items() if n] + [("", sum(sets.values()))]:

@@ -7,6 +7,7 @@ decides a document's log-probability. A table holds a float64 a document: O(docu
 store's document index is."""
 
 import hashlib
+import logging
 import os
 
 import numpy as np
@@ -18,16 +19,29 @@ from omegaconf import DictConfig
 from fsdp_research.data.packing import DOCUMENTS, IGNORE, LABELS, PairWindows
 from fsdp_research.data.store_builder import write_atomic
 from fsdp_research.distributed.mesh import data_parallel
-from fsdp_research.model.architecture import pretrained_dir
-from fsdp_research.model.pretrained import weights_identity
+from fsdp_research.distributed.processes import broadcast_object, on_rank0
+from fsdp_research.model.architecture import build_hf_config, pretrained_dir
+from fsdp_research.model.lora import enabled
+from fsdp_research.model.pretrained import checkpoint_files, weights_identity
 from fsdp_research.train.losses import token_losses
+
+log = logging.getLogger("fsdp_research")
 
 
 def table_path(windows: PairWindows, cfg: DictConfig) -> str:
-    """Where the reference's table of `windows`' store is kept, for this run's reference."""
+    """Where the reference's table of `windows`' store is kept, for this run's reference: the store's path, and of
+    the reference its weights (their identity, and each file's path, size and time: two exports alike in the bytes
+    the identity samples are two), its config as built (model.config's changes too), the compute dtype, LoRA's
+    frozen copy's dtype and autocast under ddp_classic, and how documents are cut."""
+    directory = pretrained_dir(cfg.model.name_or_path)
+    files = [(os.path.realpath(f), os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in checkpoint_files(directory)]
     key = [
-        weights_identity(pretrained_dir(cfg.model.name_or_path)),
+        weights_identity(directory),
+        files,
+        build_hf_config(cfg.model).to_json_string(),
         cfg.precision.param_dtype,
+        enabled(cfg.model.lora),
+        cfg.sharding.strategy,
         cfg.data.seq_len,
         cfg.data.truncation.value,
     ]
@@ -56,13 +70,24 @@ def compute_table(reference: nn.Module, windows: PairWindows, micro_batch: int, 
 
 
 def load_table(path: str, documents: int, device: torch.device) -> torch.Tensor | None:
-    if not os.path.isfile(path):
-        return None
-    table = torch.from_numpy(np.load(path)).to(device)
-    return table if len(table) == documents else None
+    """The kept table where rank 0 can read it whole (its answer every rank's, so that all compute or none)."""
+
+    def readable() -> bool:
+        try:
+            return len(np.load(path, mmap_mode="r")) == documents
+        except (OSError, ValueError):
+            return False
+
+    return torch.from_numpy(np.load(path)).to(device) if broadcast_object(on_rank0(readable)) else None
 
 
 def save_table(path: str, table: torch.Tensor) -> None:
-    if dist.get_rank() == 0:
-        write_atomic(path, lambda f: np.save(f, table.cpu().numpy()), "wb")
-    dist.barrier()
+    """Rank 0 keeps it (atomically); a store root it cannot write to (a shared, read-only one) is a warning: the
+    table is then computed again at the next start."""
+    try:
+        if dist.get_rank() == 0:
+            write_atomic(path, lambda f: np.save(f, table.cpu().numpy()), "wb")
+    except OSError as err:
+        log.warning(f"objective.reference=precompute: cannot keep {path} ({err}); the next start computes it again")
+    finally:
+        dist.barrier()
