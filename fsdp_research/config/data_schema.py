@@ -88,6 +88,11 @@ class DataConfig:
     # is prompt_field's, or without one (prompt_field null, or a record without it) their common start.
     chosen_field: str = "chosen"
     rejected_field: str = "rejected"
+    # preference, unpaired (KTO's {prompt, completion, label}): a record holding label_field is an example, its label
+    # true (desirable) or false. Each example's KL document is its prompt with the completion of the example before it
+    # within chunks of kl_chunk records (TRL's KTOTrainer: its per_device_train_batch_size).
+    label_field: str = "label"
+    kl_chunk: int = 8
     # The targets: every assistant message (its end-of-turn token included, its role header not), the last one, or
     # every token.
     loss_on: LossOn = LossOn.assistant

@@ -24,6 +24,8 @@ _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 class Document:
     ids: np.ndarray  # int64 token ids
     targets: np.ndarray  # bool: token j is trained on (predicted from the tokens before it)
+    # Preference data: 1 a preferred completion (chosen, or an example labelled desirable), 0 not; -1 none.
+    label: int = -1
 
 
 # How a run's prompts are tokenized (its samples, and `generate` on its export): a user's message in the chat
@@ -33,12 +35,23 @@ PROMPTS = "prompts.json"
 
 def prompt_rendering(cfg: DataConfig) -> str:
     if cfg.kind is DataKind.preference:  # as the pairs are: messages (the first record's) or text
-        first = [first_file(cfg.paths, "data.paths")] if cfg.paths else None
-        record = next(records(cfg, first, "data.paths"), (None, None, {}))[2]
-        return "chat" if isinstance(record, dict) and isinstance(record.get(cfg.chosen_field), list) else "pair"
+        record = _first_record(cfg)
+        field = cfg.completion_field if unpaired_examples(cfg) else cfg.chosen_field
+        return "chat" if isinstance(record, dict) and isinstance(record.get(field), list) else "pair"
     if cfg.kind is not DataKind.chat:
         return "text"
     return "pair" if cfg.prompt_field else "chat"
+
+
+def _first_record(cfg: DataConfig) -> Any:
+    first = [first_file(cfg.paths, "data.paths")] if cfg.paths else None
+    return next(records(cfg, first, "data.paths"), (None, None, {}))[2]
+
+
+def unpaired_examples(cfg: DataConfig) -> bool:
+    """Whether data=preference holds unpaired examples ({prompt, completion, label}: KTO's), as its first record."""
+    record = _first_record(cfg)
+    return isinstance(record, dict) and cfg.label_field in record
 
 
 def chat_tokenizer(cfg: DataConfig):
@@ -175,24 +188,64 @@ def _implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, Any, Any]:
     return chosen[:idx], chosen[idx:], rejected[idx:]
 
 
-def _pair_documents(tok, prompt: Any, chosen: Any, rejected: Any) -> tuple[Document, Document]:
-    """A preference pair's two documents as TRL's DPOTrainer tokenizes them: the prompt alone (a conversation's with
-    the generation prompt) and the prompt with each completion (text: its end-of-sequence text appended), the
-    prompt being the three's common start in tokens; the completions' tokens are the targets."""
+def _tokenized(tok, prompt: Any, completions: tuple) -> tuple[list[int], list[list[int]]]:
+    """(the prompt alone, the prompt with each completion) as TRL's DPO and KTO trainers tokenize them: a
+    conversation's prompt with the generation prompt; a text completion with its end-of-sequence text appended."""
     if isinstance(prompt, list):
 
         def ids(messages, **kwargs):
             return tok.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"]
 
-        alone = ids(prompt, add_generation_prompt=True)
-        whole = [ids(prompt + completion) for completion in (chosen, rejected)]
-    else:
-        eos = tok.eos_token or ""
-        alone = tok(prompt)["input_ids"]
-        whole = [tok(prompt + (c if c.endswith(eos) else c + eos))["input_ids"] for c in (chosen, rejected)]
+        return ids(prompt, add_generation_prompt=True), [ids(prompt + c) for c in completions]
+    eos = tok.eos_token or ""
+    return tok(prompt)["input_ids"], [
+        tok(prompt + (c if c.endswith(eos) else c + eos))["input_ids"] for c in completions
+    ]
+
+
+def _pair_documents(tok, prompt: Any, chosen: Any, rejected: Any) -> tuple[Document, Document]:
+    """A preference pair's two documents as TRL's DPOTrainer tokenizes them (_tokenized), the prompt being the
+    three's common start in tokens; the completions' tokens are the targets."""
+    alone, whole = _tokenized(tok, prompt, (chosen, rejected))
     cut = min(_common_prefix(alone, w) for w in whole)
-    docs = (Document(np.asarray(w, np.int64), np.arange(len(w)) >= cut) for w in whole)
+    docs = (Document(np.asarray(w, np.int64), np.arange(len(w)) >= cut, label) for w, label in zip(whole, (1, 0)))
     return next(docs), next(docs)
+
+
+@dataclass(frozen=True)
+class _Example:
+    """An unpaired example (KTO's), tokenized, waiting for the rest of its chunk."""
+
+    prompt: list[int]  # the prompt's tokens: the common start of it alone and with the completion
+    whole: list[int]  # the prompt with the completion
+    label: bool
+
+
+def _example(tok, cfg: DataConfig, record: Any, path: str, where: str) -> _Example:
+    prompt = _messages(_field(record, "data.prompt_field", cfg.prompt_field, path, where))
+    completion = _messages(_field(record, "data.completion_field", cfg.completion_field, path, where))
+    label = record[cfg.label_field]
+    if not isinstance(label, bool):
+        raise ConfigError(
+            "data.label_field", f"{path} {where}: {cfg.label_field} is {label!r}, not true or false", "fix that record"
+        )
+    if {type(prompt), type(completion)} not in ({str}, {list}):
+        raise ConfigError(
+            "data.completion_field", f"{path} {where}: prompt and completion must both be text or messages", "fix it"
+        )
+    alone, (whole,) = _tokenized(tok, prompt, (completion,))
+    return _Example(alone[: _common_prefix(alone, whole)], whole, label)
+
+
+def _unpaired(chunk: list[_Example]) -> Iterator[Document]:
+    """Each example's document and its KL document: its prompt with the completion of the example before it in the
+    chunk (the first: the last's), as TRL's KTOTrainer rotates them within each chunk of its batch size."""
+    for k, example in enumerate(chunk):
+        before = chunk[k - 1]
+        kl = example.prompt + before.whole[len(before.prompt) :]
+        cut = len(example.prompt)
+        yield Document(np.asarray(example.whole, np.int64), np.arange(len(example.whole)) >= cut, int(example.label))
+        yield Document(np.asarray(kl, np.int64), np.arange(len(kl)) >= cut, int(example.label))
 
 
 def _preference(tok, cfg: DataConfig, record: Any, path: str, where: str) -> tuple[Document, Document]:
@@ -238,11 +291,29 @@ def records(cfg: DataConfig, paths: list[str] | None, key: str) -> Iterator[tupl
 
 
 def _documents_of(tok, cfg: DataConfig, source: Iterator[tuple[str, str, Any]]) -> Iterator[Document]:
-    """The document of each record."""
+    """The documents of each record: a conversation's, a preference pair's two, an unpaired example's two (its own
+    and its KL document, yielded a chunk of data.kl_chunk examples at a time)."""
+    chunk: list[_Example] = []
+    paired = None  # preference data: pairs or unpaired examples, as the first record is
     for path, where, record in source:
         try:
             if cfg.kind is DataKind.preference:
-                yield from _preference(tok, cfg, record, path, where)
+                unpaired = isinstance(record, dict) and cfg.label_field in record
+                paired = not unpaired if paired is None else paired
+                if paired == unpaired:
+                    raise ConfigError(
+                        "data.paths",
+                        f"{path} {where}: {'an unpaired example' if unpaired else 'a pair'} among "
+                        f"{'pairs' if paired else 'unpaired examples'}",
+                        "keep one kind to a run",
+                    )
+                if paired:
+                    yield from _preference(tok, cfg, record, path, where)
+                    continue
+                chunk.append(_example(tok, cfg, record, path, where))
+                if len(chunk) == cfg.kl_chunk:
+                    yield from _unpaired(chunk)
+                    chunk = []
             elif cfg.prompt_field or cfg.completion_field:
                 prompt = _field(record, "data.prompt_field", cfg.prompt_field, path, where)
                 completion = _field(record, "data.completion_field", cfg.completion_field, path, where)
@@ -263,6 +334,7 @@ def _documents_of(tok, cfg: DataConfig, source: Iterator[tuple[str, str, Any]]) 
                 f"{path} {where}: the chat template rejects it ({text[0] if text else err!r})",
                 "fix that record, or the template",
             ) from None
+    yield from _unpaired(chunk)
 
 
 def check_chat(cfg: DataConfig) -> None:

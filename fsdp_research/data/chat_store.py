@@ -40,7 +40,8 @@ def chat_spec(cfg: DataConfig, paths: list[str] | None, key: str) -> StoreSpec:
     if cfg.kind is DataKind.preference:
         # Text completions end with the end-of-sequence token's text, which tokenizer.json alone does not say.
         hf = chat_tokenizer(cfg)
-        spec["pairs"] = {"fields": [cfg.chosen_field, cfg.rejected_field], "eos": hf.eos_token, "bos": hf.bos_token}
+        fields = [cfg.chosen_field, cfg.rejected_field, cfg.completion_field, cfg.label_field]
+        spec["pairs"] = {"fields": fields, "kl_chunk": cfg.kl_chunk, "eos": hf.eos_token, "bos": hf.bos_token}
     part = Part(tuple(paths or [cfg.hub_name]), "chat", "")
     build = functools.partial(_build, cfg, paths, key, tok.dtype)
     return StoreSpec(lambda: [part], json.dumps(spec, sort_keys=True), cfg.tokenizer, build)
@@ -51,6 +52,7 @@ def _build(cfg: DataConfig, paths: list[str] | None, key: str, dtype: np.dtype, 
     prefix = os.path.join(build_dir, part_name(index))
     ends: list[int] = []
     targets: list[int] = []
+    labels: list[int] = []
     counts = {"tokens": 0, "documents": 0, "text_bytes": 0}
 
     def write(tokens_file, targets_file) -> None:
@@ -61,7 +63,12 @@ def _build(cfg: DataConfig, paths: list[str] | None, key: str, dtype: np.dtype, 
             counts["documents"] += 1
             ends.append(counts["tokens"])
             targets.append(int(doc.targets[1:].sum()))
+            labels.append(doc.label)
 
     write_atomic(prefix + ".tokens", lambda f: write_atomic(prefix + ".targets", lambda g: write(f, g), "wb"), "wb")
     write_atomic(prefix + ".counts.npy", lambda f: np.save(f, np.asarray(targets, np.int64)), "wb")
-    return finish_part(prefix, np.asarray(ends, np.int64), counts, (".tokens", ".targets", ".counts.npy"))
+    written = (".tokens", ".targets", ".counts.npy")
+    if cfg.kind is DataKind.preference:  # which document is preferred (fsdp_research.data.chat.Document.label)
+        write_atomic(prefix + ".labels.npy", lambda f: np.save(f, np.asarray(labels, np.int8)), "wb")
+        written += (".labels.npy",)
+    return finish_part(prefix, np.asarray(ends, np.int64), counts, written)

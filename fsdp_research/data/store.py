@@ -144,6 +144,10 @@ class TokenStore:
         labels its loss counts)."""
         return self._per_document(".counts.npy")
 
+    def labels(self) -> np.ndarray:
+        """A preference store's: which document is the preferred one (1), which not (0)."""
+        return self._per_document(".labels.npy")
+
     def _per_document(self, suffix: str, shift: bool = False) -> np.ndarray:
         arrays = [
             np.load(os.path.join(self.path, f"{part_name(i)}{suffix}")) + (self.offsets[i] if shift else 0)

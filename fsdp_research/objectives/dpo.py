@@ -58,6 +58,7 @@ class DPO(PairObjective):
         return 0 if (reference == "auto" and rank.adapters) or reference == "precompute" else rank.param_bytes
 
     def check(self, cfg: DictConfig) -> None:
+        super().check(cfg)
         unknown = [t for t in self.loss_types if t not in LOSSES]
         if unknown or not self.loss_types:
             raise ConfigError(
@@ -95,6 +96,8 @@ class DPO(PairObjective):
 
     def prepare(self, model: nn.Module, device: torch.device, data: Data) -> None:
         super().prepare(model, device, data)
+        classic = Strategy(self.cfg.sharding.strategy) is Strategy.ddp_classic
+        self.amp = autocast(self.cfg.precision, device, enabled=classic)  # as the trainer's forward runs
         self.model = None  # the policy, its adapters off: the reference
         if self.reference == "precompute":
             self._precompute(model, device, data)
@@ -118,8 +121,7 @@ class DPO(PairObjective):
         go) and kept."""
         sets = {None: data.stream.windows[0], **data.eval_sets}
         by_path: dict[str, torch.Tensor] = {}
-        t, classic = self.cfg.trainer, Strategy(self.cfg.sharding.strategy) is Strategy.ddp_classic
-        amp = autocast(self.cfg.precision, device, enabled=classic)  # as the trainer's forward runs
+        t = self.cfg.trainer
         for name, windows in sets.items():
             path = table_path(windows, self.cfg)
             if path not in by_path:
@@ -131,7 +133,7 @@ class DPO(PairObjective):
                     self.model = self._copy(device)
                 with self._reference(policy) as reference:
                     tp = self.cfg.parallel.tp
-                    by_path[path] = compute_table(reference, windows, t.micro_batch_size, device, amp, tp)
+                    by_path[path] = compute_table(reference, windows, t.micro_batch_size, device, self.amp, tp)
                 save_table(path, by_path[path])
                 log.info(f"objective.reference=precompute: {len(windows.first):,} documents' log-probs in {path}")
             self.tables[name] = by_path[path]
@@ -160,14 +162,18 @@ class DPO(PairObjective):
             for p, requires_grad in trains:
                 p.requires_grad_(requires_grad)
 
-    def pairs(self, model: nn.Module, batch: torch.Tensor, amp) -> dict[str, torch.Tensor]:
-        chosen, rejected, n_chosen, n_rejected, real = pair_logps(model, batch, amp)
+    def reference_logps(self, policy: nn.Module, batch: torch.Tensor, amp, real: torch.Tensor) -> tuple:
+        """The reference's log-probabilities of the pairs' two documents ([pairs] each): looked up (precompute) or
+        its forward, without gradient."""
         if self.reference == "precompute":
             table = self.tables.get(self.evaluating, self.tables[None])  # held-out windows: the training store's
-            ref_chosen, ref_rejected = (table[docs[real]].to(chosen.dtype) for docs in pair_documents(batch))
-        else:
-            with torch.no_grad(), self._reference(model) as reference:
-                ref_chosen, ref_rejected = pair_logps(reference, batch, amp)[:2]
+            return tuple(table[docs[real]].float() for docs in pair_documents(batch))
+        with torch.no_grad(), self._reference(policy) as reference:
+            return pair_logps(reference, batch, amp)[:2]
+
+    def pairs(self, model: nn.Module, batch: torch.Tensor, amp) -> dict[str, torch.Tensor]:
+        chosen, rejected, n_chosen, n_rejected, real = pair_logps(model, batch, amp)
+        ref_chosen, ref_rejected = self.reference_logps(model, batch, amp, real)
         ratios = chosen - ref_chosen, rejected - ref_rejected
         delta, b, eps = ratios[0] - ratios[1], self.beta, self.label_smoothing
         loss = torch.zeros_like(delta)

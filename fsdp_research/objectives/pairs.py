@@ -13,6 +13,7 @@ import torch.nn as nn
 from omegaconf import DictConfig
 
 from fsdp_research.config.data_schema import DataKind
+from fsdp_research.data.chat import unpaired_examples
 from fsdp_research.data.packing import DOCUMENTS, IGNORE, LABELS, POSITIONS
 from fsdp_research.data.pipeline import Data
 from fsdp_research.errors import ConfigError
@@ -92,6 +93,16 @@ class PairObjective(Objective):
     # While evaluate runs: the eval set's name (data.eval_sources'; "": data.eval_paths' or the held-out windows).
     evaluating: str | None = None
 
+    # Whether it reads unpaired examples (KTO's {prompt, completion, label}) rather than pairs.
+    unpaired = False
+
+    def check(self, cfg: DictConfig) -> None:
+        if unpaired_examples(cfg.data) != self.unpaired:
+            name, wants = cfg.objective.name, "unpaired examples" if self.unpaired else "pairs"
+            has = "unpaired examples ({prompt, completion, label})" if not self.unpaired else "pairs"
+            other = "objective=dpo or simpo" if not self.unpaired else "objective=kto"
+            raise ConfigError("data.paths", f"objective={name} reads {wants}; the data holds {has}", f"use {other}")
+
     def setup(self, cfg: DictConfig) -> None:
         self.cfg = cfg
 
@@ -104,34 +115,55 @@ class PairObjective(Objective):
         _no_dropout(model, self.cfg.objective.name)
 
     def pairs(self, model: nn.Module, batch: torch.Tensor, amp) -> dict[str, torch.Tensor]:
-        """Each pair's loss and METRICS, [pairs], of this micro-batch, and the sample it is in ("sample")."""
+        """Of this micro-batch's pairs, [pairs] each: their "loss", the sample each is in ("sample"), and each of
+        `metric_names`' values; a metric is the mean over the pairs weighted by "<name>:weight" where that is given
+        (KTO's rewards/chosen: over the desirable examples), else over all."""
         raise NotImplementedError
+
+    metric_names: tuple[str, ...] = METRICS
+
+    def derived(self, means: dict[str, float]) -> dict[str, float]:
+        """The logged metrics of the means (KTO's margins: a difference of two)."""
+        return means
+
+    def before_eval_set(self, model: nn.Module, read, samples: int, micro_batch: int, device: torch.device, amp):
+        """Before an eval set's pass (KTO: its KL estimate over the set); a collective."""
 
     def targets(self, batch: torch.Tensor) -> torch.Tensor:
         return pair_sums(batch[:, LABELS].float(), batch)[-1].sum(1)
 
+    def _weighted(self, pairs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[pairs, 2 x metrics]: each metric's weighted value and its weight."""
+        weights = [pairs.get(f"{k}:weight", torch.ones_like(pairs["loss"])).detach() for k in self.metric_names]
+        values = [pairs[k].detach() * w for k, w in zip(self.metric_names, weights)]
+        return torch.stack([*values, *weights], 1).double()
+
+    def _means(self, sums: torch.Tensor) -> dict[str, float]:
+        """The metrics of [2 x metrics] summed weighted values and weights: those with no weight left out."""
+        n = len(self.metric_names)
+        means = {k: (v / w).item() for k, v, w in zip(self.metric_names, sums[:n], sums[n:]) if w > 0}
+        return self.derived(means)
+
     def loss(self, model: nn.Module, batch: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, dict]:
         pairs = self.pairs(model, batch, ctx.amp)
-        stats = {k: pairs[k].detach().sum() for k in METRICS}
-        return pairs["loss"].sum() * ctx.weight, stats
+        return pairs["loss"].sum() * ctx.weight, {"metric sums": self._weighted(pairs).sum(0)}
 
     def metrics(self, stats: dict[str, torch.Tensor]) -> dict[str, float]:
-        # The step's pairs (stats["targets"]) are already summed over ranks; the tp ranks of a group sum the same.
-        sums = torch.stack([stats[k].double() for k in METRICS])
+        # Sums and weights alike: the tp ranks of a group, which hold the same pairs, count in both.
+        sums = stats["metric sums"].clone()
         dist.all_reduce(sums)
-        means = sums / (stats["targets"].double() * self.cfg.parallel.tp)
-        return {"targets": round(stats["targets"].item()), **dict(zip(METRICS, means.tolist()))}
+        return {"targets": round(stats["targets"].item()), **self._means(sums)}
 
     def evaluate(self, model: nn.Module, data: Data, cfg: DictConfig, device: torch.device, amp) -> dict[str, float]:
         """eval_loss and TRL's metrics, eval_-prefixed: means over the eval pairs (data.eval_paths or eval_sources,
         read whole; else the held-out windows of pairs)."""
-        keys = ("loss", *METRICS)
 
         def sums_of(batch: torch.Tensor) -> torch.Tensor:
-            """Each sample's pairs' sums of the metrics, and its pairs."""
+            """Each sample's pairs' loss, weighted metrics and weights, and its pairs."""
             pairs = self.pairs(model, batch, amp)
-            values = torch.stack([*(pairs[k] for k in keys), torch.ones_like(pairs["loss"])], 1).double()
-            return values.new_zeros(len(batch), len(keys) + 1).index_add_(0, pairs["sample"], values)
+            values = torch.cat([pairs["loss"].detach().double()[:, None], self._weighted(pairs)], 1)
+            values = torch.cat([values, torch.ones_like(values[:, :1])], 1)
+            return values.new_zeros(len(batch), values.shape[1]).index_add_(0, pairs["sample"], values)
 
         t = cfg.trainer
         if data.eval_sets:
@@ -142,14 +174,15 @@ class PairObjective(Objective):
         try:
             for name, (read, n) in reads.items():
                 self.evaluating = name
+                self.before_eval_set(model, read, n, t.micro_batch_size, device, amp)
                 sets[name] = held_out_sums(model, read, n, t.micro_batch_size, device, sums_of, cfg.parallel.tp)
         finally:
             self.evaluating = None
         out = {}
         # data.eval_sources: each set's as eval_<metric>/<name> too; eval_<metric> over all of them.
         for name, sums in [(n, s) for n, s in sets.items() if n] + [("", sum(sets.values()))]:
-            means = (sums[:-1] / sums[-1]).tolist()
             suffix = f"/{name}" if name else ""
-            out.update({f"eval_{k}{suffix}": v for k, v in zip(keys, means)})
+            means = {"loss": (sums[0] / sums[-1]).item(), **self._means(sums[1:-1])}
+            out.update({f"eval_{k}{suffix}": v for k, v in means.items()})
             out[f"eval_pairs{suffix}"] = int(sums[-1].item())
         return out

@@ -17,6 +17,7 @@ class SimPO(PairObjective):
         self.beta, self.gamma, self.label_smoothing = beta, gamma, label_smoothing
 
     def check(self, cfg: DictConfig) -> None:
+        super().check(cfg)
         if self.beta <= 0:
             raise ConfigError("objective.beta", f"{self.beta} is not above 0", "use e.g. 2.0 (SimPO's paper) or 0.1")
         if not 0 <= self.label_smoothing < 0.5:

@@ -269,6 +269,71 @@ def test_simpo_eval_equals_trl_cpo_trainer(work):
         assert ours[f"eval_{key}"] == pytest.approx(trl[f"eval_{key}"], rel=2e-3, abs=1e-6), key
 
 
+def _unpaired() -> list[dict]:
+    """The pairs as KTO's unpaired examples: each prompt with its chosen completion (desirable), then its rejected."""
+    return [
+        {"prompt": p, "completion": c, "label": label} for p, *both in PAIRS for c, label in zip(both, (True, False))
+    ]
+
+
+def test_kto_eval_equals_trl_kto_trainer(work):
+    """objective=kto at lr 0 with a reference model that differs, against TRL's KTOTrainer.evaluate on the same 12
+    examples as one eval batch (its KL estimate over them, as ours over the eval set), each example's KL completion
+    the one before it within chunks of 4 (its per_device_train_batch_size, our data.kl_chunk), desirable and
+    undesirable examples weighted apart."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import KTOConfig, KTOTrainer
+
+    tmp, model, ref, files = work
+    examples = _write(tmp / "unpaired.jsonl", _unpaired())
+    overrides = ["objective=kto", "objective.desirable_weight=1.5", "objective.undesirable_weight=0.5"]
+    # The seed-1 model as the policy, the seed-0 one its reference: their KL estimate here is above 0.
+    overrides += [*pretrained(ref), f"objective.reference={model}", "optim.lr=0", "trainer.max_steps=1"]
+    overrides += ["trainer.eval_interval=1"]
+    overrides += [f"data.paths=[{examples}]", f"data.eval_paths=[{examples}]", "data.kl_chunk=4"]
+    overrides += ["trainer.global_batch_size=2", "checkpoint.save=false"]
+    run = finish(start([*_common(tmp, model, files, *overrides), f"hydra.run.dir={tmp / 'kto'}"], ROOT))
+    assert run.returncode == 0, run.stderr[-3000:]
+    with open(tmp / "kto" / "metrics.jsonl") as f:
+        ours = [row for row in map(json.loads, f) if "eval_loss" in row][-1]
+    args = KTOConfig(
+        str(tmp / "trl_kto"), per_device_train_batch_size=4, desirable_weight=1.5, undesirable_weight=0.5, **TRL_EVAL
+    )
+    args.per_device_eval_batch_size = len(_unpaired())
+    data = Dataset.from_list(_unpaired())
+    policy, reference = (AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32) for m in (ref, model))
+    tok = AutoTokenizer.from_pretrained(model)
+    trl = KTOTrainer(
+        model=policy, ref_model=reference, args=args, train_dataset=data, eval_dataset=data, processing_class=tok
+    ).evaluate()
+    assert ours["eval_pairs"] == len(_unpaired()) and ours["eval_kl"] > 0.01  # not the clamp's 0 on both sides
+    for key in ("loss", "kl", *METRICS[1:3], "rewards/margins", *METRICS[-2:]):
+        assert ours[f"eval_{key}"] == pytest.approx(trl[f"eval_{key}"], rel=2e-3, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_kto_s_kl_estimate_and_losses_are_the_same_at_1_and_2_ranks(work):
+    """The KL estimate is over the step's examples on every rank (not each rank's own): 3 steps of KTO with LoRA
+    (reference auto) give the same losses and kl at 1 and 2 ranks (1e-5)."""
+    tmp, model, _, files = work
+    examples = _write(tmp / "unpaired_train.jsonl", _unpaired() * 2)
+    common = _common(tmp, model, files, "objective=kto", "model.lora.r=4", "model.lora.alpha=8", "optim.lr=1e-2")
+    common += [f"data.paths=[{examples}]", "data.kl_chunk=4", "data.seq_len=64", "trainer.max_steps=3"]
+    common += ["trainer.eval_interval=0", "checkpoint.save=false", "checkpoint.export=false"]
+    procs = {
+        n: start([*common, f"distributed.nproc_per_node={n}", f"hydra.run.dir={tmp / f'kto{n}'}"], ROOT) for n in (1, 2)
+    }
+    rows = {}
+    for n, proc in procs.items():
+        result = finish(proc)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[n] = read_metrics(tmp / f"kto{n}")
+    assert rows[1][-1]["loss"] != rows[1][0]["loss"]
+    for key in ("loss", "kl", "rewards/chosen"):
+        assert [r.get(key) for r in rows[2]] == pytest.approx([r.get(key) for r in rows[1]], rel=1e-5, abs=1e-7), key
+
+
 # The head trained whole beside the adapters (a copy, which the reference switches off with them); LoRA's dropout
 # (switched off, as TRL's disable_dropout).
 LORA = ["model.lora.r=4", "model.lora.alpha=8", "model.lora.modules_to_save=[lm_head]", "model.lora.dropout=0.1"]
@@ -378,6 +443,7 @@ def test_the_planner_counts_the_reference_copy_and_none_with_lora(work):
     "overrides, key",
     [
         (["objective=lm"], "data"),
+        (["objective=kto"], "data.paths"),
         (["objective.loss_type=[sigmoid,kto]"], "objective.loss_type"),
         (["objective.loss_type=[sigmoid,sft]", "objective.loss_weights=[1.0]"], "objective.loss_weights"),
         (["objective.reference=/nonexistent"], "objective.reference"),
