@@ -4,9 +4,11 @@ one rejected; messages): objective=dpo with LoRA (reference=auto: the adapters s
 against LoRA SFT on the same sequences (each pair's prompt + chosen and prompt + rejected as two conversations, the
 same windows and tokens a step): step time and peak memory; full DPO (the reference a frozen copy) in fp32 against
 TRL's DPOTrainer on the same pairs, model and pairs a step (its per_device_train_batch_size: our median pairs a
-step; fp32, ref_model given): pairs/s and peak memory (each process's peak RSS on the CPU).
+step; fp32, ref_model given): pairs/s and peak memory (each process's peak RSS on the CPU). --ranks 2: ours at 2
+ranks, TRL's under torchrun (DDP on gloo; half the pairs a step each; its rank 0's peak).
 
-    .venv/bin/python bench/dpo.py [--steps 20] [--repeats 2] [--hidden 512] [--layers 8] [--seq-len 512] [overrides]
+    .venv/bin/python bench/dpo.py [--steps 20] [--repeats 2] [--hidden 512] [--layers 8] [--seq-len 512] [--ranks 1]
+        [overrides]
 """
 
 import argparse
@@ -38,7 +40,8 @@ def _as_chats(tmp: str) -> None:
 
 
 def _trl(tmp: str, steps: int, pairs: int) -> dict:
-    """In this process: TRL's DPOTrainer (fp32, a frozen reference given) on tmp's pairs, `pairs` a step."""
+    """In this process (one of torchrun's): TRL's DPOTrainer (fp32, a frozen reference given) on tmp's pairs,
+    `pairs` a step on each process."""
     import torch
     from datasets import load_dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -63,17 +66,26 @@ def _trl(tmp: str, steps: int, pairs: int) -> dict:
     trainer.train()
     step_s = statistics.median(seconds[WARMUP:])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    return {"step_s": step_s, "pairs_s": pairs / step_s, "pairs": pairs, "peak_gib": peak}
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return {"step_s": step_s, "pairs_s": world * pairs / step_s, "pairs": world * pairs, "peak_gib": peak}
 
 
 def _run(tmp: str, name: str, repeat: int, args, extra: list[str] | None, pairs: int) -> dict:
     if extra is None:  # TRL's, in a process of its own as ours
-        cmd = [sys.executable, __file__, "--trl", tmp, "--steps", str(args.steps), "--pairs", str(pairs)]
-        return json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        ranks = ["-m", "torch.distributed.run", "--nproc_per_node", str(args.ranks)] if args.ranks > 1 else []
+        cmd = [sys.executable, *ranks, __file__, "--trl", tmp, "--steps", str(args.steps)]
+        cmd += ["--pairs", str(pairs // args.ranks)]
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+        return json.loads(next(line for line in reversed(out.splitlines()) if line.startswith("{")))
     data = "pairs_as_chats" if "data=chat" in extra else "pairs_train"
     run_dir = os.path.join(tmp, f"case{list(CASES).index(name)}_{repeat}")
     steps, summary = train_run(
-        tmp, run_dir, name, args.steps, args.seq_len, [f"data.paths=[{tmp}/{data}.jsonl]", *extra, *args.overrides]
+        tmp,
+        run_dir,
+        name,
+        args.steps,
+        args.seq_len,
+        [f"data.paths=[{tmp}/{data}.jsonl]", f"distributed.nproc_per_node={args.ranks}", *extra, *args.overrides],
     )
     step_s = statistics.median(r["step_time_s"] for r in steps)
     # Pairs a step (the preference objectives' targets); for SFT half its conversations, which the windows hold.
@@ -85,11 +97,14 @@ def _run(tmp: str, name: str, repeat: int, args, extra: list[str] | None, pairs:
 def main() -> None:
     parser = argparse.ArgumentParser()
     arguments(parser, 20, "(internal) run TRL's case on DIR's pairs, print its figures")
-    parser.add_argument("--pairs", type=int, default=0, help="(internal) TRL's pairs a step")
+    parser.add_argument("--pairs", type=int, default=0, help="(internal) TRL's pairs a step and process")
+    parser.add_argument("--ranks", type=int, default=1)
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args()
     if args.trl:
-        print(json.dumps(_trl(args.trl, args.steps, args.pairs)))
+        figures = _trl(args.trl, args.steps, args.pairs)
+        if os.environ.get("RANK", "0") == "0":
+            print(json.dumps(figures))
         return
     with tempfile.TemporaryDirectory() as tmp:
         make_data(tmp, args)
@@ -102,8 +117,10 @@ def main() -> None:
                 if name == "DPO, full, fp32":
                     pairs = round(results[name][-1]["pairs"])
     med = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for name, rows in results.items()}
-    print(f"llama hidden {args.hidden} x {args.layers} layers, seq_len {args.seq_len}, 8 windows a step, "
-          f"medians of {args.repeats} alternated runs of {args.steps} steps (steps > {WARMUP})")  # fmt: skip
+    print(
+        f"llama hidden {args.hidden} x {args.layers} layers, seq_len {args.seq_len}, 8 windows a step, {args.ranks} "
+        f"rank(s), medians of {args.repeats} alternated runs of {args.steps} steps (steps > {WARMUP})"
+    )
     print(f"{'case':<32}{'step s':>9}{'pairs/step':>12}{'pairs/s':>10}{'peak GiB':>10}")
     for name, m in med.items():
         print(f"{name:<32}{m['step_s']:>9.3f}{m['pairs']:>12.0f}{m['pairs_s']:>10.1f}{m['peak_gib']:>10.3f}")
