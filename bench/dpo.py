@@ -85,7 +85,13 @@ def _run(tmp: str, name: str, repeat: int, args, extra: list[str] | None, pairs:
         name,
         args.steps,
         args.seq_len,
-        [f"data.paths=[{tmp}/{data}.jsonl]", f"distributed.nproc_per_node={args.ranks}", *extra, *args.overrides],
+        [
+            f"data.paths=[{tmp}/{data}.jsonl]",
+            f"distributed.nproc_per_node={args.ranks}",
+            f"trainer.micro_batch_size={8 // args.ranks}",  # the 8 windows a step over the ranks
+            *extra,
+            *args.overrides,
+        ],
     )
     step_s = statistics.median(r["step_time_s"] for r in steps)
     # Pairs a step (the preference objectives' targets); for SFT half its conversations, which the windows hold.
