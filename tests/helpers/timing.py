@@ -54,19 +54,22 @@ def prepared(container: dict) -> tuple[Any, torch.nn.Module, torch.optim.Optimiz
 
 
 def _time_each(configs: dict[str, Any], steps: int, shape: tuple[int, int, int]) -> dict[str, Any]:
-    times = {}
-    for name, container in configs.items():
-        cfg, model, optimizer, batches = prepared(container)
+    """Every config built first, then timed in turns (a step of each, `steps` times over): a stretch of load from
+    another process slows a step of every config, not all steps of one."""
+    runs = {name: prepared(container) for name, container in configs.items()}
+    for cfg, model, optimizer, batches in runs.values():
         train_step(model, optimizer, batches, cfg)  # warm-up: the optimizer's state is made
-        seconds = []
-        for _ in range(steps):
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(steps):
+        for name, (cfg, model, optimizer, batches) in runs.items():
             dist.barrier()
             start = time.perf_counter()
             train_step(model, optimizer, batches, cfg)
-            seconds.append(time.perf_counter() - start)
-        times[name] = min(seconds)  # the fastest: a step another process slowed says nothing of the config
-        del model, optimizer
-        gc.collect()
+            seconds[name].append(time.perf_counter() - start)
+    # The fastest: a step another process slowed says nothing of the config.
+    times = {name: min(taken) for name, taken in seconds.items()}
+    del runs
+    gc.collect()
     return {"times": times, "rates": measure_rates(*shape, torch.float32)}
 
 
