@@ -119,10 +119,9 @@ class DPO(PairObjective):
         """Each store's table of reference log-probabilities (objectives.reference): read where a start before
         made it, else computed with the reference (the policy with its adapters off, or a copy built for it and let
         go) and kept."""
-        sets = {None: data.stream.windows[0], **data.eval_sets}
         by_path: dict[str, torch.Tensor] = {}
         t = self.cfg.trainer
-        for name, windows in sets.items():
+        for name, windows in self.data_sets(data).items():
             path = table_path(windows, self.cfg)
             if path not in by_path:
                 by_path[path] = load_table(path, len(windows.first), device)
@@ -166,7 +165,7 @@ class DPO(PairObjective):
         """The reference's log-probabilities of the pairs' two documents ([pairs] each): looked up (precompute) or
         its forward, without gradient."""
         if self.reference == "precompute":
-            table = self.tables.get(self.evaluating, self.tables[None])  # held-out windows: the training store's
+            table = self.reading(self.tables)
             return tuple(table[docs[real]].float() for docs in pair_documents(batch))
         with torch.no_grad(), self._reference(policy) as reference:
             return pair_logps(reference, batch, amp)[:2]

@@ -45,8 +45,8 @@ class KTO(DPO):
 
     def prepare(self, model: nn.Module, device: torch.device, data: Data) -> None:
         super().prepare(model, device, data)
-        sets = {None: data.stream.windows[0], **data.eval_sets}
-        self.labels = {name: torch.from_numpy(w.store.labels()).to(device) for name, w in sets.items()}
+        sets = self.data_sets(data).items()
+        self.labels = {name: torch.from_numpy(w.store.labels()).to(device) for name, w in sets}
 
     def _kl_sums(self, model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
         """[samples, 2]: each sample's KL documents' log-probability ratios, summed, and their number."""
@@ -75,8 +75,7 @@ class KTO(DPO):
     def pairs(self, model: nn.Module, batch: torch.Tensor, amp) -> dict[str, torch.Tensor]:
         logps, _, _, _, real = pair_logps(model, batch, amp)
         ratios = logps - self.reference_logps(model, batch, amp, real)[0]
-        labels = self.labels.get(self.evaluating, self.labels[None])  # held-out windows: the training store's
-        desirable = labels[pair_documents(batch)[0][real]] == 1
+        desirable = self.reading(self.labels)[pair_documents(batch)[0][real]] == 1
         b, kl = self.beta, self.kl
         loss = torch.where(
             desirable,

@@ -122,6 +122,16 @@ class PairObjective(Objective):
 
     metric_names: tuple[str, ...] = METRICS
 
+    @staticmethod
+    def data_sets(data: Data) -> dict:
+        """The windows a run reads, by set: the training data's (None) and each eval set's (by name)."""
+        return {None: data.stream.windows[0], **data.eval_sets}
+
+    def reading(self, by_set: dict):
+        """by_set's entry (keyed as data_sets) of the data read now: the eval set being evaluated, else the training
+        data's (the held-out windows are the training store's too)."""
+        return by_set.get(self.evaluating, by_set[None])
+
     def derived(self, means: dict[str, float]) -> dict[str, float]:
         """The logged metrics of the means (KTO's margins: a difference of two)."""
         return means

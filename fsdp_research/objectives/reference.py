@@ -18,11 +18,11 @@ from omegaconf import DictConfig
 
 from fsdp_research.data.packing import DOCUMENTS, IGNORE, LABELS, PairWindows
 from fsdp_research.data.store_builder import write_atomic
-from fsdp_research.distributed.mesh import data_parallel
 from fsdp_research.distributed.processes import broadcast_object, on_rank0
 from fsdp_research.model.architecture import build_hf_config, pretrained_dir
 from fsdp_research.model.lora import enabled
 from fsdp_research.model.pretrained import checkpoint_files, weights_identity
+from fsdp_research.train.evaluation import rank_share
 from fsdp_research.train.losses import token_losses
 
 log = logging.getLogger("fsdp_research")
@@ -52,12 +52,8 @@ def table_path(windows: PairWindows, cfg: DictConfig) -> str:
 @torch.no_grad()
 def compute_table(reference: nn.Module, windows: PairWindows, micro_batch: int, device: torch.device, amp, tp: int):
     """Each document's reference log-probability, summed over its targets ([documents], float64; 0 for those no
-    window holds): data-parallel rank r reads windows r, r + world, ... (a rank with fewer runs a window weighted 0:
-    FSDP's collectives need as many forwards on every rank). A collective."""
-    rank, world = data_parallel(tp, 1)
-    index = rank + world * np.arange(-(-windows.count // world))
-    weight = torch.from_numpy(index < windows.count).double().to(device)
-    index = np.minimum(index, windows.count - 1)
+    window holds), each data-parallel rank its share of the windows (train.evaluation.rank_share). A collective."""
+    index, weight = rank_share(windows.count, device, tp)
     table = torch.zeros(len(windows.first), dtype=torch.float64, device=device)
     for a in range(0, len(index), micro_batch):
         batch = torch.from_numpy(windows.read(index[a : a + micro_batch])).to(device)

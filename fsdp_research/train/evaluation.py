@@ -17,6 +17,16 @@ from fsdp_research.distributed.mesh import data_parallel
 from fsdp_research.train.losses import target_count, token_losses
 
 
+def rank_share(samples: int, device: torch.device, tp: int = 1, cp: int = 1) -> tuple[np.ndarray, torch.Tensor]:
+    """(the samples this data-parallel rank reads of 0 .. samples - 1: r, r + world, ...; each one's weight, float64):
+    every rank reads as many, a rank with fewer reading the last again weighted 0 (FSDP's collectives need as many
+    forwards on every rank)."""
+    rank, world = data_parallel(tp, cp)
+    index = rank + world * np.arange(-(-samples // world))
+    weight = torch.from_numpy(index < samples).double().to(device)
+    return np.minimum(index, samples - 1), weight
+
+
 @torch.no_grad()
 def held_out_sums(
     model: nn.Module,
@@ -32,11 +42,7 @@ def held_out_sums(
     ([samples in the batch, k]), data-parallel rank r taking r, r + world, ... (under context parallel each rank its
     chunks of them, as in training): [k], float64. Every rank runs as many forwards (one with fewer samples pads
     with a sample weighted 0): FSDP's collectives need them all. A collective: every rank calls it."""
-    cp = split.cp if split else 1
-    rank, world = data_parallel(tp, cp)
-    index = rank + world * np.arange(-(-samples // world))
-    weight = torch.from_numpy(index < samples).double().to(device)
-    index = np.minimum(index, samples - 1)
+    index, weight = rank_share(samples, device, tp, split.cp if split else 1)
     sums = None
     model.eval()
     with split.splitting() if split else contextlib.nullcontext():
