@@ -35,6 +35,7 @@ TRAIN = with_overrides(
     "trainer.global_batch_size=2",
     "trainer.micro_batch_size=1",
     "checkpoint.save=false",  # nothing reads a census run's checkpoint
+    "distributed.timeout_s=180",  # a collective that waits longer is one the other rank never joins: fail, not hang
 )
 BATCH = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
 # CENSUS_FAMILIES=a,b runs those only (the docs/models.md table is then not checked).

@@ -2,12 +2,15 @@
 gloo, started the way train.py starts its workers, every log line tagged with its rank; rank 0's return value
 comes back to the test."""
 
+import faulthandler
 import logging
 import os
 import sys
 import tempfile
+import threading
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -20,8 +23,24 @@ from fsdp_research.distributed.processes import spawn
 from fsdp_research.train.trainer import train
 from tests.helpers.forked import PRELOAD
 
+# Longer than any test's ranks run (the census's pools: ~4 min in CI): ranks still going then are stuck (ranks waiting
+# on each other's different collectives wait out the group's timeout, then each next one's). Each writes every
+# thread's stack to its stderr and leaves, so that the test fails with where it hung instead of CI's time running out.
+HUNG_S = 900
+
+
+def _leave_when_hung() -> None:
+    faulthandler.dump_traceback_later(HUNG_S, exit=False)  # from C: it writes even while a thread holds the GIL
+
+    def leave() -> None:
+        time.sleep(HUNG_S + 5)
+        os._exit(3)
+
+    threading.Thread(target=leave, name="hung-rank-exit", daemon=True).start()
+
 
 def _run_and_keep(fn: Callable, args: tuple, path: str) -> None:
+    _leave_when_hung()
     rank = int(os.environ["RANK"])
     logging.basicConfig(level=logging.INFO, format=f"[%(asctime)s][rank{rank}][%(levelname)s] %(message)s", force=True)
     result = fn(*args)
@@ -73,15 +92,30 @@ def final_weights(model: torch.nn.Module) -> dict[str, Any]:
     return {"weights": full_state(model)}
 
 
-def _train_each(configs: dict[str, Any], out_dir: str, inspect: Callable) -> dict[str, Any]:
-    records = {}
-    for name, cfg in configs.items():
+def in_turn(names: Iterable[str], one: Callable[[str], Any]) -> dict[str, Any]:
+    """one(name) for each name in turn on this process's rank; a name whose call raises gets {"error": its
+    traceback}. The rest still run on one rank; on several, they are not run: a rank that raised may have left the
+    others in a collective it never joins (they raise at the group's timeout, then stop too)."""
+    records: dict[str, Any] = {}
+    failed = None
+    for name in names:
+        if failed and dist.is_initialized() and dist.get_world_size() > 1:
+            records[name] = {"error": f"not run: {failed} raised before it on this rank"}
+            continue
         try:
-            result = train(cfg, os.path.join(out_dir, name))
-            records[name] = {"losses": result.losses, **inspect(result.model)}
-        except Exception:  # the other configs still run; the test of this one names it
-            records[name] = {"error": traceback.format_exc()}
+            records[name] = one(name)
+        except Exception:  # the test of this one names it; the log, the rank that raised first
+            logging.exception(f"{name} raised")
+            records[name], failed = {"error": traceback.format_exc()}, name
     return records
+
+
+def _train_each(configs: dict[str, Any], out_dir: str, inspect: Callable) -> dict[str, Any]:
+    def one(name: str) -> dict[str, Any]:
+        result = train(configs[name], os.path.join(out_dir, name))
+        return {"losses": result.losses, **inspect(result.model)}
+
+    return in_turn(configs, one)
 
 
 def train_distributed(
@@ -99,19 +133,13 @@ def train_distributed(
 
 def each_family(one: Callable, initials: dict[str, str], *args: Any) -> dict[str, Any]:
     """On this process's rank (joining the group as the trainer does): one(family, initial, *args) for each family
-    in turn; a family that raises gets {"error": its traceback}, and the others still run."""
+    in turn (in_turn)."""
     from fsdp_research.config.schema import typed
     from fsdp_research.distributed.processes import init_distributed
     from fsdp_research.jobs.compose import compose
 
     init_distributed(typed(compose([])).distributed, torch.device("cpu"))
-    records = {}
-    for family, initial in initials.items():
-        try:
-            records[family] = one(family, initial, *args)
-        except Exception:  # the test of this family names it
-            records[family] = {"error": traceback.format_exc()}
-    return records
+    return in_turn(initials, lambda family: one(family, initials[family], *args))
 
 
 def ok(records: dict[str, Any], name: str) -> dict[str, Any]:
