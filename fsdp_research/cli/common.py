@@ -39,6 +39,10 @@ def checked_config(overrides: Sequence[str], world_size: int = 0) -> tuple[DictC
     world_size = world_size or planned_world_size(cfg.distributed)
     hf_config = build_hf_config(cfg.model)
     check_config(cfg, world_size, hf_config, device_for(cfg.trainer.device, 0))
+    if cfg.parallel.pp > 1:  # the planner's every figure is of the whole model on each rank
+        raise ConfigError(
+            "parallel.pp", "plan, doctor and simulate do not plan pipeline stages yet", "use parallel.pp=1"
+        )
     return cfg, hf_config, world_size
 
 

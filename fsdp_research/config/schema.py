@@ -108,6 +108,13 @@ class ParallelConfig:
     # Context parallel: ranks each sequence is split over (2 x cp chunks, attention gathered by all-to-all over
     # heads); the inner part of the shard dimension (dp_shard x cp), the data-parallel ranks world / tp / cp.
     cp: int = 1
+    # Pipeline parallel: stages the model's layers are split over (the outermost axis: across nodes), each stage
+    # fully_shard-ed over its own data-parallel ranks (world / pp / tp / cp); a step's micro-batches flow through
+    # them by pp_schedule (torch.distributed.pipelining's: GPipe, 1F1B, ...).
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    # Stages on each rank: 1 for GPipe and 1F1B (the looped and V schedules hold more).
+    pp_stages_per_rank: int = 1
 
 
 @dataclass

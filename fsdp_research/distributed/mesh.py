@@ -1,9 +1,9 @@
 """The one owner of the device mesh (as torchtitan's ParallelDims): the parallel degrees a config asks for on a
 world size, the DeviceMesh they make, built once, and every sub-mesh, rank and size the rest of the code asks for.
-The axes, outermost first: replicate, shard (itself dp_shard x cp for context parallel, dp_mod_ep x ep for the
-experts), tp innermost, so the ranks of a tp group are neighbours (one node's devices), the cp ranks next; pipeline
-stages (issue 47) will be the outermost axis, across nodes. No other
-module builds, slices or unflattens a mesh, or computes a rank from degrees (tests/test_layout.py holds it)."""
+The axes, outermost first: pp (pipeline stages, across nodes), replicate, shard (itself dp_shard x cp for context
+parallel, dp_mod_ep x ep for the experts), tp innermost, so the ranks of a tp group are neighbours (one node's
+devices), the cp ranks next. No other module builds, slices or unflattens a mesh, or computes a rank from degrees
+(tests/test_layout.py holds it)."""
 
 from dataclasses import dataclass
 
@@ -16,7 +16,7 @@ from fsdp_research.config.schema import Strategy
 
 @dataclass(frozen=True)
 class Degrees:
-    """Ranks along each axis. replicate x shard x tp = world size; cp and ep split the shard axis. hybrid: the
+    """Ranks along each axis. pp x replicate x shard x tp = world size; cp and ep split the shard axis. hybrid: the
     mesh has its replicate axis even at one replica (hsdp and ddp: FSDP2 replicates over it)."""
 
     replicate: int
@@ -25,25 +25,27 @@ class Degrees:
     cp: int = 1
     ep: int = 1
     hybrid: bool = False
+    pp: int = 1
 
     @property
     def world_size(self) -> int:
-        return self.replicate * self.shard * self.tp
+        return self.pp * self.replicate * self.shard * self.tp
 
     @property
     def data_parallel_size(self) -> int:
-        """Ranks that read batches of their own: a tp x cp group splits one batch."""
-        return self.world_size // (self.tp * self.cp)
+        """Ranks that read batches of their own: a tp x cp group splits one batch, the stages of a pipeline pass it
+        on."""
+        return self.world_size // (self.pp * self.tp * self.cp)
 
 
 def degrees(cfg: DictConfig, world_size: int) -> Degrees:
     """The degrees of `cfg` (its sharding and parallel sections) on world_size ranks: ddp replicates over every
     data-parallel rank, hsdp over sharding.replicate groups."""
-    strategy, tp = Strategy(cfg.sharding.strategy), cfg.parallel.tp
-    dp = world_size // tp
+    strategy, tp, pp = Strategy(cfg.sharding.strategy), cfg.parallel.tp, cfg.parallel.pp
+    dp = world_size // (tp * pp)
     replicate = {Strategy.hsdp: cfg.sharding.replicate, Strategy.ddp: dp}.get(strategy, 1)
     hybrid = strategy in (Strategy.hsdp, Strategy.ddp)
-    return Degrees(replicate, dp // replicate, tp, cfg.parallel.cp, cfg.parallel.ep, hybrid)
+    return Degrees(replicate, dp // replicate, tp, cfg.parallel.cp, cfg.parallel.ep, hybrid, pp)
 
 
 class Mesh:
@@ -56,17 +58,33 @@ class Mesh:
             shape, names = (degrees.replicate, degrees.shard), ("replicate", "shard")
         if degrees.tp > 1:
             shape, names = (*shape, degrees.tp), (*names, "tp")
+        if degrees.pp > 1:
+            shape, names = (degrees.pp, *shape), ("pp", *names)
         self.device_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
 
     @property
     def fsdp(self) -> DeviceMesh:
-        """The mesh FSDP shards over: the data-parallel axes (replicate, shard)."""
-        names = tuple(n for n in self.device_mesh.mesh_dim_names if n != "tp")
+        """The mesh FSDP shards over: the data-parallel axes (replicate, shard) of this rank's stage."""
+        names = tuple(n for n in self.device_mesh.mesh_dim_names if n not in ("tp", "pp"))
         return self.device_mesh if len(names) == self.device_mesh.ndim else self.device_mesh[_one_or_all(names)]
 
     @property
     def tp(self) -> DeviceMesh:
         return self.device_mesh["tp"]
+
+    @property
+    def stage_group(self) -> dist.ProcessGroup | None:
+        """The ranks that hold this rank's pipeline stage (the mesh without its pp axis); None: every rank."""
+        if self.degrees.pp == 1:
+            return None
+        names = self.device_mesh.mesh_dim_names[1:]
+        stage = self.device_mesh[_one_or_all(names)]
+        return (stage._flatten() if stage.ndim > 1 else stage).get_group()
+
+    @property
+    def pp(self) -> DeviceMesh:
+        """The pipeline's mesh: this rank and the ranks of the other stages that pass its micro-batches on."""
+        return self.device_mesh["pp"]
 
     @property
     def context(self) -> DeviceMesh:
@@ -88,8 +106,13 @@ def _one_or_all(names: tuple[str, ...]) -> str | tuple[str, ...]:
     return names if len(names) > 1 else names[0]
 
 
-def data_parallel(tp: int, cp: int = 1) -> tuple[int, int]:
+def data_parallel(tp: int, cp: int = 1, pp: int = 1) -> tuple[int, int]:
     """(this rank's data-parallel rank, the data-parallel ranks): the tp x cp neighbouring ranks of a group read
-    the same batch (tp innermost, cp next)."""
-    group = tp * cp
-    return dist.get_rank() // group, dist.get_world_size() // group
+    the same batch (tp innermost, cp next), and so do a pipeline's stages (pp outermost)."""
+    group, stage_ranks = tp * cp, dist.get_world_size() // pp
+    return dist.get_rank() % stage_ranks // group, stage_ranks // group
+
+
+def pipeline_rank(pp: int) -> int:
+    """This rank's place in its pipeline (pp outermost: ranks 0 .. world / pp - 1 hold the first stage)."""
+    return dist.get_rank() // (dist.get_world_size() // pp)

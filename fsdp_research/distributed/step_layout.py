@@ -28,9 +28,13 @@ class Layout:
     # Context-parallel ranks (parallel.cp): the inner part of the shard group (dp_shard x cp), splitting each
     # sequence; the data-parallel ranks are world_size / tp / cp.
     cp: int = 1
+    # Pipeline stages (parallel.pp; outermost): each holds some of the layers, the data-parallel ranks are
+    # world_size / pp / tp / cp.
+    pp: int = 1
 
     def describe_mesh(self) -> str:
         replicas = f"dp_replicate {self.replicas} x " if self.replicas > 1 else ""
+        replicas = f"pp {self.pp} x {replicas}" if self.pp > 1 else replicas
         line = f"mesh: {replicas}dp_shard {self.shard_group // self.cp}"
         if self.cp > 1:
             line += f" x cp {self.cp} (FSDP over dp_shard x cp)"
@@ -52,4 +56,5 @@ def layout(cfg: DictConfig, world_size: int, nodes: int = 1) -> Layout:
         tp=d.tp,
         ep=d.ep,
         cp=d.cp,
+        pp=d.pp,
     )

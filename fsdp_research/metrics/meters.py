@@ -68,6 +68,12 @@ def active_parameters(model: torch.nn.Module, d: ModelDims, counted=lambda p: Tr
 MEAN_LOSSES = ("aux_loss", "z_loss")
 
 
+def mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
 def loss_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
     """The loss's parts logged apart (a mixture of experts' load-balancing loss, the z-loss: means over ranks) and
     the share of the routed tokens that the least and the most loaded expert got (1 / experts when balanced), each

@@ -44,13 +44,27 @@ def check_document_masking(model: nn.Module, device: torch.device, micro_batch: 
     reshard(inner)
     first, second = logits[0, 3:5], logits[1, 1:3]
     if (first - second).abs().max() > 1e-3 * (1 + first.abs().max()):
-        # Flash attention keeps them apart one sample a forward (the module's docstring).
-        attention = str(getattr(getattr(inner, "config", None), "_attn_implementation", ""))
-        flash = micro_batch > 1 and "flash" in attention
-        raise ConfigError(
-            "data.document_masking",
-            f"{type(inner).__name__} lets packed documents see each other (its attention ignores the position ids' "
-            f"restarts{' at a micro-batch over 1' if flash else ''})",
-            f"{'set trainer.micro_batch_size=1, or ' if flash else ''}set data.document_masking=false, or "
-            "data.packing=false",
-        )
+        _refuse(inner, _flash_over_one(inner, micro_batch))
+
+
+def _flash_over_one(model: nn.Module, micro_batch: int) -> bool:
+    """Flash attention keeps packed documents apart one sample a forward only (the module's docstring)."""
+    return micro_batch > 1 and "flash" in str(getattr(getattr(model, "config", None), "_attn_implementation", ""))
+
+
+def _refuse(model: nn.Module, flash: bool) -> None:
+    raise ConfigError(
+        "data.document_masking",
+        f"{type(model).__name__} lets packed documents see each other (its attention ignores the position ids' "
+        f"restarts{' at a micro-batch over 1' if flash else ''})",
+        f"{'set trainer.micro_batch_size=1, or ' if flash else ''}set data.document_masking=false, or "
+        "data.packing=false",
+    )
+
+
+def check_staged_document_masking(stage: nn.Module, micro_batch: int) -> None:
+    """A pipeline stage's: it cannot run the whole forward check_document_masking compares. Its families
+    (distributed.pipeline.FAMILIES, split-tested with packed documents) keep them apart through transformers' mask
+    functions on every stage, except under flash attention at a micro-batch over 1. Raises ConfigError."""
+    if _flash_over_one(stage, micro_batch):
+        _refuse(stage, True)

@@ -269,23 +269,26 @@ def _checksum(values: torch.Tensor, offsets: Sequence[int] = (), shape: Sequence
     return sums
 
 
-def _local_checksum(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part's checksum, scaled so that the sum over every rank is the whole tensor's (a replica's
-    part counts once)."""
+def _local_checksum(tensor: torch.Tensor, world: int) -> torch.Tensor:
+    """This rank's part's checksum, scaled so that the sum over the `world` ranks holding the model is the whole
+    tensor's (a replica's part counts once)."""
     if not isinstance(tensor, DTensor):
-        return _checksum(tensor) / dist.get_world_size()
+        return _checksum(tensor) / world
     _, offsets = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
-    copies = dist.get_world_size() // tensor.device_mesh.size() if tensor.device_mesh.ndim else 1
+    copies = world // tensor.device_mesh.size() if tensor.device_mesh.ndim else 1
     for dim, placement in enumerate(tensor.placements):
         if placement.is_replicate():
             copies *= tensor.device_mesh.size(dim)
     return _checksum(tensor.to_local(), offsets, tensor.shape) / copies
 
 
-def verify_loaded(model: nn.Module, path: str, mapping: list, files: list[str], targets: dict) -> None:
-    """Every loaded tensor against the checkpoint (a collective). Each rank converts a share of the checkpoint's
-    tensors whole, as from_pretrained would; ConfigError names the first tensor whose checksum differs."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+def verify_loaded(
+    model: nn.Module, path: str, mapping: list, files: list[str], targets: dict, group: dist.ProcessGroup | None
+) -> None:
+    """Every loaded tensor against the checkpoint (a collective of `group`, the ranks holding the model: a pipeline
+    stage's, or every rank). Each rank converts a share of the checkpoint's tensors whole, as from_pretrained would;
+    ConfigError names the first tensor whose checksum differs."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
     tensors = _tensors(model)
     # One name per tensor (the first); a tensor the checkpoint does not fill is never recorded, and not compared.
     first = {}
@@ -313,10 +316,10 @@ def verify_loaded(model: nn.Module, path: str, mapping: list, files: list[str], 
 
     _whole_pass(model.config, mapping, files, mine, record)
     for name, i in row.items():
-        sums[i, 3:6] = _local_checksum(tensors[name])
+        sums[i, 3:6] = _local_checksum(tensors[name], world)
     if dist.get_backend() == "nccl":
         sums = sums.cuda()
-    dist.all_reduce(sums)
+    dist.all_reduce(sums, group=group)
     sums = sums.cpu()
     for name, (file_sum, file_weighted, size, loaded_sum, loaded_weighted, _, recorded) in zip(names, sums.tolist()):
         tolerance = 1e-9 * (size + 1)
@@ -333,13 +336,15 @@ def verify_loaded(model: nn.Module, path: str, mapping: list, files: list[str], 
 
 
 @torch.no_grad()
-def load_pretrained(model: nn.Module, path: str) -> None:
+def load_pretrained(model: nn.Module, path: str, group: dist.ProcessGroup | None = None) -> None:
     """Fill the materialized model (checked first with check_weights) from the checkpoint in path, then verify
-    every tensor (a collective)."""
+    every tensor (a collective of `group`: the ranks that hold the model, by default every rank)."""
     mapping, files = _mapping(model), checkpoint_files(path)
     with ExitStack() as handles:
         targets = _targets(model, mapping, _slices(files, handles, meta=True).keys())
-    whole = {k for k, (_, safe) in targets.items() if not safe}
+    # A pipeline stage's model holds some of the checkpoint's tensors: the others' conversions are not its own.
+    held = _tensors(model)
+    whole = {k for k, (target, safe) in targets.items() if not safe and clean_name(target) in held}
     # transformers sets each loaded tensor as a new Parameter; FSDP2 owns the parameter objects it sharded, so
     # each value is copied into the original, which goes back in its place.
     originals = list(_registered(model))
@@ -365,4 +370,4 @@ def load_pretrained(model: nn.Module, path: str) -> None:
         local.copy_(full)
 
     _whole_pass(model.config, mapping, files, whole, keep)
-    verify_loaded(model, path, mapping, files, targets)
+    verify_loaded(model, path, mapping, files, targets, group)

@@ -56,6 +56,10 @@ class Objective:
     # are refused.
     takes_packed: bool = False
 
+    # Whether its loss is the head's logits against the labels alone (logits_loss): pipeline parallel (parallel.pp)
+    # computes it on the last stage; without, pp > 1 is refused.
+    pipelines: bool = False
+
     # Forwards with no gradient of the model (or a copy of it) a step runs over its tokens besides its own forward
     # and backward (DPO's reference): throughput's MFU counts them.
     reference_forwards: int = 0
@@ -86,6 +90,13 @@ class Objective:
     def loss(self, model: nn.Module, batch: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, dict]:
         """(the micro-batch's loss: its sum over targets times ctx.weight, or its mean where targets() is None; the
         stats to log, {name: tensor}, their mean over micro-batches logged where the name is in MEAN_LOSSES)."""
+        raise NotImplementedError
+
+    def logits_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, ctx: StepContext
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """With `pipelines`: a micro-batch's loss and stats as loss() returns them, from the last stage's logits
+        [n, seq, vocab] and the labels [n, seq] (train.losses.model_inputs')."""
         raise NotImplementedError
 
     def evaluate(self, model: nn.Module, data: Data, cfg: DictConfig, device: torch.device, amp) -> dict[str, float]:
@@ -127,6 +138,10 @@ def check_objective(cfg: DictConfig) -> None:
         raise ConfigError(key, f"makes packed samples, which {name} does not take", "use windows of tokens")
     if not target.uses_loss_group and cfg.loss != LossConfig():
         raise ConfigError("loss", f"{name} does not read it (objective=lm does)", "drop the loss overrides")
+    if cfg.parallel.pp > 1 and not target.pipelines:
+        raise ConfigError(
+            "parallel.pp", f"{cfg.parallel.pp}: {name} has no loss from the last stage's logits", "use parallel.pp=1"
+        )
     if cfg.parallel.cp > 1 and not target.splits_sequences:
         raise ConfigError(
             "parallel.cp",

@@ -12,7 +12,7 @@ from fsdp_research.train.losses import build_loss, target_count, train_loss
 
 
 class NextToken(Objective):
-    splits_sequences = uses_loss_group = takes_packed = True
+    splits_sequences = uses_loss_group = takes_packed = pipelines = True
 
     def setup(self, cfg: DictConfig) -> None:
         self.loss_fn = build_loss(cfg.loss, packed=packed(cfg.data))
@@ -23,3 +23,7 @@ class NextToken(Objective):
 
     def loss(self, model: nn.Module, batch: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, dict]:
         return train_loss(model, batch, ctx.amp, self.loss_fn, ctx.router, ctx.weight, ctx.split)
+
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, dict]:
+        loss, stats = self.loss_fn(logits.flatten(0, 1), labels.flatten())
+        return (loss if ctx.weight is None else loss * ctx.weight), stats

@@ -27,13 +27,19 @@ def local_squares(grads: list[DTensor]) -> tuple[torch.Tensor, list[torch.Tensor
 
 def reduce_squares(squares: torch.Tensor, mesh) -> torch.Tensor:
     """Local squares ([..., 2] as local_squares gives them) summed over every shard: over the shard group (replicas
-    hold the same shards), the tp-split ones over the tp group too; the whole sums, [...]."""
+    hold the same shards), the tp-split ones over the tp group too, and over a pipeline's stages (each holds its
+    layers); the whole sums, [...]."""
     dist.all_reduce(squares, group=mesh.get_group("shard"))
     if "tp" in (mesh.mesh_dim_names or ()):
         tp = squares[..., 1].contiguous()
         dist.all_reduce(tp, group=mesh.get_group("tp"))
-        return squares[..., 0] + tp
-    return squares.sum(-1)
+        whole = squares[..., 0] + tp
+    else:
+        whole = squares.sum(-1)
+    root = mesh._get_root_mesh()
+    if "pp" in (root.mesh_dim_names or ()):
+        dist.all_reduce(whole, group=root.get_group("pp"))
+    return whole
 
 
 def grad_norm(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:

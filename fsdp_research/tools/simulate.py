@@ -19,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from fsdp_research.checkpoint.hf_export import export_dtype, write_parts
 from fsdp_research.config.sizes import export_shard_size
 from fsdp_research.distributed.context_parallel import split_of
+from fsdp_research.distributed.mesh import Mesh, degrees
 from fsdp_research.distributed.sharding import local_shard
 from fsdp_research.distributed.tensor_parallel import sequence_parallel
 from fsdp_research.errors import ConfigError
@@ -148,7 +149,7 @@ def set_up_shard(cfg: DictConfig, hf_config, device: torch.device, phases: list[
     if device.type == "cpu":
         _check_host_holds(mem.sharded_params + mem.sharded_grads + mem.optimizer)
     with measured(phases, "shard", device):
-        apply_parallelism(model, plan, cfg, device.type, world)
+        apply_parallelism(model, plan, cfg, Mesh(degrees(cfg, world), device.type))
     with measured(phases, "init", device) as phase:
         materialize(model, torch.device("cpu") if cfg.sharding.cpu_offload else device, device)
         init_weights(model, plan.blocks, cfg.trainer.seed)

@@ -20,6 +20,7 @@ from fsdp_research.config.targets import check_call, kwargs_of, named_in, resolv
 from fsdp_research.data.packing import IGNORE, INPUTS, LABELS, POSITIONS
 from fsdp_research.distributed.context_parallel import ContextSplit
 from fsdp_research.distributed.sharding import reshard
+from fsdp_research.distributed.step_layout import Layout
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import output_layer
 
@@ -277,20 +278,21 @@ def _expert_tokens(router_logits, router: Router) -> torch.Tensor | None:
 
 
 def step_weight(
-    targets: torch.Tensor | None, micro_steps: int, tp: int = 1, cp: int = 1
+    targets: torch.Tensor | None, micro_steps: int, lay: Layout
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(what each micro-batch's summed loss is weighted by, the step's targets) of this rank's samples' targets (an
     objective's, train.objectives). The step's loss (the trainer divides by micro_steps, FSDP averages the
     gradients over the data-parallel and cp ranks) is then the mean over the step's targets on every micro-batch
-    and rank: the weight is (world / tp) x micro_steps / the targets (a collective; the tp and cp ranks of a group
-    hold the same batch, each cp rank its chunk of each sequence). (None, None) for no targets."""
+    and rank: the weight is (world / tp / pp) x micro_steps / the targets (a collective; the tp and cp ranks of a
+    group, and a pipeline's stages, hold the same batch, each cp rank its chunk of each sequence). (None, None) for
+    no targets."""
     if targets is None:
         return None, None
     total = targets.sum().float()
     dist.all_reduce(total)
-    total = total / (tp * cp)
+    total = total / (lay.tp * lay.cp * lay.pp)
     # No target in the whole step (all padding): a zero loss, not a division by zero.
-    return dist.get_world_size() // tp * micro_steps / total.clamp(min=1), total
+    return lay.world_size // (lay.tp * lay.pp) * micro_steps / total.clamp(min=1), total
 
 
 def train_loss(

@@ -9,6 +9,7 @@ from fsdp_research.config.schema import Strategy
 from fsdp_research.data.pipeline import packed
 from fsdp_research.distributed.context_parallel import check_cp
 from fsdp_research.distributed.expert_parallel import check_ep
+from fsdp_research.distributed.pipeline import SCHEDULES
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.distributed.tensor_parallel import check_divisible, sequence_parallel, tp_plan
@@ -37,6 +38,8 @@ def check_parallel(cfg: DictConfig, world_size: int) -> None:
     p = cfg.parallel
     if p.tp < 1 or world_size % p.tp:
         raise ConfigError("parallel.tp", f"{p.tp} does not divide the world size {world_size}", "use a divisor")
+    if p.pp != 1:
+        check_pipeline_parallel(cfg, world_size)
     if p.cp != 1:
         check_context_parallel(cfg, world_size)
     if p.ep != 1:
@@ -89,6 +92,55 @@ def check_expert_parallel(cfg: DictConfig, world_size: int) -> None:
             f"{reduce} with parallel.ep={p.ep} leaves each expert one data-parallel rank, where torch divides its "
             "gradients twice",
             "use precision.reduce_dtype=float32 (or bfloat16), or more data-parallel ranks than ep",
+        )
+
+
+def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
+    p = cfg.parallel
+    if p.pp < 1 or world_size % (p.pp * p.tp):  # first: the layout below divides by it
+        raise ConfigError(
+            "parallel.pp", f"{p.pp} does not divide the world size {world_size} (with tp {p.tp})", "use a divisor"
+        )
+    if p.pp_schedule not in SCHEDULES:
+        raise ConfigError("parallel.pp_schedule", f"{p.pp_schedule!r} is unknown", f"use one of {', '.join(SCHEDULES)}")
+    if SCHEDULES[p.pp_schedule] != 1:
+        raise ConfigError(
+            "parallel.pp_schedule",
+            f"{p.pp_schedule} (several stages a rank) is not supported yet",
+            "use parallel.pp_schedule=1F1B or GPipe",
+        )
+    refused = [
+        ("parallel.pp_stages_per_rank", p.pp_stages_per_rank != 1, "several stages a rank are not supported yet"),
+        ("parallel.tp", p.tp > 1, "tensor parallel with pipeline parallel is not supported yet"),
+        ("parallel.cp", p.cp > 1, "context parallel with pipeline parallel is not supported yet"),
+        ("parallel.ep", p.ep > 1, "expert parallel with pipeline parallel is not supported yet"),
+        ("sharding", Strategy(cfg.sharding.strategy) is Strategy.ddp_classic, "ddp_classic has no pipeline stages"),
+        ("sharding.cpu_offload", cfg.sharding.cpu_offload, "CPU offload with pipeline parallel is not supported yet"),
+        ("model.lora", lora_enabled(cfg.model.lora), "LoRA with pipeline parallel is not supported yet"),
+        ("trainer.compile", cfg.trainer.compile, "torch.compile with pipeline parallel is not supported yet"),
+        ("loss.chunks", cfg.loss.chunks > 1, "the chunked loss with pipeline parallel is not supported yet"),
+        # Theirs see a stage's part of the model on each rank (per-layer norms, averages, spike checks).
+        ("callbacks", bool(cfg.callbacks), "callbacks with pipeline parallel are not supported yet"),
+        ("precision", cfg.precision.loss_scaling, "fp16's loss scaling with pipeline parallel is not supported yet"),
+    ]
+    _refuse(refused, "use parallel.pp=1")
+    # Eval (and the samples taken at it) run the whole model's forward on every rank.
+    if cfg.trainer.eval_interval > 0:
+        raise ConfigError(
+            "trainer.eval_interval", "eval through the pipeline is not supported yet", "use trainer.eval_interval=0"
+        )
+    if cfg.checkpoint.export:
+        raise ConfigError(
+            "checkpoint.export",
+            "the run's own export through the pipeline is not supported yet",
+            "use checkpoint.export=false; the checkpoint holds every stage: `fsdp-research export <run dir> <out>`",
+        )
+    micro = layout(cfg, world_size).micro_steps
+    if 0 < micro < p.pp:  # none: the batch check says why
+        raise ConfigError(
+            "trainer.micro_batch_size",
+            f"{micro} micro-batches a step are fewer than the pipeline's {p.pp} stages",
+            "use a smaller micro_batch_size or a larger global_batch_size",
         )
 
 

@@ -12,6 +12,6 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
     return ((seed * 1_000_003 + dp_rank) * 1_000_033 + step) % 2**63
 
 
-def seed_step(seed: int, step: int, tp: int) -> None:
+def seed_step(seed: int, step: int, tp: int, pp: int = 1) -> None:
     """The generators (CPU and every CUDA device) for `step` on this rank."""
-    torch.manual_seed(step_seed(seed, step, data_parallel(tp)[0]))
+    torch.manual_seed(step_seed(seed, step, data_parallel(tp, pp=pp)[0]))

@@ -3,6 +3,7 @@ ConfigError naming the key and the fix. The trainer, the launcher (before it sta
 and the planner run the same checks."""
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
@@ -27,6 +28,7 @@ from fsdp_research.data.parts import first_file, probe
 from fsdp_research.data.pipeline import check_tokenizer, eval_set_paths, packed, sources
 from fsdp_research.data.tokenizer import check_model_tokenizer
 from fsdp_research.distributed.activation_checkpointing import resolve_op
+from fsdp_research.distributed.mesh import pipeline_rank
 from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.precision import dtypes, parse_dtype
 from fsdp_research.distributed.processes import backend_for
@@ -37,7 +39,7 @@ from fsdp_research.metrics.hardware import GPUS
 from fsdp_research.model.architecture import pretrained_dir
 from fsdp_research.model.assembly import planned_model
 from fsdp_research.model.dimensions import dims, max_positions
-from fsdp_research.model.document_masking import check_document_masking
+from fsdp_research.model.document_masking import check_document_masking, check_staged_document_masking
 from fsdp_research.model.lora import check_lora
 from fsdp_research.model.pretrained import check_weights
 from fsdp_research.objectives import check_objective
@@ -323,7 +325,10 @@ def check_built(cfg: DictConfig, model: nn.Module, device: torch.device) -> None
     # Text windows always hold several documents; chat ones only when packed.
     several = cfg.data.kind is not DataKind.chat or cfg.data.packing
     if packed(cfg.data) and several and cfg.data.document_masking is not False:
-        check_document_masking(model, device, cfg.trainer.micro_batch_size)
+        if cfg.parallel.pp > 1:
+            check_staged_document_masking(model, cfg.trainer.micro_batch_size)
+        else:
+            check_document_masking(model, device, cfg.trainer.micro_batch_size)
 
 
 def checked_plan(
@@ -332,7 +337,8 @@ def checked_plan(
     """The config checked, then the model planned and checked against it: all a run refuses, before any
     allocation."""
     check_config(cfg, world_size, hf_config, device)
-    model, plan = planned_model(cfg, hf_config, values)
+    stage = pipeline_rank(cfg.parallel.pp) if dist.is_initialized() else 0
+    model, plan = planned_model(cfg, hf_config, values, stage)
     check_planned(cfg, model, plan, hf_config)
     return model, plan
 

@@ -26,6 +26,7 @@ from fsdp_research.metrics.meters import Throughput, active_parameters
 from fsdp_research.metrics.profiling import StepProfiler
 from fsdp_research.metrics.sinks import Sinks, build_sinks
 from fsdp_research.model.architecture import dropout_in
+from fsdp_research.model.assembly import planned_model
 from fsdp_research.model.dimensions import ModelDims
 from fsdp_research.model.moe_balancing import BiasBalancer
 from fsdp_research.planner.doctor import diagnose, report
@@ -67,11 +68,13 @@ def read_ahead(
     resources: contextlib.ExitStack,
     tp: int = 1,
     cp: int = 1,
+    pp: int = 1,
 ) -> Prefetcher:
     """This rank's batches from `start` on ((step, samples consumed before it); trainer section `t`), read ahead on
-    a thread (closed when the run ends): its data-parallel rank's (the ranks of a tp x cp group read the same).
+    a thread (closed when the run ends): its data-parallel rank's (the ranks of a tp x cp group, and a pipeline's
+    stages, read the same).
     The samples go on from those consumed, so a resume at another global batch size trains on the next."""
-    rank, world = data_parallel(tp, cp)
+    rank, world = data_parallel(tp, cp, pp)
     step0, consumed = start
     batches = Prefetcher(
         lambda step: data.rank_batch(consumed + (step - step0) * t.global_batch_size, t.global_batch_size, rank, world),
@@ -84,10 +87,16 @@ def read_ahead(
 
 
 def mesh_line(cfg: DictConfig, world: int) -> str | None:
-    """The start-up line of a mesh of more than one dimension (hsdp's and ddp's replicate x shard, tp, ep, cp);
+    """The start-up line of a mesh of more than one dimension (hsdp's and ddp's replicate x shard, tp, ep, cp, pp);
     None for FSDP's one shard dimension, which the model's line says."""
     lay = layout(cfg, world)
-    return lay.describe_mesh() if lay.replicas > 1 or max(lay.tp, lay.ep, lay.cp) > 1 else None
+    return lay.describe_mesh() if lay.replicas > 1 or max(lay.tp, lay.ep, lay.cp, lay.pp) > 1 else None
+
+
+def whole_model(cfg: DictConfig, hf_config, model: nn.Module, plan: ShardingPlan) -> tuple[nn.Module, ShardingPlan]:
+    """The whole model as planned (shapes only, on the meta device) where this rank's is a pipeline stage: what a
+    token is multiplied with in every stage, for the model's line and MFU; else the rank's own."""
+    return (model, plan) if cfg.parallel.pp == 1 else planned_model(cfg, hf_config, values=False, stage=None)
 
 
 def throughput_of(
@@ -117,7 +126,7 @@ def throughput_of(
         log.info(mesh)
     if d.unknown:
         log.info(f"MFU: no attention found in {', '.join(d.unknown)}: their parameters counted, not their mixing")
-    dtype, group = dtypes(cfg.precision)[0], cfg.parallel.tp * cfg.parallel.cp
+    dtype, group = dtypes(cfg.precision)[0], cfg.parallel.tp * cfg.parallel.cp * cfg.parallel.pp
     return Throughput.of(
         model, d, t.global_batch_size, cfg.data.seq_len, world, dtype, device, t.peak_tflops, group, reference_forwards
     )
@@ -154,8 +163,11 @@ def close_on_exit(resources: contextlib.ExitStack, close: Callable[[bool], Any])
 
 def planned_fit(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, device: torch.device) -> dict | None:
     """Rank 0's input to the doctor's fit check (planner.fit.doctor_fit), read from the model as the trainer
-    planned it: before sharding renames its classes, and without building it again."""
-    return doctor_fit(cfg, dist.get_world_size(), device, (model, plan)) if dist.get_rank() == 0 else None
+    planned it: before sharding renames its classes, and without building it again. None on the other ranks, and
+    for pipeline stages, which the planner does not plan yet."""
+    if dist.get_rank() or cfg.parallel.pp > 1:
+        return None
+    return doctor_fit(cfg, dist.get_world_size(), device, (model, plan))
 
 
 def observe(

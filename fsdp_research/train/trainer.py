@@ -22,11 +22,13 @@ from fsdp_research.checkpoint.resume import load_checkpoint
 from fsdp_research.config.schema import Strategy, typed
 from fsdp_research.data.pipeline import Data, Prefetcher, packed
 from fsdp_research.distributed.context_parallel import split_of
+from fsdp_research.distributed.mesh import Mesh, degrees
+from fsdp_research.distributed.pipeline import Pipeline
 from fsdp_research.distributed.precision import LossScaler, autocast
 from fsdp_research.distributed.processes import broadcast_object, device_for, init_distributed, launch_env, on_rank0
 from fsdp_research.distributed.sharding import ShardingPlan
 from fsdp_research.distributed.step_layout import Layout, layout
-from fsdp_research.metrics.meters import MEAN_LOSSES, PeakMemory, Throughput, packed_tokens
+from fsdp_research.metrics.meters import MEAN_LOSSES, PeakMemory, Throughput, mean_over_ranks, packed_tokens
 from fsdp_research.metrics.profiling import StepProfiler, region
 from fsdp_research.metrics.sinks import Sinks, setup_logging
 from fsdp_research.model.architecture import build_hf_config
@@ -43,7 +45,7 @@ from fsdp_research.train.preemption import NONE, STOP, Boundary, Signals, agree
 from fsdp_research.train.randomness import seed_step
 from fsdp_research.train.refusals import check_built, checked_plan, doubts
 from fsdp_research.train.samples import take_samples
-from fsdp_research.train.schedule import MicroBatches
+from fsdp_research.train.schedule import MicroBatches, Pipelined, StepLoss
 from fsdp_research.train.startup import (
     close_on_exit,
     moe_balancer,
@@ -53,6 +55,7 @@ from fsdp_research.train.startup import (
     planned_fit,
     read_ahead,
     throughput_of,
+    whole_model,
 )
 from fsdp_research.train.state import TrainResult, TrainState
 
@@ -70,6 +73,8 @@ class Run:
     layout: Layout
     hf_config: Any
     model: nn.Module
+    # This rank's stage of the pipeline (parallel.pp > 1; `model` is the stage's part of the whole); None without.
+    pipeline: Pipeline | None
     plan: ShardingPlan
     optimizer: torch.optim.Optimizer
     state: TrainState
@@ -89,12 +94,6 @@ class Run:
     anomaly: AnomalyChecks
     save_times: list[float] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)
-
-
-def mean_over_ranks(value: torch.Tensor) -> float:
-    value = value.detach().clone()
-    dist.all_reduce(value)
-    return value.item() / dist.get_world_size()
 
 
 def train(cfg: Any, run_dir: str) -> TrainResult:
@@ -138,8 +137,12 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     device, run_dir, hf_config, model, plan, resume_dir = _prepare(cfg, run_dir)
     rank, world, t = dist.get_rank(), dist.get_world_size(), cfg.trainer
     # Read before sharding, which renames the classes it wraps.
-    d, fit = dims(model, plan.blocks), planned_fit(cfg, model, plan, device)
-    model = shard_model(model, plan, cfg, device, world)
+    whole = whole_model(cfg, hf_config, model, plan)
+    d, fit = dims(whole[0], whole[1].blocks), planned_fit(cfg, model, plan, device)
+    mesh = Mesh(degrees(cfg, world), device.type)
+    model = shard_model(model, plan, cfg, device, mesh)
+    lay = layout(cfg, world)
+    pipeline = Pipeline(model, cfg.parallel.pp_schedule, lay.micro_steps, mesh.pp, device) if lay.pp > 1 else None
     check_built(cfg, model, device)
     note_dropout(model)
     optimizer, scheduler = build_optimizer(model, cfg, plan.blocks)
@@ -161,18 +164,19 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         callbacks.load_state_dict(callback_state)
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
     objective = build_objective(cfg, model, device, data)
-    throughput = throughput_of(cfg, d, model, plan, device, state.step, objective.reference_forwards)
+    throughput = throughput_of(cfg, d, *whole, device, state.step, objective.reference_forwards)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)
-    batches = read_ahead(data, t, (state.step, state.samples), device, resources, cfg.parallel.tp, cfg.parallel.cp)
+    batches = read_ahead(data, t, (state.step, state.samples), device, resources, lay.tp, lay.cp, lay.pp)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
         device=device,
         rank=rank,
-        layout=layout(cfg, world),
+        layout=lay,
         hf_config=hf_config,
         model=model,
+        pipeline=pipeline,
         plan=plan,
         optimizer=optimizer,
         state=state,
@@ -211,27 +215,23 @@ def train_step(run: Run, step: int) -> StepResult:
     """One optimizer step on the global batch of `step`: this rank's micro-batches forward and backward as the
     step's schedule runs them (train.schedule, with the gradient reduction), clip, step."""
     t, scaler, micro_steps = run.cfg.trainer, run.state.scaler, run.layout.micro_steps
-    seed_step(t.seed, step, run.layout.tp)
+    seed_step(t.seed, step, run.layout.tp, run.layout.pp)
     with region("data"):
         batch = run.batches.get(step).to(run.device, non_blocking=True)
     batch = run.objective.step_batch(run.model, batch, step)
     totals: dict[str, torch.Tensor] = {}
-    weight, targets = step_weight(run.objective.targets(batch), micro_steps, run.layout.tp, run.layout.cp)
+    weight, targets = step_weight(run.objective.targets(batch), micro_steps, run.layout)
     if targets is not None:
         totals["targets"] = targets
     if packed(run.cfg.data):
         run.throughput.add(packed_tokens(batch, run.data.pad_id))
     split = split_of(run.model)
-    ctx = StepContext(run.amp, split, run.router, weight)
-
-    def forward(micro: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        loss, stats = run.objective.loss(run.model, micro, ctx)
-        run.anomaly.check_loss(loss)
-        return loss, stats
-
+    losses = StepLoss(run.objective, StepContext(run.amp, split, run.router, weight), run.anomaly.check_loss)
     schedule = MicroBatches(t.micro_batch_size, micro_steps, t.defer_grad_sync)
+    if run.pipeline:
+        schedule = Pipelined(run.pipeline, micro_steps)
     with split.splitting() if split else contextlib.nullcontext():
-        loss_sum, each = schedule.run(run.model, batch, forward, lambda loss: scaler.scale_loss(loss).backward())
+        loss_sum, each = schedule.run(run.model, batch, losses, lambda loss: scaler.scale_loss(loss).backward())
     for stats in each:
         for k, v in stats.items():
             totals[k] = totals.get(k, 0) + (v / micro_steps if k in MEAN_LOSSES else v)
