@@ -7,8 +7,10 @@ train.py ...`, alternated, each run's median step after the first few), at the s
   dp_mod_ep=2 and ep=4 against FSDP alone.
 - `cp` (run it with --seq-len 4096): llama_mid on 2 ranks, each sequence split over cp=2 against dp_shard=2 (each
   rank a whole sequence), a sequence per micro-batch, 2 a step.
+- `pp`: llama_mid on 2 ranks, its layers split over pp=2 stages (1F1B, then GPipe) against dp_shard=2; rank 0's
+  peak is the first stage's.
 
-    .venv/bin/python bench/parallel.py [--suite tp|ep|cp] [--steps 12] [--repeats 2] [--seq-len 256] [overrides ...]
+    .venv/bin/python bench/parallel.py [--suite tp|ep|cp|pp] [--steps 12] [--repeats 2] [--seq-len 256] [overrides ...]
 """
 
 import argparse
@@ -59,6 +61,17 @@ SUITES = {
         ["model=llama_mid", "model.config.max_position_embeddings=8192", *BATCH_CP],
         "llama_mid",
         {2: {"dp_shard 2": [], "dp_shard 1 x cp 2": ["parallel.cp=2"]}},
+    ),
+    "pp": (
+        ["model=llama_mid", *BATCH],
+        "llama_mid",
+        {
+            2: {
+                "dp_shard 2": [],
+                "pp 2 (1F1B)": ["parallel.pp=2"],
+                "pp 2 (GPipe)": ["parallel.pp=2", "parallel.pp_schedule=GPipe"],
+            }
+        },
     ),
 }
 

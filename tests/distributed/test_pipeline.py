@@ -2,14 +2,22 @@
 (tests/helpers/reference.py: transformers' from_pretrained of the same initial weights, torch.optim.AdamW): the same
 per-step losses and gradient norms, and the final checkpoint's weights (every stage's, read back by torch's DCP
 reader), with pp=2 by 1F1B and GPipe on 2 ranks and pp=2 x dp_shard=2 on 4, for llama and qwen2 (q/k/v biases). A
-pp=2 checkpoint resumes at pp=1; the mesh is printed; what is not supported yet is one line before any compute."""
+pp=2 checkpoint resumes at pp=1 and exports (`fsdp-research export`) as the reference's weights; the mesh and the whole
+model are printed; packed documents stay apart on every stage; what is not supported yet is one line before any
+compute."""
 
 import pytest
 import torch
 
 from fsdp_research.checkpoint.hf_export import load_checkpoint_weights
 from tests.helpers.dist import ok
-from tests.helpers.parallel import BASE, assert_resumes_at_one_rank_group, refused, trained_with_references
+from tests.helpers.parallel import (
+    BASE,
+    assert_export_matches,
+    assert_resumes_at_one_rank_group,
+    refused,
+    trained_with_references,
+)
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -62,6 +70,16 @@ def test_packed_documents_are_kept_apart_on_every_stage(results):
     _, _, runs, _ = results
     staged, whole = ok(runs, "llama/pp2+docmask")["losses"], ok(runs, "llama/docmask")["losses"]
     assert staged == pytest.approx(whole, rel=1e-5)
+
+
+def test_the_checkpoint_exports_every_stage_as_hugging_face(results, tmp_path):
+    """`fsdp-research export <run dir> <out>` (the run's own export is refused with pp): from_pretrained reads the
+    reference's weights back."""
+    from fsdp_research.cli.export import main as export
+
+    out, _, _, references = results
+    assert export([str(out / "w4" / "llama" / "pp2xdp2"), str(tmp_path / "hf")]) == 0
+    assert_export_matches(tmp_path / "hf", references["llama"][1])
 
 
 def test_a_pp_checkpoint_resumes_at_pp_1(results, tmp_path):
