@@ -81,6 +81,18 @@ class Mesh:
         stage = self.device_mesh[_one_or_all(names)]
         return (stage._flatten() if stage.ndim > 1 else stage).get_group()
 
+    def ends(self) -> dist.ProcessGroup | None:
+        """This rank's group with its peer at the other end of its pipeline (the first and the last stage's ranks
+        at the same place within their stages), None on the stages between (a collective: every rank builds every
+        group)."""
+        stage, rank, pp = dist.get_world_size() // self.degrees.pp, dist.get_rank(), self.degrees.pp
+        mine = None
+        for i in range(stage):
+            pair = [i, i + (pp - 1) * stage]
+            group = dist.new_group(pair)
+            mine = group if rank in pair else mine
+        return mine
+
     @property
     def pp(self) -> DeviceMesh:
         """The pipeline's mesh: this rank and the ranks of the other stages that pass its micro-batches on."""

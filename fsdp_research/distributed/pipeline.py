@@ -15,6 +15,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
+from fsdp_research.distributed.mesh import Mesh
+from fsdp_research.distributed.step_layout import Layout
 from fsdp_research.errors import ConfigError
 
 # Schedule name -> stages a rank holds: 1, or "looped" (parallel.pp_stages_per_rank), or exactly 2 (a V shape).
@@ -64,12 +66,23 @@ def check_split(model: nn.Module, stages: int) -> None:
         raise ConfigError(
             "parallel.pp", f"{stages} stages for {units} layers (the embedding and head counted)", "use fewer stages"
         )
-    if model.get_output_embeddings().weight is model.get_input_embeddings().weight:
-        raise ConfigError(
-            "parallel.pp",
-            "tied input and output embeddings across pipeline stages are not supported yet",
-            "use a model with tie_word_embeddings=false, or parallel.pp=1",
-        )
+
+
+def tied(model: nn.Module) -> bool:
+    """Whether the input and output embeddings are one weight (tie_word_embeddings)."""
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+class HeadPassthrough(nn.Module):
+    """The first stage's head where it is tied to the embedding: the shared weight kept under the head's name (as in
+    the whole model: checkpoints and the loader see both names), the hidden states passed on untouched."""
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
 
 
 def unit_range(stage: int, stages: int, units: int) -> range:
@@ -95,16 +108,19 @@ def split_stage(model: nn.Module, stage: int, stages: int) -> None:
     layers, the embedding after the first stage, the final norm and the head before the last. The forward then
     takes the previous stage's hidden states positionally and returns a tensor."""
     check_split(model, stages)
-    parts = Parts.of(model)
+    parts, shared = Parts.of(model), tied(model)
     layers = getattr(parts.base, parts.layers)
     units = unit_range(stage, stages, len(layers) + 2)
     first, last = 0 in units, len(layers) + 1 in units
     setattr(parts.base, parts.layers, KeptLayers({str(u - 1): layers[u - 1] for u in units if 0 < u <= len(layers)}))
-    if not first:
+    # A tied weight is on the first and the last stage, under both names on each (its gradients summed between
+    # them: Pipeline.sync_tied); the last stage's embedding is never called (its input is inputs_embeds).
+    if not first and not (shared and last):
         setattr(parts.base, parts.embed, None)
     if not last:
         setattr(parts.base, parts.norm, nn.Identity())
-        model.set_output_embeddings(nn.Identity())
+        head = model.get_output_embeddings()
+        model.set_output_embeddings(HeadPassthrough(head.weight) if shared and first else nn.Identity())
     key = "input_ids" if first else "inputs_embeds"
 
     def inputs(module, args, kwargs):
@@ -122,9 +138,22 @@ class Pipeline:
     The loss is the last stage's (its sum over targets weighted as the trainer weights it: the schedule's own
     scaling off); its value and stats go to every stage of the pipeline, so that each rank logs the step's."""
 
-    def __init__(self, model: nn.Module, schedule: str, micro_steps: int, mesh: DeviceMesh, device: torch.device):
+    def __init__(
+        self,
+        model: nn.Module,
+        schedule: str,
+        micro_steps: int,
+        mesh: DeviceMesh,
+        ends: dist.ProcessGroup | None,
+        device: torch.device,
+    ):
+        """`ends`: where the embeddings are tied, this rank's group with its peer on the other end stage (None
+        elsewhere)."""
         self.group, self.ranks, stage = mesh.get_group(), mesh.size(), mesh.get_local_rank()
         self.first, self.last = stage == 0, stage == self.ranks - 1
+        self.ends, self.shared = ends, model.get_input_embeddings().weight if ends is not None else None
+        if self.shared is not None and self.last:  # its gradient counts once in the norm: the first stage's
+            self.shared.counted_elsewhere = True
         self._stage = PipelineStage(model, stage, self.ranks, device, group=self.group)
         self._schedule = get_schedule_class(schedule)(
             self._stage, n_microbatches=micro_steps, loss_fn=self._loss, scale_grads=False
@@ -145,9 +174,21 @@ class Pipeline:
         args = (inputs,) if self.first else ()
         target = {"target": labels, "losses": losses} if self.last else {}
         self._schedule.step(*args, **target, **kwargs)
+        if self.shared is not None:  # the embedding's gradient on the first stage, the head's on the last: the sum
+            dist.all_reduce(self.shared.grad.to_local(), group=self.ends)
         # From the CPU: an object broadcast pickles tensors with their device.
         loss_sum = torch.stack(losses).sum().detach().cpu() if self.last else None
         shared = [(loss_sum, [{k: v.cpu() for k, v in s.items()} for s in self._stats])]
         dist.broadcast_object_list(shared, group=self.group, group_src=self.ranks - 1)
         loss_sum, stats = shared[0]
         return loss_sum.to(inputs.device), [{k: v.to(inputs.device) for k, v in s.items()} for s in stats]
+
+
+def build_pipeline(
+    model: nn.Module, whole: nn.Module, schedule: str, lay: Layout, mesh: Mesh, device: torch.device
+) -> Pipeline | None:
+    """This rank's Pipeline of its stage `model` (parallel.pp > 1; None without); `whole`: the whole model as
+    planned, whose tied embeddings every rank sees (a collective: every rank calls it)."""
+    if lay.pp == 1:
+        return None
+    return Pipeline(model, schedule, lay.micro_steps, mesh.pp, mesh.ends() if tied(whole) else None, device)

@@ -43,11 +43,13 @@ def reduce_squares(squares: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def grad_norm(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(the true global gradient norm over every shard of every rank, the local gradients)."""
-    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    """(the true global gradient norm over every shard of every rank, the local gradients). A parameter marked
+    `counted_elsewhere` (a tied embedding's copy on a pipeline's last stage) is clipped, not counted again."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    grads = [p.grad for p in params]
     if grads and isinstance(grads[0], DTensor):
-        squares, local = local_squares(grads)
-        return reduce_squares(squares, widest_mesh(grads)).sqrt(), local
+        squares, _ = local_squares([p.grad for p in params if not getattr(p, "counted_elsewhere", False)])
+        return reduce_squares(squares, widest_mesh(grads)).sqrt(), [g.to_local() for g in grads]
     return torch.nn.utils.get_total_norm(grads), grads
 
 

@@ -23,7 +23,7 @@ from fsdp_research.config.schema import Strategy, typed
 from fsdp_research.data.pipeline import Data, Prefetcher, packed
 from fsdp_research.distributed.context_parallel import split_of
 from fsdp_research.distributed.mesh import Mesh, degrees
-from fsdp_research.distributed.pipeline import Pipeline
+from fsdp_research.distributed.pipeline import Pipeline, build_pipeline
 from fsdp_research.distributed.precision import LossScaler, autocast
 from fsdp_research.distributed.processes import broadcast_object, device_for, init_distributed, launch_env, on_rank0
 from fsdp_research.distributed.sharding import ShardingPlan
@@ -142,7 +142,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     mesh = Mesh(degrees(cfg, world), device.type)
     model = shard_model(model, plan, cfg, device, mesh)
     lay = layout(cfg, world)
-    pipeline = Pipeline(model, cfg.parallel.pp_schedule, lay.micro_steps, mesh.pp, device) if lay.pp > 1 else None
+    pipeline = build_pipeline(model, whole[0], cfg.parallel.pp_schedule, lay, mesh, device)
     check_built(cfg, model, device)
     note_dropout(model)
     optimizer, scheduler = build_optimizer(model, cfg, plan.blocks)

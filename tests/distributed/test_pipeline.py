@@ -1,7 +1,8 @@
 """Pipeline parallel (parallel.pp) against the single-process reference built from what we did not write
 (tests/helpers/reference.py: transformers' from_pretrained of the same initial weights, torch.optim.AdamW): the same
 per-step losses and gradient norms, and the final checkpoint's weights (every stage's, read back by torch's DCP
-reader), with pp=2 by 1F1B and GPipe on 2 ranks and pp=2 x dp_shard=2 on 4, for llama and qwen2 (q/k/v biases). A
+reader), with pp=2 by 1F1B and GPipe on 2 ranks and pp=2 x dp_shard=2 on 4, for llama and qwen2 (q/k/v biases), and
+qwen2 with tied embeddings (one weight on the first and last stage). A
 pp=2 checkpoint resumes at pp=1 and exports (`fsdp-research export`) as the reference's weights; the mesh and the whole
 model are printed; packed documents stay apart on every stage; what is not supported yet is one line before any
 compute."""
@@ -32,10 +33,11 @@ RUNS = {
 # Packed documents (their masks and positions recomputed on each stage from the position ids it is given), against
 # the 1-rank run with the same; activation checkpointing within a stage, against the reference.
 KNOBS = {
-    1: {"docmask": ["data.document_masking=true"]},
+    1: {"docmask": ["data.document_masking=true"], "init": ["model.load_weights=false"]},
     2: {
         "pp2+docmask": ["parallel.pp=2", "data.document_masking=true"],
         "pp2+ac": ["parallel.pp=2", "activation_checkpointing=every_block"],
+        "pp2+init": ["parallel.pp=2", "model.load_weights=false"],
     },
 }
 
@@ -66,6 +68,40 @@ def test_losses_norms_and_weights_match_the_single_process_reference(results, fa
         torch.testing.assert_close(saved[key], ref, rtol=1e-4, atol=2e-5, msg=lambda m: f"{key}: {m}")
 
 
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory):
+    """qwen2 with tie_word_embeddings (as Qwen2.5's small models): the reference, and pp=2 on 2 ranks."""
+    from fsdp_research.jobs.compose import compose
+    from tests.helpers.dist import train_distributed
+    from tests.helpers.parallel import loading
+    from tests.helpers.reference import reference_run, save_initial
+    from tests.helpers.zoo import hf_config
+
+    out = tmp_path_factory.mktemp("tied")
+    initial = save_initial(hf_config("qwen2", tie_word_embeddings=True), str(out / "initial"))
+    base, norms = loading(PP, initial), []
+    runs = train_distributed({"pp2": compose(base + ["parallel.pp=2"])}, 2, str(out))  # first: it builds the store
+    losses, weights = reference_run(compose(base), initial, norms=norms)
+    return out, (losses, weights, norms), ok(runs, "pp2")
+
+
+def test_tied_embeddings_are_one_weight_across_the_end_stages(tied, tmp_path):
+    """The embedding on the first stage and the head on the last hold one weight: its gradient summed between them,
+    counted once in the norm; losses, norms and the exported weights (one tensor, as save_pretrained writes a tied
+    model) as the reference's."""
+    from fsdp_research.cli.export import main as export
+    from fsdp_research.metrics.sinks import read_records
+
+    out, (losses, weights, norms), run = tied
+    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+    logged = [r["grad_norm"] for r in read_records(str(out / "pp2")) if "grad_norm" in r]
+    torch.testing.assert_close(torch.tensor(logged), torch.tensor(norms), rtol=1e-5, atol=0)
+    saved = load_checkpoint_weights(str(out / "pp2" / "checkpoints" / "step_4"))
+    assert torch.equal(saved["model.embed_tokens.weight"], saved["lm_head.weight"])
+    assert export([str(out / "pp2"), str(tmp_path / "hf")]) == 0
+    assert_export_matches(tmp_path / "hf", weights)
+
+
 def test_packed_documents_are_kept_apart_on_every_stage(results):
     _, _, runs, _ = results
     staged, whole = ok(runs, "llama/pp2+docmask")["losses"], ok(runs, "llama/docmask")["losses"]
@@ -80,6 +116,12 @@ def test_the_checkpoint_exports_every_stage_as_hugging_face(results, tmp_path):
     out, _, _, references = results
     assert export([str(out / "w4" / "llama" / "pp2xdp2"), str(tmp_path / "hf")]) == 0
     assert_export_matches(tmp_path / "hf", references["llama"][1])
+
+
+def test_a_stage_is_initialised_as_the_whole_model(results):
+    """From the config alone (model.load_weights=false): each stage's weights as the whole model's on 1 rank."""
+    _, _, runs, _ = results
+    assert ok(runs, "llama/pp2+init")["losses"] == pytest.approx(ok(runs, "llama/init")["losses"], rel=1e-5)
 
 
 def test_a_pp_checkpoint_resumes_at_pp_1(results, tmp_path):
@@ -123,7 +165,6 @@ def test_the_mesh_and_the_whole_model_are_printed_at_start(results):
             ["parallel.pp=8", "trainer.global_batch_size=16", "trainer.micro_batch_size=1"],
             "parallel.pp: 8 stages for",
         ),
-        (2, ["parallel.pp=2", "model.config.tie_word_embeddings=true"], "tied input and output embeddings"),
         (2, ["parallel.pp=2", "model=custom", "model.model_type=gemma"], "gemma is not split-tested"),
         (2, ["parallel.pp=2", "callbacks=ema"], "callbacks: callbacks with pipeline parallel are not supported yet"),
     ],
