@@ -131,6 +131,7 @@ def split_stage(model: nn.Module, stage: int, stages: int) -> None:
 
 
 LossOf = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+SumsOf = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class Pipeline:
@@ -154,10 +155,12 @@ class Pipeline:
         self.ends, self.shared = ends, model.get_input_embeddings().weight if ends is not None else None
         if self.shared is not None and self.last:  # its gradient counts once in the norm: the first stage's
             self.shared.counted_elsewhere = True
+        self.micro_steps = micro_steps
         self._stage = PipelineStage(model, stage, self.ranks, device, group=self.group)
         self._schedule = get_schedule_class(schedule)(
             self._stage, n_microbatches=micro_steps, loss_fn=self._loss, scale_grads=False
         )
+        model.pipeline = self  # what eval finds of it (pipeline_of)
         self._loss_of: LossOf | None = None
         self._stats: list[dict[str, torch.Tensor]] = []
 
@@ -173,7 +176,8 @@ class Pipeline:
         self._loss_of, self._stats, losses = loss_of, [], []
         args = (inputs,) if self.first else ()
         target = {"target": labels, "losses": losses} if self.last else {}
-        self._schedule.step(*args, **target, **kwargs)
+        # The last stage's logits are not kept: return_outputs off.
+        self._schedule.step(*args, **target, **kwargs, return_outputs=False)
         if self.shared is not None:  # the embedding's gradient on the first stage, the head's on the last: the sum
             dist.all_reduce(self.shared.grad.to_local(), group=self.ends)
         # From the CPU: an object broadcast pickles tensors with their device.
@@ -182,6 +186,20 @@ class Pipeline:
         dist.broadcast_object_list(shared, group=self.group, group_src=self.ranks - 1)
         loss_sum, stats = shared[0]
         return loss_sum.to(inputs.device), [{k: v.to(inputs.device) for k, v in s.items()} for s in stats]
+
+    @torch.no_grad()
+    def sums(self, inputs: torch.Tensor, labels: torch.Tensor, kwargs: dict, of: SumsOf, k: int) -> torch.Tensor:
+        """Forwards alone (eval) of a batch of micro_steps micro-batches through every stage: of(logits, labels),
+        [samples, k], each micro-batch's on the last stage, float64 on every stage of the pipeline."""
+        self._loss_of, losses = (lambda logits, labels: (of(logits, labels), {})), []
+        args = (inputs,) if self.first else ()
+        target = {"target": labels, "losses": losses} if self.last else {}
+        self._schedule.eval(*args, **target, **kwargs, return_outputs=False)
+        out = torch.empty(len(inputs), k, dtype=torch.float64, device=inputs.device)
+        if self.last:
+            out.copy_(torch.cat(losses))
+        dist.broadcast(out, group=self.group, group_src=self.ranks - 1)
+        return out
 
 
 def build_pipeline(
@@ -192,3 +210,8 @@ def build_pipeline(
     if lay.pp == 1:
         return None
     return Pipeline(model, schedule, lay.micro_steps, mesh.pp, mesh.ends() if tied(whole) else None, device)
+
+
+def pipeline_of(model: nn.Module) -> Pipeline | None:
+    """The stage's Pipeline, None without pipeline parallel."""
+    return getattr(model, "pipeline", None)

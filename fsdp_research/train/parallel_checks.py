@@ -124,10 +124,10 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
         ("precision", cfg.precision.loss_scaling, "fp16's loss scaling with pipeline parallel is not supported yet"),
     ]
     _refuse(refused, "use parallel.pp=1")
-    # Eval (and the samples taken at it) run the whole model's forward on every rank.
-    if cfg.trainer.eval_interval > 0:
+    # Samples generate token by token through the whole model.
+    if cfg.trainer.sample_prompts:
         raise ConfigError(
-            "trainer.eval_interval", "eval through the pipeline is not supported yet", "use trainer.eval_interval=0"
+            "trainer.sample_prompts", "samples through the pipeline are not supported yet", "leave it unset"
         )
     if cfg.checkpoint.export:
         raise ConfigError(

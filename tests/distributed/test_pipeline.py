@@ -26,16 +26,23 @@ FAMILIES = ("llama", "qwen2")
 # The run's own export is refused with pp: the weights are the final checkpoint's.
 PP = [*BASE, "checkpoint.export=false"]
 RUNS = {
-    2: {"pp2": ["parallel.pp=2"], "pp2-gpipe": ["parallel.pp=2", "parallel.pp_schedule=GPipe"]},
+    2: {
+        "pp2": ["parallel.pp=2", "trainer.eval_interval=2"],
+        "pp2-gpipe": ["parallel.pp=2", "parallel.pp_schedule=GPipe"],
+    },
     # One sample a micro-batch: each pipeline's 2 samples of the step are 2 micro-batches, one per stage.
     4: {"pp2xdp2": ["parallel.pp=2", "trainer.micro_batch_size=1"]},
 }
 # Packed documents (their masks and positions recomputed on each stage from the position ids it is given), against
 # the 1-rank run with the same; activation checkpointing within a stage, against the reference.
 KNOBS = {
-    1: {"docmask": ["data.document_masking=true"], "init": ["model.load_weights=false"]},
+    1: {
+        "docmask": ["data.document_masking=true", "trainer.eval_interval=2"],
+        "init": ["model.load_weights=false"],
+        "eval": ["trainer.eval_interval=2"],
+    },
     2: {
-        "pp2+docmask": ["parallel.pp=2", "data.document_masking=true"],
+        "pp2+docmask": ["parallel.pp=2", "data.document_masking=true", "trainer.eval_interval=2"],
         "pp2+ac": ["parallel.pp=2", "activation_checkpointing=every_block"],
         "pp2+init": ["parallel.pp=2", "model.load_weights=false"],
     },
@@ -118,6 +125,25 @@ def test_the_checkpoint_exports_every_stage_as_hugging_face(results, tmp_path):
     assert_export_matches(tmp_path / "hf", references["llama"][1])
 
 
+def _evals(out, world: int, family: str, name: str) -> dict[int, float]:
+    from fsdp_research.metrics.sinks import read_records
+
+    return {r["step"]: r["eval_loss"] for r in read_records(str(out / f"w{world}" / family / name)) if "eval_loss" in r}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eval_through_the_pipeline_is_the_1_rank_eval(results, family):
+    """The held-out loss through the stages (micro_steps micro-batches at a time, padded with samples weighted 0), of
+    windows and of packed documents, as 1 rank evaluates it."""
+    out, *_ = results
+    staged = _evals(out, 2, family, "pp2")
+    assert list(staged) == [2, 4]
+    if family == "llama":
+        assert staged == pytest.approx(_evals(out, 1, "llama", "eval"), rel=1e-5)
+        packed = _evals(out, 2, "llama", "pp2+docmask")
+        assert list(packed) == [2, 4] and packed == pytest.approx(_evals(out, 1, "llama", "docmask"), rel=1e-5)
+
+
 def test_a_stage_is_initialised_as_the_whole_model(results):
     """From the config alone (model.load_weights=false): each stage's weights as the whole model's on 1 rank."""
     _, _, runs, _ = results
@@ -149,7 +175,11 @@ def test_the_mesh_and_the_whole_model_are_printed_at_start(results):
             ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
             "Interleaved1F1B (several stages a rank) is not supported yet",
         ),
-        (2, ["parallel.pp=2", "trainer.eval_interval=2"], "trainer.eval_interval: eval through the pipeline"),
+        (
+            2,
+            ["parallel.pp=2", "trainer.eval_interval=2", "trainer.sample_prompts=[hello]"],
+            "trainer.sample_prompts: samples through the pipeline",
+        ),
         (
             2,
             ["parallel.pp=2", "checkpoint.export=true"],
