@@ -33,6 +33,7 @@ from fsdp_research.config.sizes import export_shard_size
 from fsdp_research.data.chat import PROMPTS, chat_tokenizer, prompt_rendering
 from fsdp_research.data.tokenizer import load_tokenizer
 from fsdp_research.distributed.names import clean_name
+from fsdp_research.distributed.pipeline import pipeline_of
 from fsdp_research.distributed.precision import fp32_names, parse_dtype
 from fsdp_research.distributed.processes import control_group
 from fsdp_research.errors import CheckpointError
@@ -153,19 +154,19 @@ def _groups(model: torch.nn.Module, names: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def _gather_to(value: torch.Tensor, owner: int) -> torch.Tensor | None:
-    """The full tensor on rank `owner`, None on the others (a collective). FSDP's layout (rows cut as torch.chunk
-    cuts them, over every rank) goes to the owner alone, each rank sending its rows, padded to a chunk; so do other
-    layouts where each rank holds a block of rows (FSDP's rows of tp's or ep's); any other (HSDP's replicas) is
-    gathered by every rank."""
+def _gather_to(value: torch.Tensor, owner: int, ranks: list[int], group=None) -> torch.Tensor | None:
+    """The full tensor on rank `owner`, None on the other `ranks` (those holding the model: every rank, or a pipeline
+    stage's, `group`; a collective of theirs). FSDP's layout (rows cut as torch.chunk cuts them, over every rank)
+    goes to the owner alone, each rank sending its rows, padded to a chunk; so do other layouts where each rank holds
+    a block of rows (FSDP's rows of tp's or ep's); any other (HSDP's replicas) is gathered by every rank."""
     if not isinstance(value, DTensor):
         return value if dist.get_rank() == owner else None
-    mesh, world = value.device_mesh, dist.get_world_size()
+    mesh, world = value.device_mesh, len(ranks)
     if value.dim() == 0 or value.shape[0] == 0 or mesh.size() != world:
         return _everywhere(value, owner)
-    in_order = mesh.mesh.tolist() == list(range(world))  # the mesh's coordinate i is rank i: alike on every rank
+    in_order = mesh.mesh.flatten().tolist() == ranks  # the mesh's coordinate i is ranks[i]: alike on every rank
     if not (in_order and value.placements == (Shard(0),)):
-        return _blocks_to(value, owner) if all(_rows(p) for p in value.placements) else _everywhere(value, owner)
+        return _blocks_to(value, owner, group) if all(_rows(p) for p in value.placements) else _everywhere(value, owner)
     rows = value.shape[0]
     chunk = -(-rows // world)
     local = value.to_local()
@@ -195,21 +196,22 @@ def _everywhere(value: DTensor, owner: int) -> torch.Tensor | None:
     return full if dist.get_rank() == owner else None
 
 
-def _blocks_to(value: DTensor, owner: int) -> torch.Tensor | None:
-    """Each rank's block of rows (where it starts: its shard's global offset) to the owner, padded to the largest."""
+def _blocks_to(value: DTensor, owner: int, group=None) -> torch.Tensor | None:
+    """Each rank's block of rows (where it starts: its shard's global offset) to the owner, padded to the largest
+    (among `group`'s ranks, by default every rank)."""
     local, device = value.to_local(), _device(value.device_mesh)
     _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
     span = torch.tensor([offset[0], local.shape[0]], device=device)
-    spans = [torch.empty_like(span) for _ in range(dist.get_world_size())]
-    dist.all_gather(spans, span)
+    spans = [torch.empty_like(span) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(spans, span, group=group)
     spans = [tuple(s.tolist()) for s in spans]
     padded = torch.zeros((max(rows for _, rows in spans), *value.shape[1:]), dtype=local.dtype, device=device)
     padded[: local.shape[0]] = local
     if dist.get_rank() != owner:
-        dist.gather(padded, None, dst=owner)
+        dist.gather(padded, None, dst=owner, group=group)
         return None
     received = [torch.empty_like(padded) for _ in spans]
-    dist.gather(padded, received, dst=owner)
+    dist.gather(padded, received, dst=owner, group=group)
     full = padded.new_empty(value.shape)
     for (first, rows), part in zip(spans, received):
         full[first : first + rows] = part[:rows]
@@ -221,21 +223,29 @@ def write_parts(
 ) -> None:
     """This rank's part of an export (a collective, every rank calls it): group i of the model's weights (or their
     `replaced` values) is gathered to rank i % world, which writes it into parts/<i>/, one round of world groups at
-    a time."""
+    a time. A pipeline stage's ranks do so among themselves, into parts/<stage>-<i>/; a tied weight, from the first
+    stage alone."""
     inner = getattr(model, "module", model)
     state = {k: (replaced or {}).get(clean_name(k), v) for k, v in get_model_state_dict(inner).items()}
-    rank, world = dist.get_rank(), dist.get_world_size()
+    pipeline, group, prefix = pipeline_of(inner), None, ""
+    if pipeline is not None:
+        group, prefix = pipeline.stage_group, f"{pipeline.stage:03d}-"
+        if pipeline.last and pipeline.shared is not None:
+            names = {clean_name(n) for n, p in inner.named_parameters(remove_duplicate=False) if p is pipeline.shared}
+            state = {k: v for k, v in state.items() if clean_name(k) not in names}
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     write = _hf_writer(hf_config, dtype, shard_size) if hf_config is not None else _state_writer(dtype, shard_size)
     groups = _groups(inner, list(state))
     for first in range(0, len(groups), world):
         mine: dict[str, torch.Tensor] = {}
         for i in range(first, min(first + world, len(groups))):
             for name in groups[i]:  # every rank takes part in each gather; the group's owner gets the tensor
-                full = _gather_to(state[name], i % world)
+                full = _gather_to(state[name], ranks[i % world], ranks, group)
                 if full is not None:
                     mine[name] = full.detach().cpu()
         if mine:
-            write(mine, os.path.join(parts, f"{first + rank:06d}"))
+            write(mine, os.path.join(parts, f"{prefix}{first + rank:06d}"))
         del mine
 
 

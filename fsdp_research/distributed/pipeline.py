@@ -145,12 +145,14 @@ class Pipeline:
         schedule: str,
         micro_steps: int,
         mesh: DeviceMesh,
+        stage_group: dist.ProcessGroup,
         ends: dist.ProcessGroup | None,
         device: torch.device,
     ):
-        """`ends`: where the embeddings are tied, this rank's group with its peer on the other end stage (None
-        elsewhere)."""
+        """`mesh`: the pipeline's (pp); `stage_group`: the ranks of this rank's stage; `ends`: where the embeddings
+        are tied, this rank's group with its peer on the other end stage (None elsewhere)."""
         self.group, self.ranks, stage = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        self.stage, self.stage_group = stage, stage_group
         self.first, self.last = stage == 0, stage == self.ranks - 1
         self.ends, self.shared = ends, model.get_input_embeddings().weight if ends is not None else None
         if self.shared is not None and self.last:  # its gradient counts once in the norm: the first stage's
@@ -209,7 +211,8 @@ def build_pipeline(
     planned, whose tied embeddings every rank sees (a collective: every rank calls it)."""
     if lay.pp == 1:
         return None
-    return Pipeline(model, schedule, lay.micro_steps, mesh.pp, mesh.ends() if tied(whole) else None, device)
+    ends = mesh.ends() if tied(whole) else None
+    return Pipeline(model, schedule, lay.micro_steps, mesh.pp, mesh.stage_group, ends, device)
 
 
 def pipeline_of(model: nn.Module) -> Pipeline | None:

@@ -129,12 +129,6 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
         raise ConfigError(
             "trainer.sample_prompts", "samples through the pipeline are not supported yet", "leave it unset"
         )
-    if cfg.checkpoint.export:
-        raise ConfigError(
-            "checkpoint.export",
-            "the run's own export through the pipeline is not supported yet",
-            "use checkpoint.export=false; the checkpoint holds every stage: `fsdp-research export <run dir> <out>`",
-        )
     micro = layout(cfg, world_size).micro_steps
     if 0 < micro < p.pp:  # none: the batch check says why
         raise ConfigError(

@@ -23,8 +23,7 @@ from tests.helpers.parallel import (
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 FAMILIES = ("llama", "qwen2")
-# The run's own export is refused with pp: the weights are the final checkpoint's.
-PP = [*BASE, "checkpoint.export=false"]
+PP = BASE
 RUNS = {
     2: {
         "pp2": ["parallel.pp=2", "trainer.eval_interval=2"],
@@ -73,6 +72,7 @@ def test_losses_norms_and_weights_match_the_single_process_reference(results, fa
     assert saved.keys() == ref_weights.keys()
     for key, ref in ref_weights.items():
         torch.testing.assert_close(saved[key], ref, rtol=1e-4, atol=2e-5, msg=lambda m: f"{key}: {m}")
+    assert_export_matches(run_dir / "export", ref_weights)  # each stage's tensors written by its own ranks
 
 
 @pytest.fixture(scope="module")
@@ -107,6 +107,7 @@ def test_tied_embeddings_are_one_weight_across_the_end_stages(tied, tmp_path):
     assert torch.equal(saved["model.embed_tokens.weight"], saved["lm_head.weight"])
     assert export([str(out / "pp2"), str(tmp_path / "hf")]) == 0
     assert_export_matches(tmp_path / "hf", weights)
+    assert_export_matches(out / "pp2" / "export", weights)  # the run's own: the tied weight from the first stage
 
 
 def test_packed_documents_are_kept_apart_on_every_stage(results):
@@ -116,8 +117,7 @@ def test_packed_documents_are_kept_apart_on_every_stage(results):
 
 
 def test_the_checkpoint_exports_every_stage_as_hugging_face(results, tmp_path):
-    """`fsdp-research export <run dir> <out>` (the run's own export is refused with pp): from_pretrained reads the
-    reference's weights back."""
+    """`fsdp-research export <run dir> <out>` of a pp checkpoint: from_pretrained reads the reference's weights back."""
     from fsdp_research.cli.export import main as export
 
     out, _, _, references = results
@@ -179,11 +179,6 @@ def test_the_mesh_and_the_whole_model_are_printed_at_start(results):
             2,
             ["parallel.pp=2", "trainer.eval_interval=2", "trainer.sample_prompts=[hello]"],
             "trainer.sample_prompts: samples through the pipeline",
-        ),
-        (
-            2,
-            ["parallel.pp=2", "checkpoint.export=true"],
-            "checkpoint.export: the run's own export through the pipeline",
         ),
         (
             2,
