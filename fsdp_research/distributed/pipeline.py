@@ -29,6 +29,9 @@ SCHEDULES = {
     "ZBVZeroBubble": 2,
     "DualPipeV": 2,
 }
+# Their weight-gradient pass (torch's stage_backward_weight) reads each stage's own parameters: several stages on a
+# rank are views of one module here (StageView), which has them all.
+ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # Families whose forward is split-tested (tests/distributed/test_pipeline.py): the base model does nothing to
 # inputs_embeds before its layers and the causal LM nothing to the head's output (Gemma scales the embeddings, its
 # second version caps the logits: a stage in between would be changed by them).
@@ -91,43 +94,100 @@ def unit_range(stage: int, stages: int, units: int) -> range:
 
 
 class KeptLayers(nn.ModuleDict):
-    """A stage's decoder layers under their indices in the whole model, iterated and sliced as the family's forward
-    does its nn.ModuleList (`self.layers[: n]`)."""
+    """A rank's decoder layers under their indices in the whole model, iterated and sliced as the family's forward
+    does its nn.ModuleList (`self.layers[: n]`): those of the stage running (`active`), by default all."""
+
+    active: list[str] | None = None
+
+    def _running(self) -> list[nn.Module]:
+        return [self[k] for k in self.active] if self.active is not None else list(self.values())
 
     def __iter__(self):
-        return iter(self.values())
+        return iter(self._running())
 
     def __getitem__(self, key):
         if isinstance(key, slice):
-            return list(self.values())[key]
+            return self._running()[key]
         return super().__getitem__(str(key))
 
 
-def split_stage(model: nn.Module, stage: int, stages: int) -> None:
-    """Take out of `model` (on the meta device, before anything else is applied) what other stages hold: their
-    layers, the embedding after the first stage, the final norm and the head before the last. The forward then
-    takes the previous stage's hidden states positionally and returns a tensor."""
+@dataclass(frozen=True)
+class Role:
+    """What one stage runs of the rank's model: its layers (by whole-model index), whether it embeds the input ids
+    (the first stage) and applies the final norm and head (the last)."""
+
+    layers: list[str]
+    first: bool
+    last: bool
+
+
+def stages_of(pp_rank: int, parallel) -> tuple[list[int], int]:
+    """(the stages the pipeline's rank pp_rank holds, the stages) of the parallel section: one; a loop (r, r + pp,
+    ...: parallel.pp_stages_per_rank); a V (r and 2 pp - 1 - r)."""
+    pp, per_rank = parallel.pp, 2 if SCHEDULES[parallel.pp_schedule] == 2 else parallel.pp_stages_per_rank
+    if SCHEDULES[parallel.pp_schedule] == 2:
+        return [pp_rank, 2 * pp - 1 - pp_rank], 2 * pp
+    return [pp_rank + i * pp for i in range(per_rank)], pp * per_rank
+
+
+def _passing(module: nn.Module, on: bool) -> None:
+    """The module's forward as the identity (`on`), or its own again."""
+    if on:
+        module.forward = lambda hidden, *args, **kwargs: hidden
+    else:
+        module.__dict__.pop("forward", None)
+
+
+def split_stages(model: nn.Module, held: list[int], stages: int) -> None:
+    """Take out of `model` (on the meta device, before anything else is applied) what other ranks' stages hold:
+    their layers, the embedding where no held stage is the first, the final norm and the head where none is the
+    last. The forward then takes the previous stage's hidden states positionally and returns a tensor; with several
+    stages on the rank, the keyword argument pp_stage says which one runs (StageView)."""
     check_split(model, stages)
     parts, shared = Parts.of(model), tied(model)
     layers = getattr(parts.base, parts.layers)
-    units = unit_range(stage, stages, len(layers) + 2)
-    first, last = 0 in units, len(layers) + 1 in units
-    setattr(parts.base, parts.layers, KeptLayers({str(u - 1): layers[u - 1] for u in units if 0 < u <= len(layers)}))
+    n = len(layers)
+    roles = {}
+    for stage in held:
+        units = unit_range(stage, stages, n + 2)
+        roles[stage] = Role([str(u - 1) for u in units if 0 < u <= n], 0 in units, n + 1 in units)
+    first, last = any(r.first for r in roles.values()), any(r.last for r in roles.values())
+    kept = KeptLayers({k: layers[int(k)] for k in sorted({k for r in roles.values() for k in r.layers}, key=int)})
+    setattr(parts.base, parts.layers, kept)
     # A tied weight is on the first and the last stage, under both names on each (its gradients summed between
-    # them: Pipeline.sync_tied); the last stage's embedding is never called (its input is inputs_embeds).
+    # them: Pipeline.run); the last stage's embedding is never called (its input is inputs_embeds).
     if not first and not (shared and last):
         setattr(parts.base, parts.embed, None)
     if not last:
         setattr(parts.base, parts.norm, nn.Identity())
         head = model.get_output_embeddings()
         model.set_output_embeddings(HeadPassthrough(head.weight) if shared and first else nn.Identity())
-    key = "input_ids" if first else "inputs_embeds"
+    norm, head = getattr(parts.base, parts.norm), model.get_output_embeddings()
 
     def inputs(module, args, kwargs):
-        return (), {**kwargs, key: args[0]} if args else kwargs
+        kwargs = dict(kwargs)
+        role = roles[kwargs.pop("pp_stage", held[0])]
+        kept.active = role.layers
+        if last:  # a stage before the last on the rank that holds the last: its norm and head pass through
+            _passing(norm, not role.last)
+            _passing(head, not role.last)
+        return (), {**kwargs, "input_ids" if role.first else "inputs_embeds": args[0]} if args else kwargs
 
     model.register_forward_pre_hook(inputs, with_kwargs=True)
     model.register_forward_hook(lambda module, args, out: out.logits)
+
+
+class StageView(nn.Module):
+    """One of a rank's stages, for torch's PipelineStage: the rank's model (not a submodule of the view: the
+    parameters stay the model's alone) run as that stage."""
+
+    def __init__(self, model: nn.Module, stage: int):
+        super().__init__()
+        object.__setattr__(self, "model", model)
+        self.stage = stage
+
+    def forward(self, *args, **kwargs):
+        return self.model(*args, pp_stage=self.stage, **kwargs)
 
 
 LossOf = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -142,25 +202,35 @@ class Pipeline:
     def __init__(
         self,
         model: nn.Module,
-        schedule: str,
+        parallel,
         micro_steps: int,
         mesh: DeviceMesh,
         stage_group: dist.ProcessGroup,
         ends: dist.ProcessGroup | None,
         device: torch.device,
     ):
-        """`mesh`: the pipeline's (pp); `stage_group`: the ranks of this rank's stage; `ends`: where the embeddings
-        are tied, this rank's group with its peer on the other end stage (None elsewhere)."""
-        self.group, self.ranks, stage = mesh.get_group(), mesh.size(), mesh.get_local_rank()
-        self.stage, self.stage_group = stage, stage_group
-        self.first, self.last = stage == 0, stage == self.ranks - 1
+        """`parallel`: the config's section; `mesh`: the pipeline's (pp); `stage_group`: the ranks holding this
+        rank's stages; `ends`: where the embeddings are tied and the first and last stage are on two ranks, this
+        rank's group with its peer on the other (None elsewhere)."""
+        self.group, self.ranks, self.stage = mesh.get_group(), mesh.size(), mesh.get_local_rank()
+        self.stage_group, self.micro_steps = stage_group, micro_steps
+        held, stages = stages_of(self.stage, parallel)
+        self.first, self.last = 0 in held, stages - 1 in held
+        # The rank that holds the last stage (a V puts it on the first rank): it sends the loss and stats.
+        self.src = next(r for r in range(self.ranks) if stages - 1 in stages_of(r, parallel)[0])
         self.ends, self.shared = ends, model.get_input_embeddings().weight if ends is not None else None
         if self.shared is not None and self.last:  # its gradient counts once in the norm: the first stage's
             self.shared.counted_elsewhere = True
-        self.micro_steps = micro_steps
-        self._stage = PipelineStage(model, stage, self.ranks, device, group=self.group)
-        self._schedule = get_schedule_class(schedule)(
-            self._stage, n_microbatches=micro_steps, loss_fn=self._loss, scale_grads=False
+        # One stage: the model itself (an FSDP module: the schedule reduces its gradients after the last
+        # micro-batch); several: a view of it for each.
+        parts = [model] if len(held) == 1 else [StageView(model, i) for i in held]
+        built = [PipelineStage(part, i, stages, device, group=self.group) for part, i in zip(parts, held)]
+        schedule = get_schedule_class(parallel.pp_schedule)
+        self._schedule = schedule(
+            built if SCHEDULES[parallel.pp_schedule] != 1 else built[0],
+            n_microbatches=micro_steps,
+            loss_fn=self._loss,
+            scale_grads=False,
         )
         model.pipeline = self  # what eval finds of it (pipeline_of)
         self._loss_of: LossOf | None = None
@@ -185,7 +255,7 @@ class Pipeline:
         # From the CPU: an object broadcast pickles tensors with their device.
         loss_sum = torch.stack(losses).sum().detach().cpu() if self.last else None
         shared = [(loss_sum, [{k: v.cpu() for k, v in s.items()} for s in self._stats])]
-        dist.broadcast_object_list(shared, group=self.group, group_src=self.ranks - 1)
+        dist.broadcast_object_list(shared, group=self.group, group_src=self.src)
         loss_sum, stats = shared[0]
         return loss_sum.to(inputs.device), [{k: v.to(inputs.device) for k, v in s.items()} for s in stats]
 
@@ -200,19 +270,20 @@ class Pipeline:
         out = torch.empty(len(inputs), k, dtype=torch.float64, device=inputs.device)
         if self.last:
             out.copy_(torch.cat(losses))
-        dist.broadcast(out, group=self.group, group_src=self.ranks - 1)
+        dist.broadcast(out, group=self.group, group_src=self.src)
         return out
 
 
 def build_pipeline(
-    model: nn.Module, whole: nn.Module, schedule: str, lay: Layout, mesh: Mesh, device: torch.device
+    model: nn.Module, whole: nn.Module, parallel, lay: Layout, mesh: Mesh, device: torch.device
 ) -> Pipeline | None:
-    """This rank's Pipeline of its stage `model` (parallel.pp > 1; None without); `whole`: the whole model as
+    """This rank's Pipeline of its stages' `model` (parallel.pp > 1; None without); `whole`: the whole model as
     planned, whose tied embeddings every rank sees (a collective: every rank calls it)."""
     if lay.pp == 1:
         return None
-    ends = mesh.ends() if tied(whole) else None
-    return Pipeline(model, schedule, lay.micro_steps, mesh.pp, mesh.stage_group, ends, device)
+    # A V holds the first and the last stage on one rank: its tied weight is one parameter there.
+    ends = mesh.ends() if tied(whole) and SCHEDULES[parallel.pp_schedule] != 2 else None
+    return Pipeline(model, parallel, lay.micro_steps, mesh.pp, mesh.stage_group, ends, device)
 
 
 def pipeline_of(model: nn.Module) -> Pipeline | None:

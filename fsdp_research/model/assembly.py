@@ -15,7 +15,7 @@ from fsdp_research.distributed.compile import apply_compile
 from fsdp_research.distributed.context_parallel import apply_cp
 from fsdp_research.distributed.expert_parallel import apply_ep, split_experts
 from fsdp_research.distributed.mesh import Mesh, degrees, pipeline_rank
-from fsdp_research.distributed.pipeline import split_stage
+from fsdp_research.distributed.pipeline import split_stages, stages_of
 from fsdp_research.distributed.precision import build_mp_policy, dtypes, kept_in_fp32
 from fsdp_research.distributed.sharding import ShardingPlan, apply_ddp, apply_fsdp, build_plan
 from fsdp_research.distributed.tensor_parallel import apply_tp
@@ -30,7 +30,7 @@ def planned_model(
     cfg: DictConfig, hf_config, values: bool = True, stage: int | None = 0
 ) -> tuple[nn.Module, ShardingPlan]:
     """The model on the meta device (hf_config None: a model of one's own, built by its factory), prepared in the
-    trainer's order (pipeline stage `stage` of parallel.pp, None: the whole; activation checkpointing, compile), and
+    trainer's order (the stages of pipeline rank `stage`, None: the whole; activation checkpointing, compile), and
     its sharding plan: nothing allocated, no process group needed. Raises ConfigError for a block class the model
     does not have (the checks that need the planned model: train.refusals.checked_plan). values=False: shapes only,
     for the planner and the checks (see architecture.build_model)."""
@@ -40,7 +40,7 @@ def planned_model(
         model = build_model(hf_config, cfg.trainer.seed, values)
     block_class = block_class_name(model, cfg.model.block_class)  # of the whole model's list of layers
     if cfg.parallel.pp > 1 and stage is not None:
-        split_stage(model, stage, cfg.parallel.pp)
+        split_stages(model, *stages_of(stage, cfg.parallel))
     if lora_enabled(cfg.model.lora):
         apply_lora(model, cfg.model.lora)
     fp32_modules = kept_in_fp32(model, dtypes(cfg.precision)[0])

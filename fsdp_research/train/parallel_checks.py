@@ -9,7 +9,7 @@ from fsdp_research.config.schema import Strategy
 from fsdp_research.data.pipeline import packed
 from fsdp_research.distributed.context_parallel import check_cp
 from fsdp_research.distributed.expert_parallel import check_ep
-from fsdp_research.distributed.pipeline import SCHEDULES
+from fsdp_research.distributed.pipeline import SCHEDULES, ZERO_BUBBLE
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.distributed.tensor_parallel import check_divisible, sequence_parallel, tp_plan
@@ -103,14 +103,21 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
         )
     if p.pp_schedule not in SCHEDULES:
         raise ConfigError("parallel.pp_schedule", f"{p.pp_schedule!r} is unknown", f"use one of {', '.join(SCHEDULES)}")
-    if SCHEDULES[p.pp_schedule] != 1:
+    if p.pp_schedule in ZERO_BUBBLE:
         raise ConfigError(
             "parallel.pp_schedule",
-            f"{p.pp_schedule} (several stages a rank) is not supported yet",
-            "use parallel.pp_schedule=1F1B or GPipe",
+            f"{p.pp_schedule} is not supported yet (its weight-gradient pass needs each stage a module of its own)",
+            "use 1F1B, GPipe, Interleaved1F1B or LoopedBFS",
+        )
+    looped = SCHEDULES[p.pp_schedule] == "looped"
+    if (p.pp_stages_per_rank < 2) if looped else (p.pp_stages_per_rank != 1):
+        runs = "several stages" if looped else "one stage"
+        raise ConfigError(
+            "parallel.pp_stages_per_rank",
+            f"{p.pp_stages_per_rank} with {p.pp_schedule}, which runs {runs} a rank",
+            "use 2 or more" if looped else "use 1, or parallel.pp_schedule=Interleaved1F1B",
         )
     refused = [
-        ("parallel.pp_stages_per_rank", p.pp_stages_per_rank != 1, "several stages a rank are not supported yet"),
         ("parallel.tp", p.tp > 1, "tensor parallel with pipeline parallel is not supported yet"),
         ("parallel.cp", p.cp > 1, "context parallel with pipeline parallel is not supported yet"),
         ("parallel.ep", p.ep > 1, "expert parallel with pipeline parallel is not supported yet"),
@@ -133,8 +140,15 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
     if 0 < micro < p.pp:  # none: the batch check says why
         raise ConfigError(
             "trainer.micro_batch_size",
-            f"{micro} micro-batches a step are fewer than the pipeline's {p.pp} stages",
+            f"{micro} micro-batches a step are fewer than the pipeline's {p.pp} ranks",
             "use a smaller micro_batch_size or a larger global_batch_size",
+        )
+    rounds = max(1, micro // p.pp)  # torch's Interleaved1F1B runs the micro-batches in rounds of equal size
+    if p.pp_schedule == "Interleaved1F1B" and micro % rounds:
+        raise ConfigError(
+            "trainer.micro_batch_size",
+            f"{micro} micro-batches a step do not divide into Interleaved1F1B's {rounds} rounds",
+            f"use a multiple of {p.pp} micro-batches a step",
         )
 
 

@@ -142,7 +142,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     mesh = Mesh(degrees(cfg, world), device.type)
     model = shard_model(model, plan, cfg, device, mesh)
     lay = layout(cfg, world)
-    pipeline = build_pipeline(model, whole[0], cfg.parallel.pp_schedule, lay, mesh, device)
+    pipeline = build_pipeline(model, whole[0], cfg.parallel, lay, mesh, device)
     check_built(cfg, model, device)
     note_dropout(model)
     optimizer, scheduler = build_optimizer(model, cfg, plan.blocks)

@@ -24,10 +24,13 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 FAMILIES = ("llama", "qwen2")
 PP = BASE
+INTERLEAVED = ["parallel.pp=2", "parallel.pp_stages_per_rank=2", "trainer.micro_batch_size=1"]
 RUNS = {
     2: {
         "pp2": ["parallel.pp=2", "trainer.eval_interval=2"],
         "pp2-gpipe": ["parallel.pp=2", "parallel.pp_schedule=GPipe"],
+        # 2 stages a rank (4 in all: the embedding, each layer, the head), 4 micro-batches in 2 rounds.
+        "pp2-interleaved": [*INTERLEAVED, "parallel.pp_schedule=Interleaved1F1B"],
     },
     # One sample a micro-batch: each pipeline's 2 samples of the step are 2 micro-batches, one per stage.
     4: {"pp2xdp2": ["parallel.pp=2", "trainer.micro_batch_size=1"]},
@@ -44,6 +47,7 @@ KNOBS = {
         "pp2+docmask": ["parallel.pp=2", "data.document_masking=true", "trainer.eval_interval=2"],
         "pp2+ac": ["parallel.pp=2", "activation_checkpointing=every_block"],
         "pp2+init": ["parallel.pp=2", "model.load_weights=false"],
+        "pp2-loopedbfs": [*INTERLEAVED, "parallel.pp_schedule=LoopedBFS"],
     },
 }
 
@@ -53,7 +57,10 @@ def results(tmp_path_factory):
     return trained_with_references(tmp_path_factory.mktemp("pp"), FAMILIES, PP, RUNS, KNOBS, "llama")
 
 
-CASES = [(f, n, w) for w in sorted(RUNS) for f in FAMILIES for n in RUNS[w]] + [("llama", "pp2+ac", 2)]
+CASES = [(f, n, w) for w in sorted(RUNS) for f in FAMILIES for n in RUNS[w]] + [
+    ("llama", "pp2+ac", 2),
+    ("llama", "pp2-loopedbfs", 2),
+]
 
 
 @pytest.mark.parametrize(("family", "name", "world"), CASES)
@@ -172,8 +179,23 @@ def test_the_mesh_and_the_whole_model_are_printed_at_start(results):
         (2, ["parallel.pp=2", "parallel.pp_schedule=Zigzag"], "parallel.pp_schedule: 'Zigzag' is unknown"),
         (
             2,
+            ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"],
+            "parallel.pp_schedule: ZBVZeroBubble is not supported",
+        ),
+        (
+            2,
             ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
-            "Interleaved1F1B (several stages a rank) is not supported yet",
+            "parallel.pp_stages_per_rank: 1 with Interleaved1F1B",
+        ),
+        (
+            2,
+            ["parallel.pp=2", "parallel.pp_stages_per_rank=2"],
+            "parallel.pp_stages_per_rank: 2 with 1F1B, which runs one",
+        ),
+        (
+            2,
+            [*INTERLEAVED, "parallel.pp_schedule=Interleaved1F1B", "trainer.global_batch_size=5"],
+            "5 micro-batches a step do not divide into Interleaved1F1B's 2 rounds",
         ),
         (
             2,
@@ -183,7 +205,7 @@ def test_the_mesh_and_the_whole_model_are_printed_at_start(results):
         (
             2,
             ["parallel.pp=2", "trainer.global_batch_size=2", "trainer.micro_batch_size=2"],
-            "1 micro-batches a step are fewer than the pipeline's 2",
+            "1 micro-batches a step are fewer than the pipeline's 2 ranks",
         ),
         (
             8,
