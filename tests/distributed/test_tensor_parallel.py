@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fsdp_research.distributed.mesh import Mesh, degrees
 from fsdp_research.jobs.compose import compose
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.assembly import apply_parallelism, planned_model
@@ -110,7 +111,7 @@ def _warnings_of_a_step(overrides: list[str]) -> list[str]:
     """The warnings one forward and backward of the model, sharded as the trainer shards it, raise on this rank."""
     cfg = compose([*FAST, *overrides])
     model, plan = planned_model(cfg, build_hf_config(cfg.model))
-    apply_parallelism(model, plan, cfg, "cpu", dist.get_world_size())
+    apply_parallelism(model, plan, cfg, Mesh(degrees(cfg, dist.get_world_size()), "cpu"))
     materialize(model, torch.device("cpu"), torch.device("cpu"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

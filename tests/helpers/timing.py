@@ -16,24 +16,23 @@ from fsdp_research.distributed.processes import init_distributed
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.model.assembly import build_sharded_model
+from fsdp_research.objectives import StepContext
+from fsdp_research.objectives.lm import NextToken
 from fsdp_research.optim import build_optimizer, clip_grad_norm
 from fsdp_research.planner.calibrate import measure_rates
-from fsdp_research.train.losses import build_loss, train_loss
-from fsdp_research.train.schedule import MicroBatches
+from fsdp_research.train.schedule import MicroBatches, StepLoss
 from tests.helpers.dist import run_distributed
 
 
 def train_step(model, optimizer, batches: list[torch.Tensor], cfg) -> None:
     """One step as the trainer takes it: its micro-batches by the trainer's schedule (this rank's chunks of them
     under context parallel, the gradient sync on the last), clip, update."""
-    loss_fn, split = build_loss(cfg.loss), split_of(model)
+    objective, split = NextToken(), split_of(model)
+    objective.setup(cfg)
     schedule = MicroBatches(cfg.trainer.micro_batch_size, len(batches), cfg.trainer.defer_grad_sync)
-
-    def forward(micro: torch.Tensor):
-        return train_loss(model, micro, contextlib.nullcontext(), loss_fn, split=split)
-
+    losses = StepLoss(objective, StepContext(contextlib.nullcontext(), split, None, None), lambda loss: None)
     with split.splitting() if split else contextlib.nullcontext():
-        schedule.run(model, torch.cat(batches), forward, lambda loss: loss.backward())
+        schedule.run(model, torch.cat(batches), losses, lambda loss: loss.backward())
     clip_grad_norm(model, cfg.optim.grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
