@@ -25,7 +25,7 @@ RUNS = {
     "cp2": [*TWO, "parallel.cp=2"],
     "ep2": [*TWO, "parallel.ep=2", "model=pretrained", "model.name_or_path={moe}"],
     "hsdp4": ["precision=fp32", "trainer.max_steps=4", "distributed.nproc_per_node=4", "sharding=hsdp"]
-    + ["sharding.replicate=2"],
+    + ["sharding.replicate=2", "trainer.micro_batch_size=4"],
     "accum": ACCUMULATE,
     "accum_defer": [*ACCUMULATE, "trainer.defer_grad_sync=true"],
     # Packed chat samples: their loss sums weighted by the step's targets over ranks and micro-batches.
