@@ -3,7 +3,7 @@
 # together): the CUDA tests (1-GPU run against the CPU reference, bf16 MFU and the planner's peak against
 # torch.cuda.max_memory_allocated, cpu_offload, compile), the trainer's overhead against a bare fully_shard loop
 # (eager and compiled), our trainer against Accelerate's FSDP2, Muon's step against AdamW's, and llama_1b's MFU in
-# bf16, and tp=2 against tp=1, ep=2 against ep=1 and cp=2 against cp=1 where there are 2 GPUs. Each step has its own time limit (under 8 minutes in all, set-up included; the CUDA tests' limit leaves
+# bf16, and tp=2 against tp=1, ep=2 against ep=1, cp=2 against cp=1 and pp=2 against pp=1 where there are 2 GPUs. Each step has its own time limit (under 8 minutes in all, set-up included; the CUDA tests' limit leaves
 # room for Inductor's cold compile); a failed step does not stop the others. Figures go to stdout and
 # $OUT/gpu_check.log (OUT: the device tool's folder, else outputs/gpu_check).
 # It sets up its own environment, assuming no .venv: a venv over the machine's python3 (which holds CUDA torch and
@@ -76,6 +76,13 @@ if [[ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]]; t
             trainer.micro_batch_size=1 trainer.max_steps=20 trainer.eval_interval=0 trainer.log_interval=5 \
             checkpoint.save=false checkpoint.export=false logger=none distributed.nproc_per_node=2 parallel.cp=$cp \
             hydra.run.dir="$OUT/cp$cp"
+    done
+    # Pipeline parallel (NCCL's send/recv between stages): llama_mid, pp=2 by 1F1B against pp=1 (dp_shard 2).
+    for pp in 1 2; do
+        step 60 "pipeline parallel, pp=$pp on 2 GPUs" "$PY" train.py model=llama_mid precision=bf16 data=synthetic \
+            data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=2 trainer.max_steps=20 \
+            trainer.eval_interval=0 trainer.log_interval=5 checkpoint.save=false checkpoint.export=false logger=none \
+            distributed.nproc_per_node=2 parallel.pp=$pp hydra.run.dir="$OUT/pp$pp"
     done
 else
     echo "== tensor, expert and context parallel: skipped (one GPU; tp=2, ep=2 and cp=2 need two)"
