@@ -61,6 +61,14 @@ def _rng_state() -> bytes:
     return buffer.getvalue()
 
 
+def _written(*args, **kwargs) -> None:
+    """dcp.save on the writer's thread with new threads single-threaded until it ends: the gloo workers its
+    collectives wake run their first parallel copies within it (in the saving thread's window alone, they raced the
+    writer and sometimes took a thread team of two: test_threads' async case, 3 of 5 runs)."""
+    with new_threads_single_threaded():
+        dcp.save(*args, **kwargs)
+
+
 class Checkpointer:
     def __init__(self, cfg: DictConfig, run_dir: str, extra_files: dict[str, str], pinned: bool = True):
         """extra_files: name -> text, written into every checkpoint by rank 0 (configs for offline export).
@@ -127,7 +135,7 @@ class Checkpointer:
                 if self.is_async:
                     staged = (self._pinned or _stager(self._pinning)).stage(state)
                     future = self._writer.submit(
-                        dcp.save, staged, checkpoint_id=tmp, process_group=self._async_group, planner=planner
+                        _written, staged, checkpoint_id=tmp, process_group=self._async_group, planner=planner
                     )
                     future.add_done_callback(lambda done: setattr(done, "written_at", time.perf_counter()))
                     self._pending = (future, step, tmp, started)
