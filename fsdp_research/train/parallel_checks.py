@@ -28,6 +28,9 @@ _TP_STRATEGIES = (
 )
 
 
+_PP_STRATEGIES = (Strategy.blockwise, Strategy.hsdp)
+
+
 def _refuse(refused: list[tuple[str, bool, str]], fix: str) -> None:
     for key, bad, reason in refused:
         if bad:
@@ -117,11 +120,19 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
             f"{p.pp_stages_per_rank} with {p.pp_schedule}, which runs {runs} a rank",
             "use 2 or more" if looped else "use 1, or parallel.pp_schedule=Interleaved1F1B",
         )
+    strategy = Strategy(cfg.sharding.strategy)
     refused = [
-        ("parallel.tp", p.tp > 1, "tensor parallel with pipeline parallel is not supported yet"),
+        # Sequence parallel splits the residual stream at the rank's first block and gathers it at its last: with
+        # several stages a rank, a stage's first block may be neither.
+        (
+            "parallel.sequence_parallel",
+            looped and p.tp > 1 and sequence_parallel(p),
+            f"with {p.pp_schedule}'s several stages a rank is not supported yet",
+        ),
         ("parallel.cp", p.cp > 1, "context parallel with pipeline parallel is not supported yet"),
         ("parallel.ep", p.ep > 1, "expert parallel with pipeline parallel is not supported yet"),
-        ("sharding", Strategy(cfg.sharding.strategy) is Strategy.ddp_classic, "ddp_classic has no pipeline stages"),
+        # What is tested with pp (tests/distributed/test_pipeline.py).
+        ("sharding", strategy not in _PP_STRATEGIES, f"{strategy.value} with pipeline parallel is not supported yet"),
         ("sharding.cpu_offload", cfg.sharding.cpu_offload, "CPU offload with pipeline parallel is not supported yet"),
         ("model.lora", lora_enabled(cfg.model.lora), "LoRA with pipeline parallel is not supported yet"),
         ("trainer.compile", cfg.trainer.compile, "torch.compile with pipeline parallel is not supported yet"),

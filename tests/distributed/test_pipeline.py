@@ -1,11 +1,11 @@
 """Pipeline parallel (parallel.pp) against the single-process reference built from what we did not write
 (tests/helpers/reference.py: transformers' from_pretrained of the same initial weights, torch.optim.AdamW): the same
 per-step losses and gradient norms, and the final checkpoint's weights (every stage's, read back by torch's DCP
-reader), with pp=2 by 1F1B and GPipe on 2 ranks and pp=2 x dp_shard=2 on 4, for llama and qwen2 (q/k/v biases), and
-qwen2 with tied embeddings (one weight on the first and last stage). A
-pp=2 checkpoint resumes at pp=1 and exports (`fsdp-research export`) as the reference's weights; the mesh and the whole
-model are printed; packed documents stay apart on every stage; what is not supported yet is one line before any
-compute."""
+reader), with pp=2 by 1F1B, GPipe and Interleaved1F1B on 2 ranks and pp=2 x dp_shard=2 and pp=2 x tp=2 on 4, for
+llama and qwen2 (q/k/v biases), on llama LoopedBFS, activation checkpointing and hsdp, and qwen2 with tied embeddings
+(one weight on the first and last stage). A pp=2 checkpoint resumes at pp=1 and exports (`fsdp-research export`) as
+the reference's weights; the mesh and the whole model are printed; packed documents stay apart on every stage; what
+is not supported yet is one line before any compute."""
 
 import pytest
 import torch
@@ -33,7 +33,7 @@ RUNS = {
         "pp2-interleaved": [*INTERLEAVED, "parallel.pp_schedule=Interleaved1F1B"],
     },
     # One sample a micro-batch: each pipeline's 2 samples of the step are 2 micro-batches, one per stage.
-    4: {"pp2xdp2": ["parallel.pp=2", "trainer.micro_batch_size=1"]},
+    4: {"pp2xdp2": ["parallel.pp=2", "trainer.micro_batch_size=1"], "pp2xtp2": ["parallel.pp=2", "parallel.tp=2"]},
 }
 # Packed documents (their masks and positions recomputed on each stage from the position ids it is given), against
 # the 1-rank run with the same; activation checkpointing within a stage, against the reference.
@@ -49,6 +49,7 @@ KNOBS = {
         "pp2+init": ["parallel.pp=2", "model.load_weights=false"],
         "pp2-loopedbfs": [*INTERLEAVED, "parallel.pp_schedule=LoopedBFS"],
     },
+    4: {"pp2+hsdp": ["parallel.pp=2", "sharding=hsdp", "sharding.replicate=2", "trainer.micro_batch_size=1"]},
 }
 
 
@@ -177,6 +178,12 @@ def test_the_mesh_and_the_whole_model_are_printed_at_start(results):
     [
         (3, ["parallel.pp=2"], "parallel.pp: 2 does not divide the world size 3"),
         (2, ["parallel.pp=2", "parallel.pp_schedule=Zigzag"], "parallel.pp_schedule: 'Zigzag' is unknown"),
+        (2, ["parallel.pp=2", "sharding=reshard_all"], "sharding: reshard_all with pipeline parallel is not supported"),
+        (
+            4,
+            [*INTERLEAVED, "parallel.pp_schedule=Interleaved1F1B", "parallel.tp=2", "trainer.global_batch_size=8"],
+            "parallel.sequence_parallel: with Interleaved1F1B's several stages a rank",
+        ),
         (
             2,
             ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"],
