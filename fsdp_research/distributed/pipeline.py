@@ -50,9 +50,9 @@ class Parts:
 
     @staticmethod
     def of(model: nn.Module) -> "Parts":
-        config = model.config
+        config = getattr(model, "config", None)
         plan = getattr(config, "base_model_pp_plan", None) or {}
-        family = config.model_type
+        family = getattr(config, "model_type", type(model).__name__)
         if family not in FAMILIES or list(plan) != ["embed_tokens", "layers", "norm"]:
             raise ConfigError(
                 "parallel.pp", f"{family} is not split-tested for pipeline stages", f"use {' or '.join(FAMILIES)}"
@@ -68,6 +68,15 @@ def check_split(model: nn.Module, stages: int) -> None:
     if units < stages:
         raise ConfigError(
             "parallel.pp", f"{stages} stages for {units} layers (the embedding and head counted)", "use fewer stages"
+        )
+    # The family's forward picks each layer's mask by its place in the loop (config.layer_types[i]), which restarts
+    # on every stage.
+    if len(set(getattr(model.config, "layer_types", None) or [])) > 1:
+        raise ConfigError(
+            "parallel.pp",
+            f"layers of several attention types ({', '.join(sorted(set(model.config.layer_types)))}) are not split "
+            "across stages yet",
+            "use parallel.pp=1, or one attention type (e.g. use_sliding_window=false)",
         )
 
 

@@ -140,6 +140,12 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
         # Theirs see a stage's part of the model on each rank (per-layer norms, averages, spike checks).
         ("callbacks", bool(cfg.callbacks), "callbacks with pipeline parallel are not supported yet"),
         ("precision", cfg.precision.loss_scaling, "fp16's loss scaling with pipeline parallel is not supported yet"),
+        # Its checks run collectives within a stage's forward, which the other stages never join.
+        (
+            "trainer.detect_anomaly",
+            cfg.trainer.detect_anomaly,
+            "anomaly checks with pipeline parallel are not supported yet",
+        ),
     ]
     _refuse(refused, "use parallel.pp=1")
     # Samples generate token by token through the whole model.

@@ -5,7 +5,7 @@ draws uninterrupted: there is no generator state that a resume has to map from o
 
 import torch
 
-from fsdp_research.distributed.mesh import data_parallel
+from fsdp_research.distributed.mesh import data_parallel, pipeline_rank
 
 
 def step_seed(seed: int, step: int, dp_rank: int) -> int:
@@ -13,5 +13,7 @@ def step_seed(seed: int, step: int, dp_rank: int) -> int:
 
 
 def seed_step(seed: int, step: int, tp: int, pp: int = 1) -> None:
-    """The generators (CPU and every CUDA device) for `step` on this rank."""
-    torch.manual_seed(step_seed(seed, step, data_parallel(tp, pp=pp)[0]))
+    """The generators (CPU and every CUDA device) for `step` on this rank: a pipeline's stages each their own (their
+    layers' dropout masks not alike), its data-parallel rank's at pp = 1."""
+    rank, ranks = data_parallel(tp, pp=pp)
+    torch.manual_seed(step_seed(seed, step, rank + pipeline_rank(pp) * ranks))

@@ -288,12 +288,13 @@ def check_config(cfg: DictConfig, world_size: int, hf_config, device: torch.devi
     """The whole config, for a launch of world_size ranks on `device` (what needs the model: check_planned)."""
     check_distributed(cfg.distributed)
     check_parallel(cfg, world_size)
-    check_trainer(cfg.trainer, world_size // (cfg.parallel.tp * cfg.parallel.cp))
+    p = cfg.parallel
+    check_trainer(cfg.trainer, world_size // (p.tp * p.cp * p.pp))
     check_model(cfg.model, hf_config)
     check_data(cfg.data, cfg.trainer, hf_config)
     if cfg.data.kind is not DataKind.synthetic:
         check_model_tokenizer(cfg.data.tokenizer, cfg.model)
-    check_sharding(cfg.sharding, world_size // cfg.parallel.tp)
+    check_sharding(cfg.sharding, world_size // (p.tp * p.pp))
     check_offload_backend(cfg.sharding, cfg.distributed.backend)
     backend_for(cfg.distributed.backend, device)
     check_precision(cfg.precision, device)
@@ -339,7 +340,9 @@ def checked_plan(
     check_config(cfg, world_size, hf_config, device)
     stage = pipeline_rank(cfg.parallel.pp) if dist.is_initialized() else 0
     model, plan = planned_model(cfg, hf_config, values, stage)
-    check_planned(cfg, model, plan, hf_config)
+    # Every stage's rank checks the whole model: a check no stage may fail alone (the others would wait for it).
+    whole = (model, plan) if cfg.parallel.pp == 1 else planned_model(cfg, hf_config, False, None)
+    check_planned(cfg, *whole, hf_config)
     return model, plan
 
 

@@ -19,6 +19,7 @@ from tests.helpers.parallel import (
     refused,
     trained_with_references,
 )
+from tests.helpers.zoo import from_config
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -221,6 +222,17 @@ def test_the_mesh_and_the_whole_model_are_printed_at_start(results):
         ),
         (2, ["parallel.pp=2", "model=custom", "model.model_type=gemma"], "gemma is not split-tested"),
         (2, ["parallel.pp=2", "callbacks=ema"], "callbacks: callbacks with pipeline parallel are not supported yet"),
+        (2, ["parallel.pp=2", "trainer.detect_anomaly=true"], "trainer.detect_anomaly: anomaly checks with pipeline"),
+        (
+            2,
+            [
+                "parallel.pp=2",
+                *from_config("qwen2"),
+                "model.config.use_sliding_window=true",
+                "model.config.max_window_layers=1",
+            ],
+            "layers of several attention types (full_attention, sliding_attention) are not split",
+        ),
     ],
 )
 def test_what_pipeline_parallel_does_not_take_is_refused(world, overrides, expected):
