@@ -330,8 +330,12 @@ def test_kto_s_kl_estimate_and_losses_are_the_same_at_1_and_2_ranks(work):
         assert result.returncode == 0, result.stderr[-3000:]
         rows[n] = read_metrics(tmp / f"kto{n}")
     assert rows[1][-1]["loss"] != rows[1][0]["loss"]
-    for key in ("loss", "kl", "rewards/chosen"):
-        assert [r.get(key) for r in rows[2]] == pytest.approx([r.get(key) for r in rows[1]], rel=1e-5, abs=1e-7), key
+    # The kl (~0.01) is a difference of log-probabilities of ~-50, summed in another order at 2 ranks: fp32's
+    # rounding of those (~6e-6) is its tolerance (seen: 1.5e-6 after 3 steps at lr 1e-2), not 1e-5 of its own size.
+    for key, tolerance in (("loss", 1e-7), ("kl", 1e-5), ("rewards/chosen", 1e-7)):
+        assert [r.get(key) for r in rows[2]] == pytest.approx([r.get(key) for r in rows[1]], rel=1e-5, abs=tolerance), (
+            key
+        )
 
 
 # The head trained whole beside the adapters (a copy, which the reference switches off with them); LoRA's dropout
