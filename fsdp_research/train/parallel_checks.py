@@ -153,7 +153,11 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
         raise ConfigError(
             "trainer.sample_prompts", "samples through the pipeline are not supported yet", "leave it unset"
         )
-    micro = layout(cfg, world_size).micro_steps
+    _check_pipeline_micro_batches(p, layout(cfg, world_size).micro_steps)
+
+
+def _check_pipeline_micro_batches(p: DictConfig, micro: int) -> None:
+    """A step's micro-batches per data-parallel rank (`micro`) against the pipeline's ranks and schedule."""
     if 0 < micro < p.pp:  # none: the batch check says why
         raise ConfigError(
             "trainer.micro_batch_size",
