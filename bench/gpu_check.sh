@@ -50,42 +50,32 @@ from fsdp_research.metrics.sinks import step_metrics
 for m in step_metrics(sys.argv[1])[-2:]:
     print({k: m.get(k) for k in ("step", "tokens_per_s", "mfu", "peak_mem_allocated_gib", "peak_mem_reserved_gib")})
 PY
-# Tensor parallel needs a GPU per tp rank (NCCL refuses two ranks on one device): on 2+ GPUs, tp=2 against the
-# same run at tp=1 (the losses must agree), bf16.
+# An axis at 2 against 1 on 2 GPUs (NCCL refuses two ranks of a tp, ep, cp or pp group on one device), bf16, 20
+# steps: pair <axis> <what> <overrides...>; the losses must agree.
+pair() {
+    local axis=$1 what=$2
+    shift 2
+    for n in 1 2; do
+        step 60 "$what, $axis=$n on 2 GPUs" "$PY" train.py "$@" precision=bf16 data=synthetic trainer.max_steps=20 \
+            trainer.eval_interval=0 trainer.log_interval=5 checkpoint.save=false checkpoint.export=false logger=none \
+            distributed.nproc_per_node=2 "parallel.$axis=$n" hydra.run.dir="$OUT/$axis$n"
+    done
+}
 if [[ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]]; then
-    for tp in 1 2; do
-        step 60 "tensor parallel, tp=$tp on 2 GPUs" "$PY" train.py model=llama_mid precision=bf16 data=synthetic \
-            data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=4 trainer.max_steps=20 \
-            trainer.eval_interval=0 trainer.log_interval=5 checkpoint.save=false checkpoint.export=false logger=none \
-            distributed.nproc_per_node=2 parallel.tp=$tp hydra.run.dir="$OUT/tp$tp"
-    done
-    # Expert parallel (NCCL's all-to-all): an MoE of qwen3_moe's shapes at ep=2 against ep=1, the same losses.
-    for ep in 1 2; do
-        step 60 "expert parallel, ep=$ep on 2 GPUs" "$PY" train.py model=custom model.model_type=qwen3_moe \
-            model.config.hidden_size=512 model.config.intermediate_size=1024 model.config.moe_intermediate_size=512 \
-            model.config.num_experts=8 model.config.num_experts_per_tok=2 model.config.num_hidden_layers=4 \
-            model.config.num_attention_heads=8 model.config.num_key_value_heads=8 model.config.vocab_size=8192 \
-            precision=bf16 data=synthetic data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=4 \
-            trainer.max_steps=20 trainer.eval_interval=0 trainer.log_interval=5 checkpoint.save=false \
-            checkpoint.export=false logger=none distributed.nproc_per_node=2 parallel.ep=$ep hydra.run.dir="$OUT/ep$ep"
-    done
-    # Context parallel (NCCL's all-to-all over heads): llama_mid at 8k tokens, cp=2 against dp_shard=2, the peaks.
-    for cp in 1 2; do
-        step 60 "context parallel, cp=$cp on 2 GPUs" "$PY" train.py model=llama_mid precision=bf16 data=synthetic \
-            model.config.max_position_embeddings=8192 data.seq_len=8192 trainer.global_batch_size=2 \
-            trainer.micro_batch_size=1 trainer.max_steps=20 trainer.eval_interval=0 trainer.log_interval=5 \
-            checkpoint.save=false checkpoint.export=false logger=none distributed.nproc_per_node=2 parallel.cp=$cp \
-            hydra.run.dir="$OUT/cp$cp"
-    done
-    # Pipeline parallel (NCCL's send/recv between stages): llama_mid, pp=2 by 1F1B against pp=1 (dp_shard 2).
-    for pp in 1 2; do
-        step 60 "pipeline parallel, pp=$pp on 2 GPUs" "$PY" train.py model=llama_mid precision=bf16 data=synthetic \
-            data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=2 trainer.max_steps=20 \
-            trainer.eval_interval=0 trainer.log_interval=5 checkpoint.save=false checkpoint.export=false logger=none \
-            distributed.nproc_per_node=2 parallel.pp=$pp hydra.run.dir="$OUT/pp$pp"
-    done
+    pair tp "tensor parallel" model=llama_mid data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=4
+    # Expert parallel (NCCL's all-to-all): an MoE of qwen3_moe's shapes.
+    pair ep "expert parallel" model=custom model.model_type=qwen3_moe model.config.hidden_size=512 \
+        model.config.intermediate_size=1024 model.config.moe_intermediate_size=512 model.config.num_experts=8 \
+        model.config.num_experts_per_tok=2 model.config.num_hidden_layers=4 model.config.num_attention_heads=8 \
+        model.config.num_key_value_heads=8 model.config.vocab_size=8192 data.seq_len=1024 \
+        trainer.global_batch_size=8 trainer.micro_batch_size=4
+    # Context parallel (NCCL's all-to-all over heads): llama_mid at 8k tokens against dp_shard=2, the peaks.
+    pair cp "context parallel" model=llama_mid model.config.max_position_embeddings=8192 data.seq_len=8192 \
+        trainer.global_batch_size=2 trainer.micro_batch_size=1
+    # Pipeline parallel (NCCL's send/recv between stages): llama_mid by 1F1B against dp_shard 2.
+    pair pp "pipeline parallel" model=llama_mid data.seq_len=1024 trainer.global_batch_size=8 trainer.micro_batch_size=2
 else
-    echo "== tensor, expert and context parallel: skipped (one GPU; tp=2, ep=2 and cp=2 need two)"
+    echo "== tensor, expert, context and pipeline parallel: skipped (one GPU; each needs two)"
 fi
 "$PY" -m fsdp_research plan model=llama_1b precision=bf16 data.seq_len=2048 trainer.global_batch_size=8 \
     trainer.micro_batch_size=8 world_size=1 --device cuda | grep -E "peak|gathered"

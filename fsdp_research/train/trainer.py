@@ -155,13 +155,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
     close_on_exit(resources, checkpointer.close)
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
-        base_lrs = list(scheduler.base_lrs)  # the config's: the checkpoint's replace them
-        trainer_state, callback_state = load_checkpoint(
-            resume_dir, model, optimizer, callbacks.state_dict(), configured_keys(cfg.optim)
-        )
-        state.load_state_dict(trainer_state, cfg.data.seq_len)
-        state.scheduler = continue_schedule(state.scheduler, cfg, base_lrs, resume_dir)
-        callbacks.load_state_dict(callback_state)
+        _resume(resume_dir, cfg, model, optimizer, state, callbacks)
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
     objective = build_objective(cfg, model, device, data)
     throughput = throughput_of(cfg, d, *whole, device, state.step, objective.reference_forwards)
@@ -198,6 +192,16 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     handle.step = state.step
     handle.bind(sinks.log, functools.partial(evaluate, run), functools.partial(export_run, model, cfg, hf_config))
     return run
+
+
+def _resume(resume_dir: str, cfg: DictConfig, model, optimizer, state: TrainState, callbacks: Callbacks) -> None:
+    base_lrs = list(state.scheduler.base_lrs)  # the config's: the checkpoint's replace them
+    trainer_state, callback_state = load_checkpoint(
+        resume_dir, model, optimizer, callbacks.state_dict(), configured_keys(cfg.optim)
+    )
+    state.load_state_dict(trainer_state, cfg.data.seq_len)
+    state.scheduler = continue_schedule(state.scheduler, cfg, base_lrs, resume_dir)
+    callbacks.load_state_dict(callback_state)
 
 
 @dataclass

@@ -66,8 +66,8 @@ MOE = [
     "data.seq_len=256",
 ]  # fmt: skip
 # The knobs in fp32 (MID32): their terms do not depend on the precision, and bf16 matmuls have no fast path on CPUs
-# without AVX-512 BF16 (a llama_mid step takes a minute there); bf16 is held by llama_tiny, mid, Muon, LoRA and
-# the loss in chunks.
+# without AVX-512 BF16 (2.4 GFLOP/s against 80 in fp32: a llama_mid step takes a minute there); bf16 is held by
+# llama_tiny, mid and the loss in chunks.
 MID32 = MID + ["precision=fp32"]
 CASES = {
     "llama_tiny": [],
@@ -78,8 +78,9 @@ CASES = {
     ],
     "mid": MID,
     "mid-fp32-reshard_all-every_2nd": MID32 + ["sharding=reshard_all", "activation_checkpointing=every_2nd"],
-    # Muon's one momentum per matrix beside AdamW's two moments for the rest.
-    "mid-muon": MID + ["optim=muon"],
+    # Muon's one momentum per matrix beside AdamW's two moments for the rest; Newton-Schulz in fp32 (its bytes are
+    # ns_dtype's: bf16's iterations took 100 s of a CPU without AVX-512 BF16, fp32's 5).
+    "mid-fp32-muon": MID32 + ["optim=muon", "optim.ns_dtype=float32"],
     # The knobs: op-level checkpointing, explicit prefetch, the loss in chunks (a vocabulary where the
     # logits weigh: 16k x 1024 tokens of fp32 log-probabilities are 64 MiB a rank).
     "mid-fp32-selective": MID32 + ["activation_checkpointing=selective"],
@@ -111,7 +112,7 @@ CASES_4 = {
 # What the planner does not model of an MoE block yet: its activations (a block not llama's counts Korthikanti's).
 MOE_UNMODELLED = ("activations", "activations_and_temporaries", "peak")
 # LoRA on the mid-size llama's weights (written by the fixture): gradients and AdamW state of the adapters alone.
-LORA = "mid-lora"
+LORA = "mid-fp32-lora"
 WORLD = 2
 
 
@@ -129,7 +130,7 @@ def lora_base(tmp_path_factory) -> str:
 def _config(name: str, lora_base: str):
     if name == LORA:
         # Its weights' values are not what is measured (nor can fake ranks check them as loaded): made, not loaded.
-        overrides = [f"model.name_or_path={lora_base}", "model.lora.r=8", "model.load_weights=false"]
+        overrides = [f"model.name_or_path={lora_base}", "model.lora.r=8", "model.load_weights=false", "precision=fp32"]
         return compose(["model=pretrained", *overrides, "logger=none"])
     return compose({**CASES, **CASES_4}[name] + ["logger=none"])
 
