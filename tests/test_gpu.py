@@ -12,7 +12,8 @@ from fsdp_research.jobs.compose import compose
 from fsdp_research.metrics.hardware import peak_for
 from fsdp_research.metrics.sinks import step_metrics
 from fsdp_research.planner.memory import memory
-from fsdp_research.planner.summary import run_settings, summary_for
+from fsdp_research.planner.run import run_settings
+from fsdp_research.planner.summary import summary_for
 from fsdp_research.train.trainer import train
 from tests.conftest import FAST
 from tests.helpers.reference import reference_run, save_initial

@@ -31,17 +31,18 @@ def split_launch(argv: Sequence[str]) -> tuple[dict[str, int], list[str]]:
     return launch, overrides
 
 
-def checked_config(overrides: Sequence[str], world_size: int = 0) -> tuple[DictConfig, Any, int]:
+def checked_config(overrides: Sequence[str], world_size: int = 0, stages: bool = False) -> tuple[DictConfig, Any, int]:
     """(config, HF config, world size): composed as train.py would, checked as the trainer checks it, for
-    world_size ranks (0: as the launch would have); a key no schema has, one line naming it, as train.py says it."""
+    world_size ranks (0: as the launch would have); a key no schema has, one line naming it, as train.py says it.
+    stages: the command plans pipeline stages (parallel.pp > 1; refused otherwise)."""
     check_command_line(overrides)
     cfg = compose(overrides)
     world_size = world_size or planned_world_size(cfg.distributed)
     hf_config = build_hf_config(cfg.model)
     check_config(cfg, world_size, hf_config, device_for(cfg.trainer.device, 0))
-    if cfg.parallel.pp > 1:  # the planner's every figure is of the whole model on each rank
+    if cfg.parallel.pp > 1 and not stages:  # their every figure is of the whole model on each rank
         raise ConfigError(
-            "parallel.pp", "plan, doctor and simulate do not plan pipeline stages yet", "use parallel.pp=1"
+            "parallel.pp", "doctor and simulate do not plan pipeline stages yet", "use parallel.pp=1 (plan plans them)"
         )
     return cfg, hf_config, world_size
 

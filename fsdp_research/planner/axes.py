@@ -6,7 +6,8 @@ here and its entry in AXES."""
 
 from typing import Protocol
 
-from fsdp_research.planner.summary import ModelSummary, Run
+from fsdp_research.planner.run import Run
+from fsdp_research.planner.summary import ModelSummary
 
 
 class Links(Protocol):

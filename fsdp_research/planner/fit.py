@@ -26,14 +26,8 @@ from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.planner.budget import Budget, budget
 from fsdp_research.planner.calibrate import cpu_optimizer_rate
 from fsdp_research.planner.memory import Memory, memory
-from fsdp_research.planner.summary import (
-    ModelSummary,
-    Run,
-    run_settings,
-    summaries_by_sharding,
-    summarize,
-    summary_for,
-)
+from fsdp_research.planner.run import Run, run_settings
+from fsdp_research.planner.summary import ModelSummary, summaries_by_sharding, summarize, summary_for
 from fsdp_research.planner.timing import Hardware, StepTime, gpu_hardware, step_time, tokens_per_second
 
 GIB = 2**30

@@ -12,7 +12,8 @@ from fsdp_research.planner.budget import Budget
 from fsdp_research.planner.fit import Candidate
 from fsdp_research.planner.memory import memory
 from fsdp_research.planner.resident import extra_groups
-from fsdp_research.planner.summary import ModelSummary, Run
+from fsdp_research.planner.run import Run
+from fsdp_research.planner.summary import ModelSummary
 from fsdp_research.planner.timing import Hardware, StepTime, tokens_per_second
 from fsdp_research.planner.traffic import traffic
 
@@ -53,13 +54,25 @@ def _layout(m: ModelSummary, run: Run) -> str:
     return f"shard group {run.shard_group}, {len(m.units) + 1} FSDP units{axes}"
 
 
+def format_stages(parallel, run: Run, peaks: list[int], largest: int) -> str:
+    """Pipeline parallel's line: the schedule, each pipeline rank's peak, the one planned below, the bubble."""
+    each = ", ".join(f"{p / GIB:.2f}" for p in peaks)
+    looped = f", {parallel.pp_stages_per_rank} stages a rank" if parallel.pp_stages_per_rank > 1 else ""
+    return (
+        f"pipeline: pp {parallel.pp} by {parallel.pp_schedule}{looped}, {run.micro_steps} micro-batches; peak by "
+        f"pipeline rank {each} GiB (rank {largest}'s planned below); bubble {run.bubble:.0%} of the step"
+    )
+
+
 def format_plan(m: ModelSummary, run: Run) -> str:
     e, mem = run.compute_dtype, memory(m, run)
     replicated = m.strategy is Strategy.ddp_classic
     size = f"{_count(m.n_params)} parameters" + _experts_note(m) + _trained_note(m)
     deferring = run.micro_steps > 1 and run.defer_grad_sync
+    stage = " (a pipeline rank's stages)" if run.pp > 1 else ""
     lines = [
-        f"{m.name}: {size}, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {_layout(m, run)}",
+        f"{m.name}{stage}: {size}, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), "
+        + _layout(m, run),
         f"compute {e}, reduce {run.reduce_dtype}; micro-batch {run.micro_batch} x {run.seq_len} tokens, "
         f"{run.micro_steps} micro-batch(es) per step; {_checkpointing(m.checkpointed)}",
         *([m.optimizer_split] if m.optimizer_split else []),
@@ -132,8 +145,8 @@ def _traffic_lines(m: ModelSummary, run: Run) -> list[str]:
 
 
 def _accumulation(m: ModelSummary, run: Run) -> list[str]:
-    """Both ways of accumulating gradients over a shard group, side by side."""
-    if run.micro_steps == 1 or run.shard_group == 1 or m.strategy is Strategy.ddp_classic:
+    """Both ways of accumulating gradients over a shard group, side by side (a pipeline's schedule has one)."""
+    if run.micro_steps == 1 or run.shard_group == 1 or m.strategy is Strategy.ddp_classic or run.pp > 1:
         return []
     lines = ["", f"{f'gradient accumulation over {run.micro_steps} micro-batches':<64}peak  reduce-scatter (GiB)"]
     for defer, label in ((False, "reduce-scatter each micro-batch"), (True, "unsharded gradients held to the last")):
@@ -227,6 +240,7 @@ def format_time(time: StepTime, run: Run, hw: Hardware) -> str:
                 else []
             ),
             *([f"  {'cpu_offload copies':<44}{time.offload:>9.3f} s"] if time.offload else []),
+            *([f"  {'pipeline bubble (waiting on other stages)':<44}{time.bubble:>9.3f} s"] if time.bubble else []),
             f"  {'step':<44}{time.total:>9.3f} s   {tokens_per_s:,.0f} tokens/s over {run.world_size} rank(s)",
             *([f"  {'start-up: NCCL communicators (once)':<44}{time.startup:>9.3f} s"] if time.startup else []),
         ]

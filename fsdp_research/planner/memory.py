@@ -39,13 +39,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fsdp_research.config.schema import Strategy
-from fsdp_research.planner.activations import (
-    FP32,
-)
+from fsdp_research.planner.activations import FP32, residual_bytes
 from fsdp_research.planner.optimizer import step_temporaries
 from fsdp_research.planner.phases import Phases, step_phases
 from fsdp_research.planner.resident import callback_bytes, communicator_bytes
-from fsdp_research.planner.summary import ModelSummary, Run
+from fsdp_research.planner.run import Run
+from fsdp_research.planner.summary import ModelSummary
 
 
 @dataclass(frozen=True)
@@ -102,6 +101,8 @@ def _fsdp_backward(
         prefetch = sum(u.numel for u in ahead if u.reshard_after_forward is not False)
         # FSDP2 keeps the previous unit's reduce-scatter input until this unit's reduction starts.
         previous = units[j + 1].trained().numel if j is not None and j + 1 < len(units) else 0
+        # Pipeline parallel: the units behind stay gathered until the last micro-batch's backward is done.
+        done = sum(u.numel for u in units[j + 1 :]) if run.pp > 1 and j is not None else 0
         # The root's gradients stay unsharded until its reduction at the very end of backward; the input
         # embedding's is computed last.
         root_grads = (
@@ -116,7 +117,7 @@ def _fsdp_backward(
                     f"backward of block {k} ({moment})",
                     dict(
                         state(j + 1 if j is not None else len(units)),
-                        gathered=root + resident(j or 0) + e * (unit + prefetch),
+                        gathered=root + resident(j or 0) + e * (unit + prefetch + done),
                         # Autograd holds a unit's gradients until FSDP takes them for its reduce-scatter.
                         unsharded_grads=deferred + ((e + r) * unit_grads if reducing else r * previous),
                         activations=activations,
@@ -242,11 +243,38 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
             ),
         )
     )
+    if run.pp > 1:
+        moments = _pipelined(moments, m, run, deferred, phases.saved)
     moments.append(("optimizer step", dict(state(0), grads=grad_shards, temporaries=step_temporaries(m, trained, run))))
     if run.cpu_offload:  # the callbacks' copies of the parameters are made where the parameters live
         for _, parts in moments:
             parts["host"] = sum(parts.pop(k) for k in ("params", "optimizer", "grads", "callbacks"))
     return moments
+
+
+def _pipelined(
+    moments: list[tuple[str, dict[str, int]]], m: ModelSummary, run: Run, deferred: int, saved: int
+) -> list[tuple[str, dict[str, int]]]:
+    """Pipeline parallel: torch's schedules reduce a stage's gradients and reshard it after its last micro-batch's
+    backward only. Until then a unit stays gathered from its backward to the next micro-batch's forward (which
+    reshards it as before: _fsdp_backward's `done`), its gradients accumulate unsharded (in the reduce dtype:
+    `deferred`; a unit's new ones in the compute dtype beside them where the two differ) and none is sharded yet;
+    the micro-batches in flight on this rank's stages hold their activations (`saved` each, beside the one a moment
+    is of), and a stage after the first each one's hidden states received, and makes their gradient to send back.
+    The end of a backward holds every unit and the last one's all-gather buffer."""
+    e, units = run.compute_bytes, [*m.units, m.root]
+    whole, largest = e * sum(u.numel for u in units), max(u.numel for u in units)
+    new_grads = e * max(u.trained().numel for u in units) if e != run.reduce_bytes else 0
+    others = int((run.in_flight - 1) * saved)
+    received = 0 if m.embeds_here else int(residual_bytes(m, e) * run.tokens)
+    for name, parts in moments:
+        if name != "the root's gradient reduction":
+            parts.update(grads=0, unsharded_grads=deferred + new_grads)
+        if parts.get("activations"):
+            parts["activations"] += others + run.in_flight * received
+            parts["temporaries"] = parts.get("temporaries", 0) + received
+    last = dict(moments[-1][1], activations=0, temporaries=0, gathered=whole + e * largest)
+    return [*moments, ("the first backward's all-gathers", dict(last, grads=0, unsharded_grads=deferred))]
 
 
 def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> list[tuple[str, dict[str, int]]]:

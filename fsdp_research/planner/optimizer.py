@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 from fsdp_research.config.schema import Strategy
 from fsdp_research.planner.activations import FP32
-from fsdp_research.planner.summary import ModelSummary, Run, UnitSize
+from fsdp_research.planner.run import Run
+from fsdp_research.planner.summary import ModelSummary, UnitSize
 
 
 def _group(m: ModelSummary, run: Run) -> int:

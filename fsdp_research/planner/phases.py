@@ -15,13 +15,15 @@ from fsdp_research.planner.activations import (
     residual_bytes,
     saved_activations,
 )
-from fsdp_research.planner.summary import ModelSummary, Run
+from fsdp_research.planner.run import Run
+from fsdp_research.planner.summary import ModelSummary
 
 
 @dataclass(frozen=True)
 class Phases:
     """Activations and backward temporaries (bytes per micro-batch) where memory can peak."""
 
+    saved: int  # every block's saved tensors
     forward_end: int  # at the loss: every block's saved tensors, the final norm's, the logits
     root_forward_end: int  # inside the root's forward, logits in the compute dtype only
     backward_start: int  # saved tensors with the fp32 log-probs...
@@ -54,14 +56,18 @@ def step_phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> Phas
             ("reduction", sum(saved[:k]), incoming, 0),
         ]
 
+    blocks = [inside(k) for k in range(m.n_blocks)]
+    if not m.loss_here:  # a pipeline stage before the last: its output goes on, its gradient comes back
+        return Phases(sum(saved), sum(saved), sum(saved), sum(saved), incoming, blocks)
     # loss.chunks: one slice's logits at a time, made again in backward, where its gradients join them; the
     # model's forward itself returns the hidden states.
     c = run.loss_chunks
     chunked = c > 1
     return Phases(
+        saved=sum(saved),
         forward_end=sum(saved) + norm + logits_forward(m, e) * tok // c,
         root_forward_end=sum(saved) + norm + (0 if chunked else e * m.vocab * tok),
         backward_start=sum(saved) + norm + (0 if chunked else FP32 * m.vocab * tok),
         loss_grads=(logits_forward(m, e) + 2 * FP32 * m.vocab) * tok // c if chunked else 2 * FP32 * m.vocab * tok,
-        block=[inside(k) for k in range(m.n_blocks)],
+        block=blocks,
     )

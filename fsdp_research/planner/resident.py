@@ -8,7 +8,8 @@ from fsdp_research.callbacks.footprint import PlannedRank
 from fsdp_research.config.schema import Strategy
 from fsdp_research.metrics.hardware import NCCL_COMMUNICATOR_GIB
 from fsdp_research.planner.activations import FP32
-from fsdp_research.planner.summary import ModelSummary, Run
+from fsdp_research.planner.run import Run
+from fsdp_research.planner.summary import ModelSummary
 
 GIB = 2**30
 

@@ -12,14 +12,12 @@ import torch.nn as nn
 from omegaconf import DictConfig
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from fsdp_research.callbacks.footprint import Declared, declared_state
 from fsdp_research.config.schema import CheckpointMode, Strategy
 from fsdp_research.config.targets import kwargs_of, resolve
 from fsdp_research.distributed.expert_parallel import fused_experts, split_experts
 from fsdp_research.distributed.names import clean_name
 from fsdp_research.distributed.precision import dtypes, kept_in_fp32, parse_dtype
 from fsdp_research.distributed.sharding import ShardingPlan, build_plan, owner
-from fsdp_research.distributed.step_layout import layout
 from fsdp_research.distributed.tensor_parallel import sequence_parallel, tp_plan
 from fsdp_research.metrics.meters import active_parameters, flops_per_token, matmul_parameters
 from fsdp_research.model.architecture import build_hf_config, input_embedding, output_layer
@@ -142,6 +140,10 @@ class ModelSummary:
     # Expert parallel (parallel.ep): the blocks (indices) holding routed experts, whose tokens it moves.
     ep: int = 1
     moe_blocks: tuple[int, ...] = ()
+    # The final norm, the logits and the loss are this rank's (pipeline parallel: the last stage's alone); the
+    # token embedding (pipeline parallel: the first stage's; the others receive hidden states).
+    loss_here: bool = True
+    embeds_here: bool = True
 
     @property
     def q_width(self) -> int:
@@ -150,43 +152,6 @@ class ModelSummary:
     @functools.cached_property
     def whole_matrices(self) -> int:
         return sum(rows * cols for rows, cols in self.whole_shapes)
-
-
-@dataclass(frozen=True)
-class Run:
-    world_size: int
-    # precision.param_dtype and reduce_dtype, as named in the config.
-    compute_dtype: str
-    reduce_dtype: str
-    shard_group: int
-    replicas: int
-    compute_bytes: int
-    reduce_bytes: int
-    micro_batch: int
-    seq_len: int
-    micro_steps: int
-    defer_grad_sync: bool
-    cpu_offload: bool
-    # AdamW's foreach implementation (CUDA) instead of the per-tensor loop (CPU).
-    foreach: bool
-    # Blocks all-gathered ahead (sharding.prefetch_forward / prefetch_backward; 0: FSDP2's implicit).
-    prefetch_forward: int = 0
-    prefetch_backward: int = 0
-    # loss.chunks: the logits exist a 1/chunks slice at a time.
-    loss_chunks: int = 1
-    # The callbacks' declared state (fsdp_research.callbacks.footprint), by name.
-    callbacks: Declared = ()
-    # On CUDA each process group is an NCCL communicator with buffers of its own on the device.
-    nccl: bool = False
-    # Tensor-parallel ranks (the data-parallel ranks are world_size / tp / cp).
-    tp: int = 1
-    # Context-parallel ranks: each holds 1/cp of a sequence's tokens (attention: 1/cp of the heads, all tokens).
-    cp: int = 1
-
-    @property
-    def tokens(self) -> int:
-        """A micro-batch's tokens on one rank."""
-        return self.micro_batch * self.seq_len // self.cp
 
 
 def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) -> ModelSummary:
@@ -211,9 +176,10 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         )
         for p in paths
     )
-    embedding = input_embedding(model).weight
+    embedding = input_embedding(model)  # None on a pipeline stage after the first
     output = output_layer(model)
-    tied = output is not None and any(p is embedding for p in output.parameters())
+    head = output is not None and any(True for _ in output.parameters())  # a stage before the last has none
+    tied = head and embedding is not None and any(p is embedding.weight for p in output.parameters())
     d = dims(model, plan.blocks)
     return ModelSummary(
         name=cfg.model.name,
@@ -235,14 +201,16 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         units=units[:-1] if plan.units else (),
         root=units[-1],
         root_in_block=_root_in_block(owned[""], block_of, len(plan.blocks)),
-        input_embedding=0 if tied else embedding.numel(),
+        input_embedding=0 if tied or embedding is None else embedding.weight.numel(),
         frozen_norms=_frozen_vectors(model),
         **_optimizer(cfg.optim, model, plan),
         **_checkpointing(cfg.activation_checkpointing),
         flops_per_token=flops_per_token(
             d, matmul_parameters(model, d), cfg.data.seq_len, matmul_parameters(model, d, frozen=True)
         ),
-        head_flops_per_token=2.0 * d.hidden * d.vocab if output is not None else 0.0,
+        head_flops_per_token=2.0 * d.hidden * d.vocab if head else 0.0,
+        loss_here=head,
+        embeds_here=embedding is not None,
         tp=tp,
         sequence_parallel=sequence_parallel(cfg.parallel),
         ep=ep,
@@ -349,36 +317,10 @@ def _optimizer(o: DictConfig, model: nn.Module, plan: ShardingPlan) -> dict:
     )
 
 
-def run_settings(cfg: DictConfig, world_size: int, device_type: str) -> Run:
-    steps = layout(cfg, world_size)
-    compute, reduce = dtypes(cfg.precision)
-    return Run(
-        world_size=world_size,
-        compute_dtype=cfg.precision.param_dtype,
-        reduce_dtype=cfg.precision.reduce_dtype,
-        shard_group=steps.shard_group,
-        replicas=steps.replicas,
-        compute_bytes=compute.itemsize,
-        reduce_bytes=reduce.itemsize,
-        micro_batch=cfg.trainer.micro_batch_size,
-        seq_len=cfg.data.seq_len,
-        micro_steps=steps.micro_steps,
-        defer_grad_sync=cfg.trainer.defer_grad_sync,
-        cpu_offload=cfg.sharding.cpu_offload,
-        foreach=device_type == "cuda" and not cfg.sharding.cpu_offload,
-        prefetch_forward=cfg.sharding.prefetch_forward,
-        prefetch_backward=cfg.sharding.prefetch_backward,
-        loss_chunks=cfg.loss.chunks,
-        callbacks=declared_state({**cfg.callbacks, f"objective={cfg.objective.name}": cfg.objective}),
-        nccl=device_type == "cuda",
-        tp=steps.tp,
-        cp=steps.cp,
-    )
-
-
-def summary_for(cfg: DictConfig) -> ModelSummary:
+def summary_for(cfg: DictConfig, stage: int = 0) -> ModelSummary:
+    """stage: the pipeline rank whose stages are summarized (parallel.pp > 1)."""
     hf_config = build_hf_config(cfg.model)
-    model, plan = planned_model(cfg, hf_config, values=False)
+    model, plan = planned_model(cfg, hf_config, values=False, stage=stage)
     return summarize(cfg, model, plan, hf_config)
 
 

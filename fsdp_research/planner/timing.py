@@ -30,7 +30,8 @@ from fsdp_research.planner.activations import FP32, LLAMA_LIKE, recompute_share,
 from fsdp_research.planner.axes import AXES, link_bps
 from fsdp_research.planner.optimizer import muon_flops, muon_rounds
 from fsdp_research.planner.resident import extra_groups
-from fsdp_research.planner.summary import ModelSummary, Run
+from fsdp_research.planner.run import Run
+from fsdp_research.planner.summary import ModelSummary
 from fsdp_research.planner.traffic import traffic
 
 # NCCL's fixed cost per collective on NVLink/InfiniBand (tens of microseconds; NCCL's own tests).
@@ -95,10 +96,13 @@ class StepTime:
     whole_matrices: float = 0.0
     # Once per run, not per step: creating reshard_after_forward=k's NCCL communicators.
     startup: float = 0.0
+    # Pipeline parallel: the schedule's bubble, waiting on the other stages.
+    bubble: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.compute + self.recompute + self.exposed + self.optimizer + self.whole_matrices + self.offload
+        busy = self.compute + self.recompute + self.exposed + self.optimizer + self.whole_matrices + self.offload
+        return busy + self.bubble
 
 
 def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
@@ -149,9 +153,12 @@ def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
         )
         offload = state * (gathers_per_step + run.micro_steps) / hw.host_bps
     startup = extra_groups(m, run) * NCCL_COMMUNICATOR_INIT_S if hw.overlap else 0.0
-    return StepTime(compute, recompute, communication, exposed, optimizer, offload, whole, startup)
+    # The schedule's share of waiting, of the stages' forwards and backwards.
+    bubble = (compute + recompute + exposed) * run.bubble / (1 - run.bubble)
+    return StepTime(compute, recompute, communication, exposed, optimizer, offload, whole, startup, bubble)
 
 
 def tokens_per_second(run: Run, time: StepTime) -> float:
-    """Tokens a step trains on, over all ranks (a tp group's ranks train on the same), per second."""
-    return run.tokens * run.micro_steps * run.world_size / run.tp / time.total
+    """Tokens a step trains on, over all ranks (a tp group's ranks train on the same, a pipeline's stages on the
+    same), per second."""
+    return run.tokens * run.micro_steps * run.world_size / run.tp / run.pp / time.total

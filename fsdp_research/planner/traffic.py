@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from fsdp_research.config.schema import Strategy
 from fsdp_research.planner.activations import FP32
 from fsdp_research.planner.axes import AXES
-from fsdp_research.planner.summary import ModelSummary, Run
+from fsdp_research.planner.run import Run
+from fsdp_research.planner.summary import ModelSummary
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ from fsdp_research.model.initialization import init_weights, materialize
 from fsdp_research.optim.factory import build_optimizer
 from fsdp_research.planner.format import GIB
 from fsdp_research.planner.memory import memory
-from fsdp_research.planner.summary import run_settings, summarize
+from fsdp_research.planner.run import run_settings
+from fsdp_research.planner.summary import summarize
 from fsdp_research.train.refusals import check_built, check_planned
 
 # A forward and backward is run where its FLOPs (6 per parameter per token, embedding and head included) stay

@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig, OmegaConf
 
+from fsdp_research.callbacks.hooks import Callbacks
+from fsdp_research.checkpoint.resume import load_checkpoint
 from fsdp_research.config.data_schema import DataKind
 from fsdp_research.data.pipeline import Build, Data, Prefetcher, build_data
 from fsdp_research.data.tokenizer import describe as describe_tokenizer
@@ -29,6 +31,8 @@ from fsdp_research.model.architecture import dropout_in
 from fsdp_research.model.assembly import planned_model
 from fsdp_research.model.dimensions import ModelDims
 from fsdp_research.model.moe_balancing import BiasBalancer
+from fsdp_research.optim import configured_keys
+from fsdp_research.optim.resume import continue_schedule
 from fsdp_research.planner.doctor import diagnose, report
 from fsdp_research.planner.fit import doctor_fit
 from fsdp_research.train import rundir
@@ -201,3 +205,14 @@ def observe(
     profiler = StepProfiler(cfg.trainer.profile_steps, run_dir, rank, device, sinks)
     close_on_exit(resources, lambda failed: profiler.close())
     return sinks, profiler
+
+
+def resume(resume_dir: str, cfg: DictConfig, model, optimizer, state: TrainState, callbacks: Callbacks) -> None:
+    """The checkpoint's model, optimizer, trainer and callback state into the run's; its schedule continued."""
+    base_lrs = list(state.scheduler.base_lrs)  # the config's: the checkpoint's replace them
+    trainer_state, callback_state = load_checkpoint(
+        resume_dir, model, optimizer, callbacks.state_dict(), configured_keys(cfg.optim)
+    )
+    state.load_state_dict(trainer_state, cfg.data.seq_len)
+    state.scheduler = continue_schedule(state.scheduler, cfg, base_lrs, resume_dir)
+    callbacks.load_state_dict(callback_state)

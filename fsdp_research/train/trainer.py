@@ -18,7 +18,6 @@ from omegaconf import DictConfig
 from fsdp_research.callbacks.hooks import Callbacks, RunHandle
 from fsdp_research.checkpoint.dcp import Checkpointer, config_files
 from fsdp_research.checkpoint.hf_export import export_run
-from fsdp_research.checkpoint.resume import load_checkpoint
 from fsdp_research.config.schema import Strategy, typed
 from fsdp_research.data.pipeline import Data, Prefetcher, packed
 from fsdp_research.distributed.context_parallel import split_of
@@ -36,8 +35,7 @@ from fsdp_research.model.assembly import shard_model
 from fsdp_research.model.dimensions import dims
 from fsdp_research.model.lora import base_identity
 from fsdp_research.objectives import Objective, StepContext, build_objective
-from fsdp_research.optim import build_optimizer, clip_, clip_grad_norm, configured_keys, grad_norm
-from fsdp_research.optim.resume import continue_schedule
+from fsdp_research.optim import build_optimizer, clip_, clip_grad_norm, grad_norm
 from fsdp_research.train import overfit, rundir
 from fsdp_research.train.anomaly import AnomalyChecks, apply_anomaly_checks
 from fsdp_research.train.losses import Router, router_of, step_weight
@@ -54,6 +52,7 @@ from fsdp_research.train.startup import (
     open_data,
     planned_fit,
     read_ahead,
+    resume,
     throughput_of,
     whole_model,
 )
@@ -155,7 +154,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, config_files(cfg, hf_config))
     close_on_exit(resources, checkpointer.close)
     if resume_dir:  # first: a checkpoint that does not fit is refused before any data is tokenized
-        _resume(resume_dir, cfg, model, optimizer, state, callbacks)
+        resume(resume_dir, cfg, model, optimizer, state, callbacks)
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
     objective = build_objective(cfg, model, device, data)
     throughput = throughput_of(cfg, d, *whole, device, state.step, objective.reference_forwards)
@@ -192,16 +191,6 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     handle.step = state.step
     handle.bind(sinks.log, functools.partial(evaluate, run), functools.partial(export_run, model, cfg, hf_config))
     return run
-
-
-def _resume(resume_dir: str, cfg: DictConfig, model, optimizer, state: TrainState, callbacks: Callbacks) -> None:
-    base_lrs = list(state.scheduler.base_lrs)  # the config's: the checkpoint's replace them
-    trainer_state, callback_state = load_checkpoint(
-        resume_dir, model, optimizer, callbacks.state_dict(), configured_keys(cfg.optim)
-    )
-    state.load_state_dict(trainer_state, cfg.data.seq_len)
-    state.scheduler = continue_schedule(state.scheduler, cfg, base_lrs, resume_dir)
-    callbacks.load_state_dict(callback_state)
 
 
 @dataclass

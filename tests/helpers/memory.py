@@ -1,13 +1,16 @@
 """Per-rank memory of one real training step, by category, as torch's FSDP memory tracker
 (torch.distributed._tools.fsdp2_mem_tracker) measures it: what the planner's prediction is held against."""
 
+import functools
 import gc
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
+from fsdp_research.distributed.pipeline import pipeline_of
 from tests.helpers.dist import run_distributed, run_fake
 from tests.helpers.timing import prepared, train_step
 
@@ -55,23 +58,40 @@ def _first_update(model, optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
+def _afresh(tracker: FSDPMemTracker, module: torch.nn.Module, args: tuple) -> None:
+    tracker.memory_tracking.pop(module, None)
+
+
 def _measure_each(configs: dict[str, Any]) -> dict[str, dict[str, int]]:
     peaks = {}
     for name, container in configs.items():
         cfg, model, optimizer, batches = prepared(container)
-        _first_update(model, optimizer)
+        if pipeline_of(model):  # a real first step: the stages infer their shapes in it by autograd.grad, which
+            train_step(model, optimizer, batches, cfg)  # the tracker's hooks refuse
+        else:
+            _first_update(model, optimizer)
         tracker = _GroupPeaks(model, optimizer)
         tracker.track_inputs(tuple(batches))
         with tracker:
+            # The tracker refuses a top-level module called again in a step, for its per-module statistics (a
+            # pipeline stage's, once a micro-batch): each call starts them afresh (a hook ahead of the tracker's);
+            # the groups' peaks are the whole step's.
+            again = model.register_forward_pre_hook(functools.partial(_afresh, tracker), prepend=True)
             train_step(model, optimizer, batches, cfg)
+            again.remove()
         peaks[name] = tracker.peaks
+        if cfg.parallel.pp > 1:  # each stage's, from its first rank (pp is the mesh's outermost axis)
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, tracker.peaks)
+            peaks[name] = {"stages": every[:: len(every) // cfg.parallel.pp]}
         del model, optimizer, tracker
         gc.collect()
     return peaks
 
 
 def measure_step_memory(configs: dict[str, Any], world_size: int, fake: bool = False) -> dict[str, dict[str, int]]:
-    """Rank 0's peak bytes per group (and the optimizer state) in one tracked step of each config, all on the same
+    """Rank 0's peak bytes per group (and the optimizer state) in one tracked step of each config (pipeline
+    parallel: {"stages": each stage's first rank's}), all on the same
     `world_size` processes (gloo, CPU; the ranks hold equal shares), or, with `fake`, as rank 0 of `world_size`
     fake ranks in one process (what a rank allocates depends on shapes alone, except where the data sets them)."""
     containers = {name: OmegaConf.to_container(cfg, resolve=True) for name, cfg in configs.items()}

@@ -12,24 +12,29 @@ from omegaconf import OmegaConf
 
 from fsdp_research.config.schema import typed
 from fsdp_research.distributed.context_parallel import split_of
+from fsdp_research.distributed.mesh import Mesh, degrees, pipeline_rank
+from fsdp_research.distributed.pipeline import build_pipeline, pipeline_of
 from fsdp_research.distributed.processes import init_distributed
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.model.assembly import build_sharded_model
+from fsdp_research.model.assembly import planned_model, shard_model
 from fsdp_research.objectives import StepContext
 from fsdp_research.objectives.lm import NextToken
 from fsdp_research.optim import build_optimizer, clip_grad_norm
 from fsdp_research.planner.calibrate import measure_rates
-from fsdp_research.train.schedule import MicroBatches, StepLoss
+from fsdp_research.train.schedule import MicroBatches, Pipelined, StepLoss
+from fsdp_research.train.startup import whole_model
 from tests.helpers.dist import run_distributed
 
 
 def train_step(model, optimizer, batches: list[torch.Tensor], cfg) -> None:
     """One step as the trainer takes it: its micro-batches by the trainer's schedule (this rank's chunks of them
-    under context parallel, the gradient sync on the last), clip, update."""
-    objective, split = NextToken(), split_of(model)
+    under context parallel, the gradient sync on the last; through the stages by the pipeline's), clip, update."""
+    objective, split, pipeline = NextToken(), split_of(model), pipeline_of(model)
     objective.setup(cfg)
     schedule = MicroBatches(cfg.trainer.micro_batch_size, len(batches), cfg.trainer.defer_grad_sync)
+    if pipeline:
+        schedule = Pipelined(pipeline, len(batches))
     losses = StepLoss(objective, StepContext(contextlib.nullcontext(), split, None, None), lambda loss: None)
     with split.splitting() if split else contextlib.nullcontext():
         schedule.run(model, torch.cat(batches), losses, lambda loss: loss.backward())
@@ -39,17 +44,26 @@ def train_step(model, optimizer, batches: list[torch.Tensor], cfg) -> None:
 
 
 def prepared(container: dict) -> tuple[Any, torch.nn.Module, torch.optim.Optimizer, list[torch.Tensor]]:
-    """(config, sharded model, optimizer, a step's random micro-batches) on this process group's rank (CPU)."""
+    """(config, sharded model, optimizer, a step's random micro-batches) on this process group's rank (CPU); as
+    the trainer builds it: the model of this rank's pipeline stages with its Pipeline where parallel.pp > 1."""
     cfg, device = typed(container), torch.device("cpu")
     init_distributed(cfg.distributed, device)
-    hf_config = build_hf_config(cfg.model)
-    model, plan = build_sharded_model(cfg, hf_config, device, dist.get_world_size())
+    hf_config, world = build_hf_config(cfg.model), dist.get_world_size()
+    model, plan = planned_model(cfg, hf_config, stage=pipeline_rank(cfg.parallel.pp))
+    whole = whole_model(cfg, hf_config, model, plan)[0]
+    mesh, lay = Mesh(degrees(cfg, world), device.type), layout(cfg, world)
+    model = shard_model(model, plan, cfg, device, mesh)
+    build_pipeline(model, whole, cfg.parallel, lay, mesh, device)
     optimizer, _ = build_optimizer(model, cfg, plan.blocks)
-    # A tp x cp group reads the same batch.
-    gen = torch.Generator().manual_seed(dist.get_rank() // (cfg.parallel.tp * cfg.parallel.cp))
-    micro = layout(cfg, dist.get_world_size()).micro_steps
+    # A tp x cp group reads the same batch (the stages of a pipeline, theirs).
+    gen = torch.Generator().manual_seed(dist.get_rank() % (world // lay.pp) // (lay.tp * lay.cp))
     shape = (cfg.trainer.micro_batch_size, cfg.data.seq_len + 1)
-    return cfg, model, optimizer, [torch.randint(0, hf_config.vocab_size, shape, generator=gen) for _ in range(micro)]
+    return (
+        cfg,
+        model,
+        optimizer,
+        [torch.randint(0, hf_config.vocab_size, shape, generator=gen) for _ in range(lay.micro_steps)],
+    )
 
 
 def _time_each(configs: dict[str, Any], steps: int, shape: tuple[int, int, int]) -> dict[str, Any]:

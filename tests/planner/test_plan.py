@@ -47,8 +47,10 @@ from fsdp_research.planner.fit import candidates, fit
 from fsdp_research.planner.format import GIB
 from fsdp_research.planner.memory import memory, step_moments
 from fsdp_research.planner.optimizer import muon_flops, muon_temporaries, ns_flops
+from fsdp_research.planner.pipeline import pipeline_shape
 from fsdp_research.planner.resident import callback_bytes, extra_groups
-from fsdp_research.planner.summary import run_settings, summary_for
+from fsdp_research.planner.run import run_settings
+from fsdp_research.planner.summary import summary_for
 from fsdp_research.planner.timing import gpu_hardware, step_time
 from fsdp_research.planner.traffic import traffic
 from tests.helpers.dist import run_distributed
@@ -108,6 +110,8 @@ CASES_4 = {
     # Context parallel: a rank's activations of half of each sequence (attention: half the heads, every token).
     "mid-4-cp2": MID32 + ["parallel.cp=2"],
     "mid-4-cp2-tp2": MID32 + ["parallel.cp=2", "parallel.tp=2", "trainer.global_batch_size=8"],
+    # Pipeline parallel: pp 2 x dp_shard 2 by 1F1B, 4 micro-batches; each stage's rank against its plan.
+    "mid-4-fp32-pp2": MID32 + ["parallel.pp=2", "trainer.micro_batch_size=2"],
 }
 # What the planner does not model of an MoE block yet: its activations (a block not llama's counts Korthikanti's).
 MOE_UNMODELLED = ("activations", "activations_and_temporaries", "peak")
@@ -136,8 +140,9 @@ def _config(name: str, lora_base: str):
 
 
 # On real ranks: the expert-parallel cases (a rank's all-to-all sizes are read from the routing, which fake ranks do
-# not move). The others on fake ranks (one process as rank 0), held to real ranks by ANCHOR.
-REAL = ("moe-4-ep2", "moe-4-ep4")
+# not move) and pipeline parallel (every stage's rank). The others on fake ranks (one process as rank 0), held to real
+# ranks by ANCHOR.
+REAL = ("moe-4-ep2", "moe-4-ep4", "mid-4-fp32-pp2")
 ANCHOR = "mid-4-cp2-tp2"
 
 
@@ -165,8 +170,8 @@ def test_fake_ranks_measure_what_real_ranks_do(measured):
     assert not off, f"group: (real, fake) bytes {off}"
 
 
-def _predicted(cfg, world: int):
-    summary, run = summary_for(cfg), run_settings(cfg, world, "cpu")
+def _predicted(cfg, world: int, stage: int = 0):
+    summary, run = summary_for(cfg, stage), run_settings(cfg, world, "cpu", stage)
     mem = memory(summary, run)
     moments = dict(step_moments(summary, run))
     together = max(p.get("activations", 0) + p.get("temporaries", 0) for p in moments.values())
@@ -200,11 +205,14 @@ def _predicted(cfg, world: int):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", [*CASES, LORA, *CASES_4])
 def test_prediction_within_10_percent_of_the_tracker(name, measured, lora_base):
-    predicted = _predicted(_config(name, lora_base), _world(name))
-    unmodelled = MOE_UNMODELLED if name.startswith("moe") else ()
-    ratios = {group: predicted[group] / measured[name][group] for group in predicted if group not in unmodelled}
-    off = {group: f"{ratio:.3f}" for group, ratio in ratios.items() if abs(ratio - 1) > 0.10}
-    assert not off, f"predicted / measured outside 1 +- 10%: {off}"
+    """Every group of the plan against the tracker's; pipeline parallel: each stage's rank against its own plan."""
+    cfg, unmodelled = _config(name, lora_base), MOE_UNMODELLED if name.startswith("moe") else ()
+    stages = measured[name].get("stages", [measured[name]])
+    for stage, found in enumerate(stages):
+        predicted = _predicted(cfg, _world(name), stage)
+        ratios = {group: predicted[group] / found[group] for group in predicted if group not in unmodelled}
+        off = {group: f"{ratio:.3f}" for group, ratio in ratios.items() if abs(ratio - 1) > 0.10}
+        assert not off, f"stage {stage}: predicted / measured outside 1 +- 10%: {off}"
 
 
 @pytest.mark.slow
@@ -243,6 +251,49 @@ def test_expert_parallel_gathers_a_rank_s_experts_of_deepseek_v3_671b(capsys):
     assert main(fit) == 0
     best = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("best: "))
     assert " parallel.ep=64 " in best
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages_per_rank"), [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2)]
+)
+def test_pipeline_bubble_and_micro_batches_in_flight_as_the_papers_count_them(schedule, stages_per_rank):
+    """The schedule's bubble from its action list (torch's own for the looped ones) is the textbook's, with a
+    backward twice a forward: (pp - 1) / (m + pp - 1) for GPipe and 1F1B (GPipe, Huang et al. 2019), divided by the
+    stages a rank for the interleaved (Narayanan et al. 2021: (pp - 1) / (v m + pp - 1)); 1F1B's rank r holds
+    pp - r micro-batches' activations, GPipe's all m, the interleaved's first rank pp (1 + (pp - 1) / (v pp))."""
+    for pp, m in ((2, 4), (4, 8), (8, 16)):
+        shape = pipeline_shape(schedule, pp, m, stages_per_rank)
+        assert shape.bubble == pytest.approx((pp - 1) / (stages_per_rank * m + pp - 1))
+        if schedule == "1F1B":
+            assert shape.in_flight == tuple(pp - r for r in range(pp))
+        if schedule == "GPipe":
+            assert shape.in_flight == (m,) * pp
+        if schedule == "Interleaved1F1B":
+            assert shape.in_flight[0] == pytest.approx(pp * (1 + (pp - 1) / (stages_per_rank * pp)))
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_fits_llama_405b_on_512_gpus(capsys):
+    """Llama-3.1-405B on 512 H100s as torchtitan runs it (FSDP 8 x TP 8 x PP 8 by 1F1B, full activation
+    checkpointing, 8k tokens): each pipeline rank's peak fits 80 GB, under half the peak of the same FSDP group of 8
+    without pipeline stages (hsdp replicating it 8 times), which fits no H100; the plan names the stages."""
+    base = ["model=llama_405b", "trainer.global_batch_size=512", "trainer.micro_batch_size=1", "data.seq_len=8192"]
+    base += ["parallel.tp=8", "activation_checkpointing=every_block"]
+    flat = compose([*base, "sharding=hsdp", "sharding.replicate=8"])
+    flat_peak = memory(summary_for(flat), run_settings(flat, 512, "cuda")).peak
+    staged = compose([*base, "parallel.pp=8"])
+    peaks = [memory(summary_for(staged, s), run_settings(staged, 512, "cuda", s)).peak for s in range(8)]
+    assert max(peaks) < 80 * GIB < flat_peak and max(peaks) < flat_peak / 1.9
+    assert main([*base, "world_size=512", "parallel.pp=8", "--device", "cuda"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: pp 8 by 1F1B, 64 micro-batches; peak by pipeline rank" in out
+    assert "bubble 10% of the step" in out and "pipeline bubble (waiting on other stages)" in out
+
+
+@pytest.mark.parametrize("flag", ["--fit=80", "--compare"])
+def test_plan_refuses_what_it_does_not_search_with_pipeline_stages(flag, capsys):
+    assert main(["model=llama_tiny", "world_size=2", "parallel.pp=2", "trainer.micro_batch_size=2", flag]) == 2
+    assert capsys.readouterr().err.startswith("error: parallel.pp: --fit and --compare do not search pipeline")
 
 
 @pytest.mark.slow

@@ -432,7 +432,8 @@ def test_the_planner_counts_the_reference_copy_and_none_with_lora(work):
     from transformers import AutoModelForCausalLM
 
     from fsdp_research.planner.memory import memory
-    from fsdp_research.planner.summary import run_settings, summary_for
+    from fsdp_research.planner.run import run_settings
+    from fsdp_research.planner.summary import summary_for
 
     tmp, model, _, files = work
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model).parameters())

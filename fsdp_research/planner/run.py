@@ -1,0 +1,88 @@
+"""The run's settings as one rank sees its step (world size, dtypes, batch, the parallel axes, the pipeline's
+schedule): with fsdp_research.planner.summary's ModelSummary, what the planner's every figure is a function of."""
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from fsdp_research.callbacks.footprint import Declared, declared_state
+from fsdp_research.distributed.precision import dtypes
+from fsdp_research.distributed.step_layout import layout
+from fsdp_research.planner.pipeline import pipeline_shape
+
+
+@dataclass(frozen=True)
+class Run:
+    world_size: int
+    # precision.param_dtype and reduce_dtype, as named in the config.
+    compute_dtype: str
+    reduce_dtype: str
+    shard_group: int
+    replicas: int
+    compute_bytes: int
+    reduce_bytes: int
+    micro_batch: int
+    seq_len: int
+    micro_steps: int
+    defer_grad_sync: bool
+    cpu_offload: bool
+    # AdamW's foreach implementation (CUDA) instead of the per-tensor loop (CPU).
+    foreach: bool
+    # Blocks all-gathered ahead (sharding.prefetch_forward / prefetch_backward; 0: FSDP2's implicit).
+    prefetch_forward: int = 0
+    prefetch_backward: int = 0
+    # loss.chunks: the logits exist a 1/chunks slice at a time.
+    loss_chunks: int = 1
+    # The callbacks' declared state (fsdp_research.callbacks.footprint), by name.
+    callbacks: Declared = ()
+    # On CUDA each process group is an NCCL communicator with buffers of its own on the device.
+    nccl: bool = False
+    # Tensor-parallel ranks (the data-parallel ranks are world_size / tp / cp).
+    tp: int = 1
+    # Context-parallel ranks: each holds 1/cp of a sequence's tokens (attention: 1/cp of the heads, all tokens).
+    cp: int = 1
+    # Pipeline stages (this Run is of one pipeline rank's): the most micro-batches' activations its stages hold at
+    # once (in shares of one micro-batch's through all its layers) and the share of the step it waits
+    # (fsdp_research.planner.pipeline).
+    pp: int = 1
+    in_flight: float = 1.0
+    bubble: float = 0.0
+
+    @property
+    def tokens(self) -> int:
+        """A micro-batch's tokens on one rank."""
+        return self.micro_batch * self.seq_len // self.cp
+
+
+def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int = 0) -> Run:
+    """stage: the pipeline rank planned (parallel.pp > 1)."""
+    steps = layout(cfg, world_size)
+    compute, reduce = dtypes(cfg.precision)
+    p = cfg.parallel
+    shape = pipeline_shape(p.pp_schedule, p.pp, steps.micro_steps, p.pp_stages_per_rank) if p.pp > 1 else None
+    return Run(
+        world_size=world_size,
+        compute_dtype=cfg.precision.param_dtype,
+        reduce_dtype=cfg.precision.reduce_dtype,
+        shard_group=steps.shard_group,
+        replicas=steps.replicas,
+        compute_bytes=compute.itemsize,
+        reduce_bytes=reduce.itemsize,
+        micro_batch=cfg.trainer.micro_batch_size,
+        seq_len=cfg.data.seq_len,
+        micro_steps=steps.micro_steps,
+        # torch's schedules reduce a stage's gradients after its last micro-batch only, unsharded until then.
+        defer_grad_sync=cfg.trainer.defer_grad_sync or steps.pp > 1,
+        cpu_offload=cfg.sharding.cpu_offload,
+        foreach=device_type == "cuda" and not cfg.sharding.cpu_offload,
+        prefetch_forward=cfg.sharding.prefetch_forward,
+        prefetch_backward=cfg.sharding.prefetch_backward,
+        loss_chunks=cfg.loss.chunks,
+        callbacks=declared_state({**cfg.callbacks, f"objective={cfg.objective.name}": cfg.objective}),
+        nccl=device_type == "cuda",
+        tp=steps.tp,
+        cp=steps.cp,
+        pp=steps.pp,
+        in_flight=shape.in_flight[stage] if shape else 1.0,
+        bubble=shape.bubble if shape else 0.0,
+    )
