@@ -42,7 +42,7 @@ def checked_config(overrides: Sequence[str], world_size: int = 0, stages: bool =
     check_config(cfg, world_size, hf_config, device_for(cfg.trainer.device, 0))
     if cfg.parallel.pp > 1 and not stages:  # their every figure is of the whole model on each rank
         raise ConfigError(
-            "parallel.pp", "doctor and simulate do not plan pipeline stages yet", "use parallel.pp=1 (plan plans them)"
+            "parallel.pp", "doctor does not plan pipeline stages yet", "use parallel.pp=1 (plan and simulate plan them)"
         )
     return cfg, hf_config, world_size
 

@@ -124,5 +124,5 @@ def _checked(args) -> tuple:
         )
     if composed.sharding.strategy == Strategy.ddp_classic:
         raise ConfigError("sharding", "ddp_classic is torch's DDP, which simulate does not set up", "use sharding=ddp")
-    cfg, hf_config, world = checked_config(overrides, launch["world_size"])
+    cfg, hf_config, world = checked_config(overrides, launch["world_size"], stages=True)
     return cfg, hf_config, world, rank

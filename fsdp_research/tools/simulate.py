@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from fsdp_research.checkpoint.hf_export import export_dtype, write_parts
 from fsdp_research.config.sizes import export_shard_size
 from fsdp_research.distributed.context_parallel import split_of
-from fsdp_research.distributed.mesh import Mesh, degrees
+from fsdp_research.distributed.mesh import Mesh, degrees, pipeline_rank
 from fsdp_research.distributed.sharding import local_shard
 from fsdp_research.distributed.tensor_parallel import sequence_parallel
 from fsdp_research.errors import ConfigError
@@ -141,12 +141,12 @@ def set_up_shard(cfg: DictConfig, hf_config, device: torch.device, phases: list[
     """Plan, shard and initialise this rank's shard as the trainer does (model.assembly.shard_model's steps, from the
     config: no pretrained weights, no torch DDP; a collective), each phase measured into phases; returns the
     model, its plan and the planner's memory for it."""
-    world = dist.get_world_size()
+    world, stage = dist.get_world_size(), pipeline_rank(cfg.parallel.pp)
     with measured(phases, "plan", device) as phase:
-        model, plan = planned_model(cfg, hf_config)
+        model, plan = planned_model(cfg, hf_config, stage=stage)
         check_planned(cfg, model, plan, hf_config)
         phase.note = f"{len(plan.units)} units, {sum(p.numel() for p in model.parameters()):,} parameters"
-    mem = memory(summarize(cfg, model, plan, hf_config), run_settings(cfg, world, device.type))  # not timed
+    mem = memory(summarize(cfg, model, plan, hf_config), run_settings(cfg, world, device.type, stage))  # not timed
     if device.type == "cpu":
         _check_host_holds(mem.sharded_params + mem.sharded_grads + mem.optimizer)
     with measured(phases, "shard", device):
@@ -158,6 +158,17 @@ def set_up_shard(cfg: DictConfig, hf_config, device: torch.device, phases: list[
         phase.predicted = {"params": mem.sharded_params}
     check_built(cfg, model, device)  # the trainer's check at start
     return model, plan, mem
+
+
+def _schedule(cfg: DictConfig, world: int) -> Phase:
+    """Pipeline parallel: this rank's stages in the schedule (its action list, as the planner reads it)."""
+    run = run_settings(cfg, world, "cpu", pipeline_rank(cfg.parallel.pp))
+    p = cfg.parallel
+    note = (
+        f"{p.pp_schedule}, {run.micro_steps} micro-batches over {p.pp} pipeline ranks: this one holds "
+        f"{run.in_flight:g} micro-batches' activations at most; bubble {run.bubble:.1%} of the step"
+    )
+    return Phase("pipeline schedule", note=note)
 
 
 def _check_host_holds(needed: int) -> None:
@@ -190,6 +201,9 @@ def simulate(cfg: DictConfig, hf_config, device: torch.device, scratch: str) -> 
         phase.tensors["optimizer"] = local_bytes(v for s in optimizer.state.values() for v in s.values())
         phase.predicted = {"grads": mem.sharded_grads, "optimizer": mem.optimizer}
     fits, phase_note = _fits(cfg, model, plan.blocks)
+    if cfg.parallel.pp > 1:
+        fits, phase_note = False, "not run: a pipeline stage's forward takes the stage before's output"
+        phases.append(_schedule(cfg, dist.get_world_size()))
     with measured(phases, "forward/backward (first block)", device) as phase:
         if fits:
             _forward_backward(cfg, model, plan.blocks, device)

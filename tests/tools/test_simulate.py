@@ -183,3 +183,27 @@ def test_a_rank_the_host_cannot_hold_is_refused_before_it_is_built(capsys):
     assert main(["model=llama_70b", "world_size=2", "trainer.global_batch_size=2", "trainer.micro_batch_size=1"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: world_size: this rank's parameter shards, gradients")
+
+
+@pytest.mark.slow
+def test_a_pipeline_rank_is_simulated_with_its_stages_and_schedule(tmp_path):
+    """pp 2 by 1F1B on 4 ranks, rank 3 (the last stage's): its own layers' shards, gradients, optimizer state and
+    save plan as the planner's for that stage, and the schedule's line (1F1B's last rank holds one micro-batch;
+    bubble (pp - 1) / (m + pp - 1) of 4 micro-batches: 20%)."""
+    report = tmp_path / "rank3.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "fsdp_research", "simulate", *OVERRIDES, "world_size=4", "rank=3", "parallel.pp=2"]
+        + ["--json", str(report)],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    phases = {p["name"]: p for p in json.loads(report.read_text())["phases"]}
+    for name in ("init", "optimizer", "save plan"):  # AdamW's step counters aside (bytes)
+        assert phases[name]["tensors"] == pytest.approx(phases[name]["predicted"], abs=1024), name
+    assert phases["pipeline schedule"]["note"] == (
+        "1F1B, 4 micro-batches over 2 pipeline ranks: this one holds 1 micro-batches' activations at most; "
+        "bubble 20.0% of the step"
+    )
