@@ -263,10 +263,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         device = _timing_device(args, device_type, world_size, room, notes) if timed else None
         others = _compare_configs(overrides, world_size) if args.compare else []
         # One model build for the plan and every row of the comparison (a large model's build is most of the time).
-        summaries = summaries_by_sharding([cfg, *others])
-        run = run_settings(cfg, world_size, device_type)
         if cfg.parallel.pp > 1:  # the pipeline rank whose peak is the largest
-            summaries[0], run = _largest_stage(cfg, world_size, device_type)
+            summary, run = _largest_stage(cfg, world_size, device_type)
+            summaries = [summary]
+        else:
+            summaries = summaries_by_sharding([cfg, *others])
+            run = run_settings(cfg, world_size, device_type)
         print(format_plan(summaries[0], run))
         if timed:
             hw = _hardware(args, cfg, summaries[0], world_size, device)

@@ -280,14 +280,13 @@ def test_pipeline_parallel_fits_llama_405b_on_512_gpus(capsys):
     base = ["model=llama_405b", "trainer.global_batch_size=512", "trainer.micro_batch_size=1", "data.seq_len=8192"]
     base += ["parallel.tp=8", "activation_checkpointing=every_block"]
     flat = compose([*base, "sharding=hsdp", "sharding.replicate=8"])
-    flat_peak = memory(summary_for(flat), run_settings(flat, 512, "cuda")).peak
-    staged = compose([*base, "parallel.pp=8"])
-    peaks = [memory(summary_for(staged, s), run_settings(staged, 512, "cuda", s)).peak for s in range(8)]
-    assert max(peaks) < 80 * GIB < flat_peak and max(peaks) < flat_peak / 1.9
+    flat_peak = memory(summary_for(flat), run_settings(flat, 512, "cuda")).peak / GIB
     assert main([*base, "world_size=512", "parallel.pp=8", "--device", "cuda"]) == 0
     out = capsys.readouterr().out
-    assert "pipeline: pp 8 by 1F1B, 64 micro-batches; peak by pipeline rank" in out
-    assert "bubble 10% of the step" in out and "pipeline bubble (waiting on other stages)" in out
+    line = re.search(r"pipeline: pp 8 by 1F1B, 64 micro-batches; peak by pipeline rank (.*) GiB .* bubble 10%", out)
+    peaks = [float(p) for p in line.group(1).split(", ")]
+    assert len(peaks) == 8 and max(peaks) < 80 < flat_peak and max(peaks) < flat_peak / 1.9
+    assert "pipeline bubble (waiting on other stages)" in out
 
 
 @pytest.mark.parametrize("flag", ["--fit=80", "--compare"])
