@@ -67,12 +67,11 @@ def format_stages(parallel, run: Run, peaks: list[int], largest: int) -> str:
 def format_plan(m: ModelSummary, run: Run) -> str:
     e, mem = run.compute_dtype, memory(m, run)
     replicated = m.strategy is Strategy.ddp_classic
-    size = f"{_count(m.n_params)} parameters" + _experts_note(m) + _trained_note(m)
-    deferring = run.micro_steps > 1 and run.defer_grad_sync
     stage = " (a pipeline rank's stages)" if run.pp > 1 else ""
+    size = f"{_count(m.n_params)} parameters{stage}" + _experts_note(m) + _trained_note(m)
+    deferring = run.micro_steps > 1 and run.defer_grad_sync
     lines = [
-        f"{m.name}{stage}: {size}, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), "
-        + _layout(m, run),
+        f"{m.name}: {size}, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {_layout(m, run)}",
         f"compute {e}, reduce {run.reduce_dtype}; micro-batch {run.micro_batch} x {run.seq_len} tokens, "
         f"{run.micro_steps} micro-batch(es) per step; {_checkpointing(m.checkpointed)}",
         *([m.optimizer_split] if m.optimizer_split else []),
@@ -102,7 +101,7 @@ def format_plan(m: ModelSummary, run: Run) -> str:
             ""
             if replicated
             else f"one unit in {e} + its {run.reduce_dtype} reduce-scatter input"
-            + (" + all accumulated (defer_grad_sync)" if deferring else ""),
+            + (f" + all accumulated ({'the schedule' if run.pp > 1 else 'defer_grad_sync'})" if deferring else ""),
         ),
     ]
     for ckpt in _activation_variants(m.checkpointed):

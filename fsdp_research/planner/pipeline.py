@@ -22,10 +22,12 @@ class Action:
 
 @dataclass(frozen=True)
 class PipelineShape:
-    """A step's pipeline on each rank: the largest share of one micro-batch's activations (of all the rank's
-    layers) that its stages hold at once, and the step's bubble."""
+    """A step's pipeline: on each rank, the most activations its stages hold at once, in micro-batches' worth of
+    all the rank's layers (each stage holds 1 / stages a rank of it); the most micro-batches whose loss the last
+    stage holds at once (GPipe: all of them; 1F1B: one); the step's bubble."""
 
     in_flight: tuple[float, ...]
+    losses: int
     bubble: float
 
 
@@ -52,14 +54,13 @@ def actions(schedule: str, pp: int, micro_steps: int, stages_per_rank: int) -> l
     ]
 
 
-def _held(order: list[Action], stages_per_rank: int) -> float:
-    """The most micro-batch stages whose activations are held at once (forward done, backward not), in units of
-    the rank's whole share (one stage holds 1/stages_per_rank of it)."""
+def _held(order: list[Action]) -> int:
+    """The most micro-batch stages whose activations are held at once (forward done, backward not)."""
     held = top = 0
     for a in order:
         held += 1 if a.kind == "F" else -1 if a.kind in ("B", "I") else 0
         top = max(top, held)
-    return top / stages_per_rank
+    return top
 
 
 def _bubble(ranks: list[list[Action]]) -> float:
@@ -84,9 +85,8 @@ def _bubble(ranks: list[list[Action]]) -> float:
                     break
                 start = max([clock[r], *(done[n] for n in needs)])
                 clock[r] = start + COST[a.kind]
-                done[a.kind if a.kind != "B" else "F_B", a.stage, a.micro] = clock[r]
-                if a.kind == "B":  # a full backward gives the stage before its input gradients
-                    done["I", a.stage, a.micro] = clock[r]
+                # A full backward gives the stage before its input gradients, as an input pass does.
+                done["I" if a.kind == "B" else a.kind, a.stage, a.micro] = clock[r]
                 position[r] += 1
                 progressed = True
         if not progressed:
@@ -98,4 +98,6 @@ def _bubble(ranks: list[list[Action]]) -> float:
 @cache
 def pipeline_shape(schedule: str, pp: int, micro_steps: int, stages_per_rank: int) -> PipelineShape:
     ranks = actions(schedule, pp, micro_steps, stages_per_rank)
-    return PipelineShape(tuple(_held(order, stages_per_rank) for order in ranks), _bubble(ranks))
+    last = max(a.stage for order in ranks for a in order)
+    losses = max(_held([a for a in order if a.stage == last]) for order in ranks)
+    return PipelineShape(tuple(_held(order) / stages_per_rank for order in ranks), losses, _bubble(ranks))

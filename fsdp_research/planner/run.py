@@ -37,15 +37,16 @@ class Run:
     callbacks: Declared = ()
     # On CUDA each process group is an NCCL communicator with buffers of its own on the device.
     nccl: bool = False
-    # Tensor-parallel ranks (the data-parallel ranks are world_size / tp / cp).
+    # Tensor-parallel ranks (the data-parallel ranks are world_size / pp / tp / cp).
     tp: int = 1
     # Context-parallel ranks: each holds 1/cp of a sequence's tokens (attention: 1/cp of the heads, all tokens).
     cp: int = 1
-    # Pipeline stages (this Run is of one pipeline rank's): the most micro-batches' activations its stages hold at
-    # once (in shares of one micro-batch's through all its layers) and the share of the step it waits
-    # (fsdp_research.planner.pipeline).
+    # Pipeline ranks (this Run is of one's): the most activations its stages hold at once, in micro-batches' worth
+    # of all its layers; the most micro-batches whose loss the last stage holds at once; the share of the step it
+    # waits (fsdp_research.planner.pipeline).
     pp: int = 1
     in_flight: float = 1.0
+    losses: int = 1
     bubble: float = 0.0
 
     @property
@@ -71,8 +72,9 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
         micro_batch=cfg.trainer.micro_batch_size,
         seq_len=cfg.data.seq_len,
         micro_steps=steps.micro_steps,
-        # torch's schedules reduce a stage's gradients after its last micro-batch only, unsharded until then.
-        defer_grad_sync=cfg.trainer.defer_grad_sync or steps.pp > 1,
+        # torch's schedules reduce an FSDP module's gradients after its last micro-batch only, unsharded until then;
+        # several stages a rank are views of one module, which FSDP reduces after each micro-batch's backward.
+        defer_grad_sync=p.pp_stages_per_rank == 1 if steps.pp > 1 else cfg.trainer.defer_grad_sync,
         cpu_offload=cfg.sharding.cpu_offload,
         foreach=device_type == "cuda" and not cfg.sharding.cpu_offload,
         prefetch_forward=cfg.sharding.prefetch_forward,
@@ -84,5 +86,6 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
         cp=steps.cp,
         pp=steps.pp,
         in_flight=shape.in_flight[stage] if shape else 1.0,
+        losses=shape.losses if shape else 1,
         bubble=shape.bubble if shape else 0.0,
     )

@@ -16,6 +16,7 @@ from fsdp_research.config.schema import CheckpointMode, Strategy
 from fsdp_research.config.targets import kwargs_of, resolve
 from fsdp_research.distributed.expert_parallel import fused_experts, split_experts
 from fsdp_research.distributed.names import clean_name
+from fsdp_research.distributed.pipeline import stages_of
 from fsdp_research.distributed.precision import dtypes, kept_in_fp32, parse_dtype
 from fsdp_research.distributed.sharding import ShardingPlan, build_plan, owner
 from fsdp_research.distributed.tensor_parallel import sequence_parallel, tp_plan
@@ -154,8 +155,9 @@ class ModelSummary:
         return sum(rows * cols for rows, cols in self.whole_shapes)
 
 
-def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) -> ModelSummary:
-    """The plan's units with the parameter shapes each one owns (a unit owns what no deeper unit owns)."""
+def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config, stage: int = 0) -> ModelSummary:
+    """The plan's units with the parameter shapes each one owns (a unit owns what no deeper unit owns); stage: the
+    pipeline rank whose stages `model` holds (parallel.pp > 1)."""
     paths = [u.path for u in plan.units] or [""]
     tp, ep = cfg.parallel.tp, cfg.parallel.ep
     experts = {u.path for u in plan.units if u.experts}
@@ -176,10 +178,6 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         )
         for p in paths
     )
-    embedding = input_embedding(model)  # None on a pipeline stage after the first
-    output = output_layer(model)
-    head = output is not None and any(True for _ in output.parameters())  # a stage before the last has none
-    tied = head and embedding is not None and any(p is embedding.weight for p in output.parameters())
     d = dims(model, plan.blocks)
     return ModelSummary(
         name=cfg.model.name,
@@ -201,21 +199,37 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config) 
         units=units[:-1] if plan.units else (),
         root=units[-1],
         root_in_block=_root_in_block(owned[""], block_of, len(plan.blocks)),
-        input_embedding=0 if tied or embedding is None else embedding.weight.numel(),
+        **_ends(cfg.parallel, model, d, stage),
         frozen_norms=_frozen_vectors(model),
         **_optimizer(cfg.optim, model, plan),
         **_checkpointing(cfg.activation_checkpointing),
         flops_per_token=flops_per_token(
             d, matmul_parameters(model, d), cfg.data.seq_len, matmul_parameters(model, d, frozen=True)
         ),
-        head_flops_per_token=2.0 * d.hidden * d.vocab if head else 0.0,
-        loss_here=head,
-        embeds_here=embedding is not None,
         tp=tp,
         sequence_parallel=sequence_parallel(cfg.parallel),
         ep=ep,
         moe_blocks=tuple(sorted({block_of(p) for p in fused_experts(model)} - {None})),
     )
+
+
+def _ends(parallel, model: nn.Module, d, stage: int) -> dict:
+    """What the pipeline's ends hold, by the rank's stages (not by the modules left: with tied embeddings the first
+    stage keeps the head's weight for its passthrough, the last the embedding): the token embedding on the first,
+    the head, logits and loss on the last (both at pp = 1)."""
+    first, last = True, True
+    if parallel.pp > 1:
+        held, stages = stages_of(stage, parallel)
+        first, last = 0 in held, stages - 1 in held
+    embedding = input_embedding(model)
+    output = output_layer(model) if last else None
+    tied = output is not None and embedding is not None and any(p is embedding.weight for p in output.parameters())
+    return {
+        "input_embedding": embedding.weight.numel() if first and not tied else 0,
+        "head_flops_per_token": 2.0 * d.hidden * d.vocab if output is not None else 0.0,
+        "loss_here": last,
+        "embeds_here": first,
+    }
 
 
 def _root_in_block(root_owned: list, block_of: Callable[[str], int | None], n_blocks: int) -> tuple[int, ...]:
@@ -321,7 +335,7 @@ def summary_for(cfg: DictConfig, stage: int = 0) -> ModelSummary:
     """stage: the pipeline rank whose stages are summarized (parallel.pp > 1)."""
     hf_config = build_hf_config(cfg.model)
     model, plan = planned_model(cfg, hf_config, values=False, stage=stage)
-    return summarize(cfg, model, plan, hf_config)
+    return summarize(cfg, model, plan, hf_config, stage)
 
 
 def summaries_by_sharding(

@@ -146,7 +146,7 @@ def set_up_shard(cfg: DictConfig, hf_config, device: torch.device, phases: list[
         model, plan = planned_model(cfg, hf_config, stage=stage)
         check_planned(cfg, model, plan, hf_config)
         phase.note = f"{len(plan.units)} units, {sum(p.numel() for p in model.parameters()):,} parameters"
-    mem = memory(summarize(cfg, model, plan, hf_config), run_settings(cfg, world, device.type, stage))  # not timed
+    mem = memory(summarize(cfg, model, plan, hf_config, stage), run_settings(cfg, world, device.type, stage))  # untimed
     if device.type == "cpu":
         _check_host_holds(mem.sharded_params + mem.sharded_grads + mem.optimizer)
     with measured(phases, "shard", device):
@@ -200,10 +200,11 @@ def simulate(cfg: DictConfig, hf_config, device: torch.device, scratch: str) -> 
         optimizer.zero_grad(set_to_none=True)
         phase.tensors["optimizer"] = local_bytes(v for s in optimizer.state.values() for v in s.values())
         phase.predicted = {"grads": mem.sharded_grads, "optimizer": mem.optimizer}
-    fits, phase_note = _fits(cfg, model, plan.blocks)
     if cfg.parallel.pp > 1:
         fits, phase_note = False, "not run: a pipeline stage's forward takes the stage before's output"
         phases.append(_schedule(cfg, dist.get_world_size()))
+    else:
+        fits, phase_note = _fits(cfg, model, plan.blocks)
     with measured(phases, "forward/backward (first block)", device) as phase:
         if fits:
             _forward_backward(cfg, model, plan.blocks, device)

@@ -1,6 +1,6 @@
 """What a run sets up once beside the model: the data (token stores built where missing), the global RNG seeded
 per rank, the throughput/MFU meter with the start-up log line that describes the run, and what observes it (the
-sinks, status.json, the doctor's findings, the profiler), closed however the run ends."""
+sinks, status.json, the doctor's findings, the profiler), closed however the run ends; a resumed run's state."""
 
 import contextlib
 import logging
@@ -168,7 +168,7 @@ def close_on_exit(resources: contextlib.ExitStack, close: Callable[[bool], Any])
 def planned_fit(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, device: torch.device) -> dict | None:
     """Rank 0's input to the doctor's fit check (planner.fit.doctor_fit), read from the model as the trainer
     planned it: before sharding renames its classes, and without building it again. None on the other ranks, and
-    for pipeline stages, which the planner does not plan yet."""
+    for pipeline stages, which the doctor does not plan yet."""
     if dist.get_rank() or cfg.parallel.pp > 1:
         return None
     return doctor_fit(cfg, dist.get_world_size(), device, (model, plan))

@@ -272,10 +272,28 @@ def test_pipeline_bubble_and_micro_batches_in_flight_as_the_papers_count_them(sc
             assert shape.in_flight[0] == pytest.approx(pp * (1 + (pp - 1) / (stages_per_rank * pp)))
 
 
+@pytest.mark.parametrize(("schedule", "stages_per_rank"), [("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2)])
+def test_pipeline_ranks_are_planned_by_their_stages(schedule, stages_per_rank):
+    """Tied embeddings at pp 2 (the first stage keeps the head's weight for its passthrough, the last the
+    embedding): the first rank embeds, the last holds the head and the loss, by the stages each holds. One stage a
+    rank: torch's schedule accumulates its gradients unsharded to the last micro-batch; several (views of one
+    module): FSDP reduces after each. GPipe's last stage holds every micro-batch's loss, 1F1B's one."""
+    cfg = compose(
+        ["model.config.tie_word_embeddings=true", "parallel.pp=2", "trainer.micro_batch_size=2"]
+        + [f"parallel.pp_schedule={schedule}", f"parallel.pp_stages_per_rank={stages_per_rank}"]
+    )
+    first, last = summary_for(cfg, 0), summary_for(cfg, 1)
+    assert (first.embeds_here, first.loss_here, last.embeds_here, last.loss_here) == (True, False, False, True)
+    assert first.head_flops_per_token == 0 < last.head_flops_per_token
+    run = run_settings(cfg, 4, "cpu", 1)
+    assert run.defer_grad_sync == (stages_per_rank == 1)
+    assert run.losses == (run.micro_steps if schedule == "GPipe" else 1)
+
+
 @pytest.mark.slow
 def test_pipeline_parallel_fits_llama_405b_on_512_gpus(capsys):
     """Llama-3.1-405B on 512 H100s as torchtitan runs it (FSDP 8 x TP 8 x PP 8 by 1F1B, full activation
-    checkpointing, 8k tokens): each pipeline rank's peak fits 80 GB, under half the peak of the same FSDP group of 8
+    checkpointing, 8k tokens): each pipeline rank's peak fits 80 GiB, about half the peak of the same FSDP group of 8
     without pipeline stages (hsdp replicating it 8 times), which fits no H100; the plan names the stages."""
     base = ["model=llama_405b", "trainer.global_batch_size=512", "trainer.micro_batch_size=1", "data.seq_len=8192"]
     base += ["parallel.tp=8", "activation_checkpointing=every_block"]
