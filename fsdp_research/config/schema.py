@@ -115,6 +115,9 @@ class ParallelConfig:
     pp_schedule: str = "1F1B"
     # Stages on each rank: 1 for GPipe and 1F1B (the looped and V schedules hold more).
     pp_stages_per_rank: int = 1
+    # Where the stages after the first begin (torchtitan's pipeline_parallel_split_points): layer names, layers.4,
+    # ..., one fewer than the stages; empty: the units (embedding, layers, head) split as evenly as they divide.
+    pp_split_points: list[str] = field(default_factory=list)
 
 
 @dataclass

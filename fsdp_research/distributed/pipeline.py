@@ -5,6 +5,7 @@ family's forward runs it, the hidden states going in as inputs_embeds after the 
 before the last. Masks and positions are recomputed on every stage from the same keyword arguments (position ids,
 as tensors), as the whole model does."""
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,14 +61,17 @@ class Parts:
         return Parts(getattr(model, model.base_model_prefix), *plan)
 
 
-def check_split(model: nn.Module, stages: int) -> None:
-    """The whole model (planned, on the meta device) splits into `stages`: a family split-tested, a unit (the
-    embedding, a layer, the head: torchtitan counts them so) for each stage at least, no weight shared by two."""
+def check_split(model: nn.Module, parallel) -> list[int]:
+    """Each stage's first unit (0: the embedding, 1 .. n: the layers, n + 1: the head) of the whole model (planned,
+    on the meta device) split into the parallel section's stages: a family split-tested, a unit (torchtitan counts
+    them so) for each stage at least and a layer for each rank; as evenly as they divide, or where the split points'
+    layers begin (parallel.pp_split_points)."""
+    stages, points = stages_of(0, parallel)[1], parallel.pp_split_points
     parts = Parts.of(model)
-    units = len(getattr(parts.base, parts.layers)) + 2
-    if units < stages:
+    n = len(getattr(parts.base, parts.layers))
+    if n + 2 < stages:
         raise ConfigError(
-            "parallel.pp", f"{stages} stages for {units} layers (the embedding and head counted)", "use fewer stages"
+            "parallel.pp", f"{stages} stages for {n + 2} layers (the embedding and head counted)", "use fewer stages"
         )
     # The family's forward picks each layer's mask by its place in the loop (config.layer_types[i]), which restarts
     # on every stage.
@@ -78,6 +82,25 @@ def check_split(model: nn.Module, stages: int) -> None:
             "across stages yet",
             "use parallel.pp=1, or one attention type (e.g. use_sliding_window=false)",
         )
+    if not points:
+        starts = [s * (n + 2) // stages for s in range(stages)]
+    else:
+        layer = re.compile(rf"(?:.+\.)?{re.escape(parts.layers)}\.(\d+)")
+        found = [layer.fullmatch(p) for p in points]
+        starts = [0] + [int(f.group(1)) + 1 for f in found if f and int(f.group(1)) < n]
+        if len(points) != stages - 1 or len(starts) != stages or starts != sorted(set(starts)):
+            raise ConfigError(
+                "parallel.pp_split_points",
+                f"{list(points)} are not {stages - 1} of the model's layers in order ({parts.layers}.0 .. {n - 1})",
+                f"give where each stage after the first begins, e.g. [{parts.layers}.{n // stages}]",
+            )
+    # A rank of the embedding or the head alone has no block to shard or checkpoint.
+    ends = [*starts[1:], n + 2]
+    for rank in range(parallel.pp):
+        if not any(0 < u <= n for s in stages_of(rank, parallel)[0] for u in range(starts[s], ends[s])):
+            key = "parallel.pp_split_points" if points else "parallel.pp"
+            raise ConfigError(key, f"pipeline rank {rank} would hold none of the {n} layers", "give each rank a layer")
+    return starts
 
 
 def tied(model: nn.Module) -> bool:
@@ -95,11 +118,6 @@ class HeadPassthrough(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
-
-
-def unit_range(stage: int, stages: int, units: int) -> range:
-    """The units (0: the embedding, 1 .. n: the layers, n + 1: the head) of `stage`, as even as they divide."""
-    return range(stage * units // stages, (stage + 1) * units // stages)
 
 
 class KeptLayers(nn.ModuleDict):
@@ -147,18 +165,18 @@ def _passing(module: nn.Module, on: bool) -> None:
         module.__dict__.pop("forward", None)
 
 
-def split_stages(model: nn.Module, held: list[int], stages: int) -> None:
+def split_stages(model: nn.Module, parallel, pp_rank: int) -> None:
     """Take out of `model` (on the meta device, before anything else is applied) what other ranks' stages hold:
     their layers, the embedding where no held stage is the first, the final norm and the head where none is the
     last. The forward then takes the previous stage's hidden states positionally and returns a tensor; with several
     stages on the rank, the keyword argument pp_stage says which one runs (StageView)."""
-    check_split(model, stages)
+    starts, held = check_split(model, parallel), stages_of(pp_rank, parallel)[0]
     parts, shared = Parts.of(model), tied(model)
     layers = getattr(parts.base, parts.layers)
     n = len(layers)
     roles = {}
     for stage in held:
-        units = unit_range(stage, stages, n + 2)
+        units = range(starts[stage], ([*starts, n + 2])[stage + 1])
         roles[stage] = Role([str(u - 1) for u in units if 0 < u <= n], 0 in units, n + 1 in units)
     first, last = any(r.first for r in roles.values()), any(r.last for r in roles.values())
     kept = KeptLayers({k: layers[int(k)] for k in sorted({k for r in roles.values() for k in r.layers}, key=int)})

@@ -15,7 +15,7 @@ from fsdp_research.distributed.compile import apply_compile
 from fsdp_research.distributed.context_parallel import apply_cp
 from fsdp_research.distributed.expert_parallel import apply_ep, split_experts
 from fsdp_research.distributed.mesh import Mesh, degrees, pipeline_rank
-from fsdp_research.distributed.pipeline import split_stages, stages_of
+from fsdp_research.distributed.pipeline import split_stages
 from fsdp_research.distributed.precision import build_mp_policy, dtypes, kept_in_fp32
 from fsdp_research.distributed.sharding import ShardingPlan, apply_ddp, apply_fsdp, build_plan
 from fsdp_research.distributed.tensor_parallel import apply_tp
@@ -40,7 +40,7 @@ def planned_model(
         model = build_model(hf_config, cfg.trainer.seed, values)
     block_class = block_class_name(model, cfg.model.block_class)  # of the whole model's list of layers
     if cfg.parallel.pp > 1 and stage is not None:
-        split_stages(model, *stages_of(stage, cfg.parallel))
+        split_stages(model, cfg.parallel, stage)
     if lora_enabled(cfg.model.lora):
         apply_lora(model, cfg.model.lora)
     fp32_modules = kept_in_fp32(model, dtypes(cfg.precision)[0])

@@ -43,6 +43,8 @@ def check_parallel(cfg: DictConfig, world_size: int) -> None:
         raise ConfigError("parallel.tp", f"{p.tp} does not divide the world size {world_size}", "use a divisor")
     if p.pp != 1:
         check_pipeline_parallel(cfg, world_size)
+    elif p.pp_split_points:
+        raise ConfigError("parallel.pp_split_points", "split points without pipeline stages", "drop them, or set pp")
     if p.cp != 1:
         check_context_parallel(cfg, world_size)
     if p.ep != 1:

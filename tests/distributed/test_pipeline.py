@@ -175,6 +175,26 @@ def test_the_mesh_and_the_whole_model_are_printed_at_start(results):
 
 
 @pytest.mark.parametrize(
+    ("points", "layers"),
+    [([], [[0, 1, 2, 3], [4, 5, 6, 7]]), (["layers.6"], [[0, 1, 2, 3, 4, 5], [6, 7]]), (["model.layers.3"], None)],
+)
+def test_split_points_place_the_stages_where_they_say(points, layers):
+    """parallel.pp_split_points (torchtitan's): the stage after a point begins at the layer it names (by the base
+    model's name or the model's); the embedding with the first stage, the head with the last; empty: the units
+    (embedding, layers, head) as evenly as they divide."""
+    from fsdp_research.jobs.compose import compose
+    from fsdp_research.model.architecture import build_hf_config
+    from fsdp_research.model.assembly import planned_model
+
+    cfg = compose(["model=llama_mid", "parallel.pp=2", f"parallel.pp_split_points=[{','.join(points)}]"])
+    stages = [planned_model(cfg, build_hf_config(cfg.model), values=False, stage=s)[0] for s in (0, 1)]
+    held = [[int(k) for k in model.model.layers.keys()] for model in stages]
+    assert held == (layers or [[0, 1, 2], [3, 4, 5, 6, 7]])
+    assert stages[0].model.embed_tokens is not None and stages[1].model.embed_tokens is None
+    assert isinstance(stages[1].lm_head, torch.nn.Linear) and not isinstance(stages[0].lm_head, torch.nn.Linear)
+
+
+@pytest.mark.parametrize(
     ("world", "overrides", "expected"),
     [
         (3, ["parallel.pp=2"], "parallel.pp: 2 does not divide the world size 3"),
@@ -221,6 +241,13 @@ def test_the_mesh_and_the_whole_model_are_printed_at_start(results):
             "parallel.pp: 8 stages for",
         ),
         (2, ["parallel.pp=2", "model=custom", "model.model_type=gemma"], "gemma is not split-tested"),
+        (
+            2,
+            ["parallel.pp=2", "parallel.pp_split_points=[layers.4]"],
+            "parallel.pp_split_points: ['layers.4'] are not 1 of the model's layers in order (layers.0 .. 3)",
+        ),
+        (2, ["parallel.pp=2", "parallel.pp_split_points=[layers.0]"], "pipeline rank 0 would hold none of the 4"),
+        (2, ["parallel.pp_split_points=[layers.1]"], "parallel.pp_split_points: split points without pipeline"),
         (2, ["parallel.pp=2", "callbacks=ema"], "callbacks: callbacks with pipeline parallel are not supported yet"),
         (2, ["parallel.pp=2", "trainer.detect_anomaly=true"], "trainer.detect_anomaly: anomaly checks with pipeline"),
         (
