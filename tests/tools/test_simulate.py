@@ -23,6 +23,7 @@ from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST
 from tests.helpers.cli import subprocess_env
 from tests.helpers.dist import full_state, run_distributed
+from tests.helpers.parallel import simulated_phases
 from tests.helpers.zoo import assert_initialised_alike
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -190,17 +191,7 @@ def test_a_pipeline_rank_is_simulated_with_its_stages_and_schedule(tmp_path):
     """pp 2 by 1F1B on 4 ranks, rank 3 (the last stage's): its own layers' shards, gradients, optimizer state and
     save plan as the planner's for that stage, and the schedule's line (1F1B's last rank holds one micro-batch;
     bubble (pp - 1) / (m + pp - 1) of 4 micro-batches: 20%)."""
-    report = tmp_path / "rank3.json"
-    done = subprocess.run(
-        [sys.executable, "-m", "fsdp_research", "simulate", *OVERRIDES, "world_size=4", "rank=3", "parallel.pp=2"]
-        + ["--json", str(report)],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stderr
-    phases = {p["name"]: p for p in json.loads(report.read_text())["phases"]}
+    phases = simulated_phases([*OVERRIDES, "world_size=4", "rank=3", "parallel.pp=2"], tmp_path / "rank3.json")
     for name in ("init", "optimizer", "save plan"):  # AdamW's step counters aside (bytes)
         assert phases[name]["tensors"] == pytest.approx(phases[name]["predicted"], abs=1024), name
     assert phases["pipeline schedule"]["note"] == (
