@@ -61,8 +61,8 @@ class Parts:
         return Parts(getattr(model, model.base_model_prefix), *plan)
 
 
-def check_split(model: nn.Module, parallel) -> list[int]:
-    """Each stage's first unit (0: the embedding, 1 .. n: the layers, n + 1: the head) of the whole model (planned,
+def check_split(model: nn.Module, parallel) -> list[range]:
+    """Each stage's units (0: the embedding, 1 .. n: the layers, n + 1: the head) of the whole model (planned,
     on the meta device) split into the parallel section's stages: a family split-tested, a unit (torchtitan counts
     them so) for each stage at least and a layer for each rank; as evenly as they divide, or where the split points'
     layers begin (parallel.pp_split_points)."""
@@ -94,13 +94,13 @@ def check_split(model: nn.Module, parallel) -> list[int]:
                 f"{list(points)} are not {stages - 1} of the model's layers in order ({parts.layers}.0 .. {n - 1})",
                 f"give where each stage after the first begins, e.g. [{parts.layers}.{n // stages}]",
             )
+    units = [range(a, b) for a, b in zip(starts, [*starts[1:], n + 2])]
     # A rank of the embedding or the head alone has no block to shard or checkpoint.
-    ends = [*starts[1:], n + 2]
     for rank in range(parallel.pp):
-        if not any(0 < u <= n for s in stages_of(rank, parallel)[0] for u in range(starts[s], ends[s])):
+        if not any(0 < u <= n for s in stages_of(rank, parallel)[0] for u in units[s]):
             key = "parallel.pp_split_points" if points else "parallel.pp"
             raise ConfigError(key, f"pipeline rank {rank} would hold none of the {n} layers", "give each rank a layer")
-    return starts
+    return units
 
 
 def tied(model: nn.Module) -> bool:
@@ -170,13 +170,13 @@ def split_stages(model: nn.Module, parallel, pp_rank: int) -> None:
     their layers, the embedding where no held stage is the first, the final norm and the head where none is the
     last. The forward then takes the previous stage's hidden states positionally and returns a tensor; with several
     stages on the rank, the keyword argument pp_stage says which one runs (StageView)."""
-    starts, held = check_split(model, parallel), stages_of(pp_rank, parallel)[0]
+    units_of, held = check_split(model, parallel), stages_of(pp_rank, parallel)[0]
     parts, shared = Parts.of(model), tied(model)
     layers = getattr(parts.base, parts.layers)
     n = len(layers)
     roles = {}
     for stage in held:
-        units = range(starts[stage], ([*starts, n + 2])[stage + 1])
+        units = units_of[stage]
         roles[stage] = Role([str(u - 1) for u in units if 0 < u <= n], 0 in units, n + 1 in units)
     first, last = any(r.first for r in roles.values()), any(r.last for r in roles.values())
     kept = KeptLayers({k: layers[int(k)] for k in sorted({k for r in roles.values() for k in r.layers}, key=int)})
