@@ -6,6 +6,7 @@ fully_shard (innermost first) -> this rank's shards materialized, initialised or
 DDP for the classic baseline."""
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
 
@@ -15,9 +16,10 @@ from fsdp_research.distributed.compile import apply_compile
 from fsdp_research.distributed.context_parallel import apply_cp
 from fsdp_research.distributed.expert_parallel import apply_ep, split_experts
 from fsdp_research.distributed.mesh import Mesh, degrees, pipeline_rank
-from fsdp_research.distributed.pipeline import split_stages
+from fsdp_research.distributed.pipeline import Pipeline, build_pipeline, split_stages
 from fsdp_research.distributed.precision import build_mp_policy, dtypes, kept_in_fp32
 from fsdp_research.distributed.sharding import ShardingPlan, apply_ddp, apply_fsdp, build_plan
+from fsdp_research.distributed.step_layout import layout
 from fsdp_research.distributed.tensor_parallel import apply_tp
 from fsdp_research.model.architecture import block_class_name, build_model, build_own_model, find_blocks, pretrained_dir
 from fsdp_research.model.initialization import init_weights, materialize
@@ -83,6 +85,17 @@ def shard_model(model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device: t
     else:
         init_weights(model, plan.blocks, cfg.trainer.seed)
     return apply_ddp(model, device) if plan.strategy is Strategy.ddp_classic else model
+
+
+def shard_stages(
+    model: nn.Module, plan: ShardingPlan, cfg: DictConfig, device: torch.device, whole: nn.Module
+) -> tuple[nn.Module, Pipeline | None]:
+    """shard_model over the config's mesh, and the Pipeline of this rank's stages (parallel.pp > 1; None without);
+    `whole`: the whole model as planned, whose tied embeddings every rank sees (a collective: every rank calls it)."""
+    world = dist.get_world_size()
+    mesh = Mesh(degrees(cfg, world), device.type)
+    model = shard_model(model, plan, cfg, device, mesh)
+    return model, build_pipeline(model, whole, cfg.parallel, layout(cfg, world), mesh, device)
 
 
 def build_sharded_model(

@@ -21,8 +21,7 @@ from fsdp_research.checkpoint.hf_export import export_run
 from fsdp_research.config.schema import Strategy, typed
 from fsdp_research.data.pipeline import Data, Prefetcher, packed
 from fsdp_research.distributed.context_parallel import split_of
-from fsdp_research.distributed.mesh import Mesh, degrees
-from fsdp_research.distributed.pipeline import Pipeline, build_pipeline
+from fsdp_research.distributed.pipeline import Pipeline
 from fsdp_research.distributed.precision import LossScaler, autocast
 from fsdp_research.distributed.processes import broadcast_object, device_for, init_distributed, launch_env, on_rank0
 from fsdp_research.distributed.sharding import ShardingPlan
@@ -31,7 +30,7 @@ from fsdp_research.metrics.meters import MEAN_LOSSES, PeakMemory, Throughput, me
 from fsdp_research.metrics.profiling import StepProfiler, region
 from fsdp_research.metrics.sinks import Sinks, setup_logging
 from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.model.assembly import shard_model
+from fsdp_research.model.assembly import shard_stages
 from fsdp_research.model.dimensions import dims
 from fsdp_research.model.lora import base_identity
 from fsdp_research.objectives import Objective, StepContext, build_objective
@@ -138,10 +137,8 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     # Read before sharding, which renames the classes it wraps.
     whole = whole_model(cfg, hf_config, model, plan)
     d, fit = dims(whole[0], whole[1].blocks), planned_fit(cfg, model, plan, device)
-    mesh = Mesh(degrees(cfg, world), device.type)
-    model = shard_model(model, plan, cfg, device, mesh)
+    model, pipeline = shard_stages(model, plan, cfg, device, whole[0])
     lay = layout(cfg, world)
-    pipeline = build_pipeline(model, whole[0], cfg.parallel, lay, mesh, device)
     check_built(cfg, model, device)
     note_dropout(model)
     optimizer, scheduler = build_optimizer(model, cfg, plan.blocks)

@@ -12,12 +12,12 @@ from omegaconf import OmegaConf
 
 from fsdp_research.config.schema import typed
 from fsdp_research.distributed.context_parallel import split_of
-from fsdp_research.distributed.mesh import Mesh, degrees, pipeline_rank
-from fsdp_research.distributed.pipeline import build_pipeline, pipeline_of
+from fsdp_research.distributed.mesh import pipeline_rank
+from fsdp_research.distributed.pipeline import pipeline_of
 from fsdp_research.distributed.processes import init_distributed
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.model.assembly import planned_model, shard_model
+from fsdp_research.model.assembly import planned_model, shard_stages
 from fsdp_research.objectives import StepContext
 from fsdp_research.objectives.lm import NextToken
 from fsdp_research.optim import build_optimizer, clip_grad_norm
@@ -50,10 +50,8 @@ def prepared(container: dict) -> tuple[Any, torch.nn.Module, torch.optim.Optimiz
     init_distributed(cfg.distributed, device)
     hf_config, world = build_hf_config(cfg.model), dist.get_world_size()
     model, plan = planned_model(cfg, hf_config, stage=pipeline_rank(cfg.parallel.pp))
-    whole = whole_model(cfg, hf_config, model, plan)[0]
-    mesh, lay = Mesh(degrees(cfg, world), device.type), layout(cfg, world)
-    model = shard_model(model, plan, cfg, device, mesh)
-    build_pipeline(model, whole, cfg.parallel, lay, mesh, device)
+    model, _ = shard_stages(model, plan, cfg, device, whole_model(cfg, hf_config, model, plan)[0])
+    lay = layout(cfg, world)
     optimizer, _ = build_optimizer(model, cfg, plan.blocks)
     # A tp x cp group reads the same batch (the stages of a pipeline, theirs).
     gen = torch.Generator().manual_seed(dist.get_rank() % (world // lay.pp) // (lay.tp * lay.cp))
