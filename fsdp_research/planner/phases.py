@@ -63,11 +63,16 @@ def step_phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> Phas
     # model's forward itself returns the hidden states.
     c = run.loss_chunks
     chunked = c > 1
+    # Chunks after the first: the head's gradient of the chunk beside the one accumulated so far (autograd adds
+    # them), in the compute dtype; of a trained head only.
+    head_grads = 2 * e * m.vocab * h * m.root.trained().numel // max(m.root.numel, 1) if chunked else 0
     return Phases(
         saved=sum(saved),
         forward_end=sum(saved) + norm + logits_forward(m, e) * tok // c,
         root_forward_end=sum(saved) + norm + (0 if chunked else e * m.vocab * tok),
         backward_start=sum(saved) + norm + (0 if chunked else FP32 * m.vocab * tok),
-        loss_grads=(logits_forward(m, e) + 2 * FP32 * m.vocab) * tok // c if chunked else 2 * FP32 * m.vocab * tok,
+        loss_grads=(logits_forward(m, e) + 2 * FP32 * m.vocab) * tok // c + head_grads
+        if chunked
+        else 2 * FP32 * m.vocab * tok,
         block=blocks,
     )
