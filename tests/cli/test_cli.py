@@ -76,6 +76,7 @@ def test_missing_input_after_flags_is_one_line(argv, error, tmp_path, capsys):
     assert capsys.readouterr().err.startswith(error.format(**paths))
 
 
+@pytest.mark.slow  # an interpreter of its own (~10 s)
 def test_the_package_runs_a_command_in_a_process_of_its_own():
     """The real `python -m fsdp_research <command>`, once."""
     result = subprocess.run(

@@ -35,6 +35,7 @@ def _faults_taking_again(container: dict | None) -> list[int]:
     return faults
 
 
+@pytest.mark.slow  # processes of its own (~7 s)
 def test_a_rank_takes_freed_memory_again_without_faulting_it_in():
     rank = OmegaConf.to_container(compose(FAST), resolve=True)
     kept = run_distributed(_faults_taking_again, 1, rank)

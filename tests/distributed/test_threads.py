@@ -53,6 +53,7 @@ def _run_with_saves(cfg, run_dir: str) -> dict:
     return {"before": baseline, "after": min(after), "each": after}
 
 
+@pytest.mark.slow  # a training with checkpoints each (~4 s)
 @pytest.mark.parametrize("saves", ["sync", "async"])
 def test_a_checkpoint_leaves_the_training_threads_as_they_were(tmp_path, saves):
     """Async saves write from a thread of the checkpointer's, set to one intra-op thread as it starts."""

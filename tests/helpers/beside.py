@@ -52,7 +52,8 @@ def split(items: list[pytest.Item], config: pytest.Config) -> Beside | None:
     """Takes the SLURM tests out of `items` into a child pytest, when the session has others to run meanwhile, and
     puts the IDLE_CORE modules first (a stable sort: each module stays whole, its fixtures set up once)."""
     slurm = [item for item in items if item.nodeid.startswith(FOLDER)]
-    if not slurm or len(slurm) == len(items) or config.option.collectonly:
+    # Under pytest-xdist (-n) every worker collects: the SLURM tests then run among its others, not once per worker.
+    if not slurm or len(slurm) == len(items) or config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER"):
         return None
     rest = [item for item in items if not item.nodeid.startswith(FOLDER)]
     items[:] = sorted(rest, key=lambda item: not item.nodeid.startswith(IDLE_CORE))

@@ -214,5 +214,6 @@ def test_sharded_muon_matches_the_formulas(sharded, name, family, float32_ns):
         assert re.search(r"Muon: \d+ tensors .* as \d+ matrices .*; others \(AdamW\): embeddings, ", f.read())
 
 
+@pytest.mark.slow  # the module's 2-rank trainings of every family, for this alone in the quick subset
 def test_the_exchange_is_in_bfloat16_under_bfloat16_newton_schulz(sharded):
     assert ok(sharded[3], "bf16")["sent"] == ["torch.bfloat16"]
