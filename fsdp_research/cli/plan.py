@@ -254,8 +254,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.fit is not None:
             overrides = _searchable(overrides, launch.get("world_size", 0))
         cfg, _, world_size = checked_config(overrides, launch.get("world_size", 0), stages=True)
-        if cfg.parallel.pp > 1 and (args.fit is not None or args.compare):
-            raise ConfigError("parallel.pp", "--fit and --compare do not search pipeline stages yet", "drop one")
+        if cfg.parallel.pp > 1 and args.compare:
+            raise ConfigError("parallel.pp", "--compare does not compare pipeline stages' shardings yet", "drop one")
         notes: list[str] = []  # printed after the plan, whose first line is the model's
         device_type = _device_type(args, cfg, overrides, notes)
         room = _budget(args, device_type == "cuda")

@@ -52,13 +52,12 @@ class Parts:
     @staticmethod
     def of(model: nn.Module) -> "Parts":
         config = getattr(model, "config", None)
-        plan = getattr(config, "base_model_pp_plan", None) or {}
         family = getattr(config, "model_type", type(model).__name__)
-        if family not in FAMILIES or list(plan) != ["embed_tokens", "layers", "norm"]:
+        if not split_tested(config):
             raise ConfigError(
                 "parallel.pp", f"{family} is not split-tested for pipeline stages", f"use {' or '.join(FAMILIES)}"
             )
-        return Parts(getattr(model, model.base_model_prefix), *plan)
+        return Parts(getattr(model, model.base_model_prefix), *config.base_model_pp_plan)
 
 
 def check_split(model: nn.Module, parallel) -> list[range]:
@@ -118,6 +117,12 @@ class HeadPassthrough(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden
+
+
+def split_tested(config) -> bool:
+    """Whether a family's model (by its config) splits into stages as tested: FAMILIES, by base_model_pp_plan."""
+    plan = getattr(config, "base_model_pp_plan", None) or {}
+    return getattr(config, "model_type", None) in FAMILIES and list(plan) == ["embed_tokens", "layers", "norm"]
 
 
 class KeptLayers(nn.ModuleDict):

@@ -339,17 +339,22 @@ def summary_for(cfg: DictConfig, stage: int = 0) -> ModelSummary:
 
 
 def summaries_by_sharding(
-    configs: list[DictConfig], planned: tuple[nn.Module, ShardingPlan] | None = None
+    configs: list[DictConfig], planned: tuple[nn.Module, ShardingPlan] | None = None, stage: int = 0
 ) -> list[ModelSummary]:
     """The summaries of configs that differ in their sharding only, from one model build (a large model's takes
-    most of the planner's time), or from `planned`: a model already planned for one of them, before sharding."""
+    most of the planner's time), or from `planned`: a model already planned for one of them, before sharding;
+    stage: the pipeline rank whose stages are summarized (the same parallel.pp in every config)."""
     hf_config = build_hf_config(configs[0].model)
-    model, first = planned or planned_model(configs[0], hf_config, values=False)
+    model, first = planned or planned_model(configs[0], hf_config, values=False, stage=stage)
     blocks = [model.get_submodule(path) for path in first.blocks]
     fp32 = kept_in_fp32(model, dtypes(configs[0].precision)[0])
     return [
         summarize(
-            cfg, model, build_plan(model, blocks, cfg.sharding, fp32, split_experts(model, cfg.parallel.ep)), hf_config
+            cfg,
+            model,
+            build_plan(model, blocks, cfg.sharding, fp32, split_experts(model, cfg.parallel.ep)),
+            hf_config,
+            stage,
         )
         for cfg in configs
     ]

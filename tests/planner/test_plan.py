@@ -28,6 +28,7 @@ from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_research.callbacks.ema import EMA
+from fsdp_research.cli.common import checked_config
 from fsdp_research.cli.plan import main
 from fsdp_research.config.sizes import parse_size
 from fsdp_research.distributed.sharding import local_shard
@@ -308,10 +309,33 @@ def test_pipeline_parallel_fits_llama_405b_on_512_gpus(capsys):
     assert "pipeline bubble (waiting on other stages)" in out
 
 
-@pytest.mark.parametrize("flag", ["--fit=80", "--compare"])
-def test_plan_refuses_what_it_does_not_search_with_pipeline_stages(flag, capsys):
-    assert main(["model=llama_tiny", "world_size=2", "parallel.pp=2", "trainer.micro_batch_size=2", flag]) == 2
-    assert capsys.readouterr().err.startswith("error: parallel.pp: --fit and --compare do not search pipeline")
+def test_plan_refuses_to_compare_pipeline_stages_shardings(capsys):
+    assert main(["model=llama_tiny", "world_size=2", "parallel.pp=2", "trainer.micro_batch_size=2", "--compare"]) == 2
+    assert capsys.readouterr().err.startswith("error: parallel.pp: --compare does not compare pipeline stages'")
+
+
+@pytest.mark.slow
+def test_fit_searches_pipeline_stages_as_plan_plans_them():
+    """--fit's pipeline configs (llama_7b on 8 H100s: pp 2, 4 and 8 by 1F1B, with tp and hsdp) are configs the
+    trainer takes (its checks, as `plan` runs them); the smallest of each pp, planned again from its overrides, has
+    `plan`'s largest pipeline rank's peak and the slowest rank's step, and no fewer micro-batches than stages."""
+    found = candidates(compose(FIT_7B), 8, "cuda", _h100())
+    staged = [c for c in found if c.settings["parallel.pp"] > 1]
+    assert {c.settings["parallel.pp"] for c in staged} == {2, 4, 8}
+    assert {c.settings["sharding"] for c in staged} == {"blockwise", "hsdp"} and {
+        c.settings["parallel.tp"] for c in staged
+    } > {1}
+    chosen = {}  # the smallest peak of each pp
+    for c in staged:
+        if c.memory.peak < chosen.setdefault(c.settings["parallel.pp"], c).memory.peak:
+            chosen[c.settings["parallel.pp"]] = c
+    for c in chosen.values():
+        cfg = checked_config([*FIT_7B, *c.overrides(compose(FIT_7B))], 8, stages=True)[0]
+        pp = cfg.parallel.pp
+        assert run_settings(cfg, 8, "cuda").micro_steps >= pp
+        stages = [(summary_for(cfg, s), run_settings(cfg, 8, "cuda", s)) for s in range(pp)]
+        assert max(memory(m, run).peak for m, run in stages) == c.memory.peak
+        assert max(step_time(m, run, _h100()).total for m, run in stages) == pytest.approx(c.time.total, rel=1e-12)
 
 
 @pytest.mark.slow
