@@ -1,0 +1,86 @@
+"""GRPO's arithmetic, as TRL's GRPOTrainer computes it: group-relative advantages from each completion's rewards, and
+the clipped policy loss of a micro-batch's completions with its KL to the reference, for each loss type (grpo, bnpo,
+dr_grpo, dapo) and importance-sampling level (token; sequence: GSPO). The loss comes as a sum and the count it is a
+mean over, which the trainer sums over every rank and micro-batch: one rank's run equals N ranks' (TRL normalises
+grpo, bnpo and dr_grpo per process)."""
+
+from dataclasses import dataclass
+
+import torch
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+LEVELS = ("token", "sequence")
+SCALES = ("group", "batch", "none")
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Bessel-corrected standard deviation over the values that are not NaN (NaN where fewer than two are)."""
+    dims = dim if dim is not None else tuple(range(x.dim()))
+    mean = torch.nanmean(x, dim=dims, keepdim=True)
+    count = (~torch.isnan(x)).sum(dim=dims, keepdim=True)
+    variance = torch.nanmean((x - mean) ** 2, dim=dims, keepdim=True) * count / (count - 1)
+    return torch.where(count > 1, variance, torch.nan).sqrt().squeeze(dims)
+
+
+def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str) -> torch.Tensor:
+    """Each completion's advantage from `rewards` [completions, functions] (NaN: a function's None, not applicable),
+    the completions of a prompt `group` consecutive rows: the functions' weighted sum less its group's mean, over the
+    group's standard deviation (scale "group"), the batch's ("batch") or none ("none"), plus 1e-4; 0 for a completion
+    every function left unscored."""
+    unscored = torch.isnan(rewards).all(dim=1)
+    total = (rewards * weights).nansum(dim=1).masked_fill(unscored, torch.nan)
+    grouped = total.view(-1, group)
+    advantages = total - torch.nanmean(grouped, dim=1).repeat_interleave(group)
+    if scale == "group":
+        advantages = advantages / (_nanstd(grouped, dim=1).repeat_interleave(group) + 1e-4)
+    elif scale == "batch":
+        advantages = advantages / (_nanstd(total) + 1e-4)
+    return torch.nan_to_num(advantages, nan=0.0)
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """objective=grpo's loss settings (TRL's GRPOConfig names)."""
+
+    loss_type: str = "dapo"
+    importance_sampling_level: str = "token"
+    epsilon: float = 0.2
+    # The upper clip (DAPO's clip-higher); None: epsilon.
+    epsilon_high: float | None = None
+    # The weight of the k3 estimate of the KL to the reference; 0: no reference.
+    beta: float = 0.0
+    # dr_grpo's constant: each completion counts this many tokens.
+    max_completion_length: int = 256
+    # The KL term times the importance ratio (DeepSeek-V3.2's unbiased reverse-KL gradient; TRL's default).
+    use_bias_correction_kl: bool = True
+
+    def __call__(
+        self,
+        logps: torch.Tensor,
+        old_logps: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        ref_logps: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss summed over what it is a mean of, that count) of completions whose
+        sampled tokens have log-probabilities `logps` [n, T] under the policy (old_logps: when sampled; ref_logps:
+        the reference's), `advantages` [n] and `mask` [n, T] (1: a completion token)."""
+        mask = mask.to(logps.dtype)
+        log_ratio = logps - old_logps
+        if self.importance_sampling_level == "sequence":  # GSPO: one ratio a completion, of its mean log-ratio
+            log_ratio = ((log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).unsqueeze(-1)
+        ratio = torch.exp(log_ratio)
+        high = self.epsilon if self.epsilon_high is None else self.epsilon_high
+        a = advantages.unsqueeze(1)
+        per_token = -torch.min(ratio * a, torch.clamp(ratio, 1 - self.epsilon, 1 + high) * a)
+        if self.beta:  # k3: exp(d) - d - 1 of d = log ref / policy, token by token
+            delta = ref_logps - logps
+            kl = torch.exp(delta) - delta - 1
+            per_token = per_token + self.beta * (kl * ratio if self.use_bias_correction_kl else kl)
+        per_token = per_token.expand_as(mask)
+        n = torch.tensor(float(len(mask)), device=mask.device)
+        if self.loss_type == "grpo":  # each completion's mean, averaged over completions
+            return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), n
+        if self.loss_type == "dr_grpo":  # over a constant length a completion
+            return (per_token * mask).sum(), n * self.max_completion_length
+        return (per_token * mask).sum(), mask.sum()  # bnpo, dapo: over the completion tokens

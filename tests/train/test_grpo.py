@@ -1,0 +1,120 @@
+"""GRPO's arithmetic (fsdp_research.objectives.grpo_loss) against TRL's: the advantages as its GRPOTrainer computes
+them from the same rewards (None: not applicable), and for fixed completions, masks, advantages and old and
+reference log-probabilities, each loss type at each importance-sampling level equal to GRPOTrainer._compute_loss in
+one process and one micro-batch (1e-6, fp32), its gradients too."""
+
+import pytest
+import torch
+from trl.trainer.utils import nanstd
+
+from fsdp_research.objectives.grpo_loss import LEVELS, LOSS_TYPES, PolicyLoss, group_advantages
+from tests.helpers.chats import chat_llama
+
+N, T, GROUP = 6, 7, 3
+
+
+def _rewards() -> torch.Tensor:
+    """Two functions over two groups of three: a function's None (NaN) for some, both for one completion."""
+    nan = float("nan")
+    return torch.tensor([[1.0, 0.5], [0.0, nan], [2.0, 1.0], [nan, nan], [1.0, 0.0], [3.0, nan]])
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+def test_advantages_are_trl_s(scale):
+    """TRL's sum_then_normalize: the weighted sum of the applicable functions, a completion no function scored
+    left out of its group's mean and given 0; its std (Bessel's, NaN-aware: TRL's nanstd) plus 1e-4."""
+    rewards, weights = _rewards(), torch.tensor([1.0, 0.5])
+    total = (rewards * weights).nansum(1)
+    total[3] = float("nan")
+    grouped = total.view(-1, GROUP)
+    mean = torch.nanmean(grouped, 1).repeat_interleave(GROUP)
+    std = {"group": nanstd(grouped, dim=1).repeat_interleave(GROUP), "batch": nanstd(total), "none": None}[scale]
+    expected = torch.nan_to_num((total - mean) / (std + 1e-4) if std is not None else total - mean, nan=0.0)
+    ours = group_advantages(rewards, weights, GROUP, scale)
+    torch.testing.assert_close(ours, expected, rtol=0, atol=0)
+    assert ours[3] == 0 and ours[:3].sum().abs() < 1e-5  # the unscored one; a group's advantages sum to zero
+
+
+def test_a_group_of_equal_rewards_has_no_advantage():
+    rewards = torch.tensor([[1.0], [1.0], [1.0]])
+    assert group_advantages(rewards, torch.ones(1), 3, "group").abs().max() == 0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return chat_llama(str(tmp_path_factory.mktemp("grpo") / "model"))
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    logps = -torch.rand(N, T, generator=g) * 3
+    old = logps + (torch.rand(N, T, generator=g) - 0.5) * 0.8  # ratios beyond 1 +- 0.2 and 0.28: clipped
+    ref = logps + (torch.rand(N, T, generator=g) - 0.5)
+    lengths = torch.tensor([7, 3, 1, 5, 7, 2])
+    mask = (torch.arange(T) < lengths[:, None]).long()
+    advantages = torch.randn(N, generator=g)
+    return logps, old, ref, mask, advantages
+
+
+def _trl_loss(model_dir: str, tmp_path, logps: torch.Tensor, **settings) -> torch.Tensor:
+    """GRPOTrainer._compute_loss of one micro-batch, the policy's log-probabilities (and entropies) handed in."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = GRPOConfig(
+        str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=N,
+        num_generations=GROUP,
+        max_completion_length=T,
+        disable_tqdm=True,
+        **settings,
+    )
+    trainer = GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32),
+        reward_funcs=lambda completions, **kwargs: [0.0] * len(completions),
+        args=args,
+        train_dataset=Dataset.from_list([{"prompt": "hi"}] * N),
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+    )
+    trainer.current_gradient_accumulation_steps = 1  # one micro-batch a step (the Trainer sets it when training)
+    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps, torch.zeros_like(logps), None)
+    _, old, ref, mask, advantages = _inputs()
+    inputs = {
+        "prompt_ids": torch.ones(N, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(N, 2, dtype=torch.long),
+        "completion_ids": torch.ones(N, T, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": mask.sum(),
+    }
+    trainer.model.train()
+    return trainer._compute_loss(trainer.model, inputs)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_each_loss_is_trl_s_and_so_are_its_gradients(model_dir, tmp_path, loss_type, level):
+    """With the KL to the reference (beta 0.04, times the importance ratio as TRL's default) and DAPO's higher upper
+    clip (0.28); dapo without either too, and with the KL unweighted."""
+    cases = [dict(beta=0.04, epsilon_high=0.28)]
+    if loss_type == "dapo":  # neither; the KL without its importance weight
+        cases += [dict(beta=0.0), dict(beta=0.04, use_bias_correction_kl=False)]
+    for settings in cases:
+        logps, old, ref, mask, advantages = _inputs()
+        theirs_in = logps.clone().requires_grad_()
+        theirs = _trl_loss(
+            model_dir, tmp_path, theirs_in, loss_type=loss_type, importance_sampling_level=level, **settings
+        )
+        theirs.backward()
+        ours_in = logps.clone().requires_grad_()
+        loss = PolicyLoss(loss_type, level, max_completion_length=T, **settings)
+        total, count = loss(ours_in, old, advantages, mask, ref if settings["beta"] else None)
+        (total / count).backward()
+        torch.testing.assert_close(total / count, theirs.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-6, atol=1e-7)
