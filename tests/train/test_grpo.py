@@ -97,6 +97,7 @@ def _trl_loss(model_dir: str, tmp_path, logps: torch.Tensor, **settings) -> torc
     return trainer._compute_loss(trainer.model, inputs)
 
 
+@pytest.mark.slow  # a GRPOTrainer built for each case (~1.5 s each)
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_each_loss_is_trl_s_and_so_are_its_gradients(model_dir, tmp_path, loss_type, level):
