@@ -174,6 +174,14 @@ BREAKS: list[Break] = [
         "pass",
         ("tests/distributed/test_pipeline.py::test_losses_norms_and_weights_match_the_single_process_reference",),
     ),
+    Break(
+        "grpo_clip_high",
+        "PolicyLoss.__call__",
+        "high = self.epsilon if self.epsilon_high is None else self.epsilon_high",
+        "high = self.epsilon",
+        # DAPO's clip-higher ignored: the ratios between 1.2 and 1.28 with a positive advantage are clipped.
+        ("tests/train/test_grpo.py::test_each_loss_is_trl_s_and_so_are_its_gradients",),
+    ),
 ]
 
 
