@@ -227,7 +227,7 @@ SlurmctldDebug=info
 SlurmdDebug=info
 # Short timeouts: a dev cluster should react fast, not ride out network blips.
 SlurmctldTimeout=30
-# A node whose slurmd is gone is marked DOWN after 60 s (its jobs then end). Not 10: on a loaded 2-core machine a
+# A node whose slurmd is gone is marked DOWN after 60 s (its jobs then requeued). Not 10: on a loaded 2-core machine a
 # live slurmd answered a ping too late, and the running job on it was killed (CI, twice). A lost node's job finds
 # the loss itself, its step failing (slurm/common.sh: node_lost).
 SlurmdTimeout=60

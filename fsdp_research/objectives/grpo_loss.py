@@ -2,7 +2,7 @@
 the clipped policy loss of a micro-batch's completions with its KL to the reference, for each loss type (grpo, bnpo,
 dr_grpo, dapo) and importance-sampling level (token; sequence: GSPO). The loss comes as a sum and the count it is a
 mean over, which the trainer sums over every rank and micro-batch: one rank's run equals N ranks' (TRL normalises
-grpo, bnpo and dr_grpo per process)."""
+grpo, bnpo and dr_grpo per process and micro-batch; normalised globally, bnpo is dapo)."""
 
 from dataclasses import dataclass
 

@@ -182,7 +182,9 @@ def _of_pipeline(
         return []
     try:  # one model build for every sharding's plan, for each pipeline rank
         by_rank = [summaries_by_sharding(configs, planned, stage) for stage in range(pp)]
-    except ConfigError:  # too few layers for pp ranks
+    except ConfigError:  # too few layers for pp ranks (without stages: the model's own error, the user's)
+        if pp == 1:
+            raise
         return []
     chunks = chunkable(base, hf_config) if pp == 1 else (1,)
     found = []

@@ -64,7 +64,8 @@ def step_phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> Phas
     c = run.loss_chunks
     chunked = c > 1
     # Chunks after the first: the head's gradient of the chunk beside the one accumulated so far (autograd adds
-    # them), in the compute dtype; of a trained head only.
+    # them), in the compute dtype; of a trained head only (the root's trained share: exact where the root is all
+    # trained or all frozen, LoRA's modules_to_save aside).
     head_grads = 2 * e * m.vocab * h * m.root.trained().numel // max(m.root.numel, 1) if chunked else 0
     return Phases(
         saved=sum(saved),

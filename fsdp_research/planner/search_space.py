@@ -71,6 +71,7 @@ def pp_sizes(cfg: DictConfig, hf_config, world: int) -> list[int]:
         cfg.precision.loss_scaling,
         cfg.trainer.detect_anomaly,
         bool(cfg.trainer.sample_prompts),
+        not _objective_takes(cfg, "pipelines"),  # its loss from the last stage's logits
     )
     if hf_config is None or not split_tested(hf_config) or any(refused):
         return [1]

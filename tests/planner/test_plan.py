@@ -479,15 +479,19 @@ def _h100(link: str = "nvlink"):
 
 
 def test_fit_searches_only_what_the_objective_takes():
-    """An objective that reads no loss group and splits no sequence (the base class): --fit offers neither the loss in
-    chunks nor context parallel, which the run would refuse; the next-token loss is offered both at 8k tokens."""
+    """An objective that reads no loss group, splits no sequence and has no loss from the last stage (the base
+    class): --fit offers neither the loss in chunks, context parallel nor pipeline stages, which the run would refuse;
+    the next-token loss is offered all three at 8k tokens."""
     long = ["data.seq_len=8192", "model.config.max_position_embeddings=8192"]
     long += ["trainer.global_batch_size=4", "trainer.micro_batch_size=1"]
     offered = {}
     for name, extra in {"lm": [], "own": ["objective._target_=fsdp_research.objectives.Objective"]}.items():
         found = candidates(compose([*long, *extra]), 4, "cuda", _h100())
-        offered[name] = {(c.settings["loss.chunks"] > 1, c.settings["parallel.cp"] > 1) for c in found}
-    assert offered["own"] == {(False, False)} and {(True, False), (False, True)} <= offered["lm"]
+        offered[name] = {
+            (c.settings["loss.chunks"] > 1, c.settings["parallel.cp"] > 1, c.settings["parallel.pp"] > 1) for c in found
+        }
+    assert offered["own"] == {(False, False, False)}
+    assert {(True, False, False), (False, True, False), (False, False, True)} <= offered["lm"]
 
 
 @pytest.mark.parametrize("cap", ["24", "24GiB", "24G", "24576MiB"])
