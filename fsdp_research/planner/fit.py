@@ -22,7 +22,7 @@ from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.planner.budget import Budget, budget
 from fsdp_research.planner.calibrate import cpu_optimizer_rate
 from fsdp_research.planner.memory import Memory, memory
-from fsdp_research.planner.run import run_settings
+from fsdp_research.planner.run import Run, run_settings
 from fsdp_research.planner.search_space import (
     CHECKPOINTING,
     chunkable,
@@ -33,7 +33,7 @@ from fsdp_research.planner.search_space import (
     tp_sizes,
     variants,
 )
-from fsdp_research.planner.summary import summaries_by_sharding, summarize, summary_for
+from fsdp_research.planner.summary import ModelSummary, summaries_by_sharding, summarize, summary_for
 from fsdp_research.planner.timing import Hardware, StepTime, gpu_hardware, step_time, tokens_per_second
 
 GIB = 2**30
@@ -139,6 +139,37 @@ def candidates(
     return sorted(found, key=lambda c: (-c.tokens_per_s, c.memory.peak, c.extras))
 
 
+def _pipeline_keys(base: DictConfig, pp: int) -> dict[str, Any]:
+    """The parallel section's pipeline keys of `pp` ranks: one stage a rank (the base's schedule where it is such,
+    else 1F1B), split evenly."""
+    keys: dict[str, Any] = {"pp": pp, "pp_split_points": []}
+    if pp > 1:
+        one = SCHEDULES[base.parallel.pp_schedule] == 1
+        keys |= {"pp_schedule": base.parallel.pp_schedule if one else "1F1B", "pp_stages_per_rank": 1}
+    return keys
+
+
+def _layouts(base: DictConfig, hf_config, pp: int, ranks: int, per_node: int) -> list[tuple[int, int, int, dict]]:
+    """(tp, ep, cp, sharding keys) of every layout searched over a stage's `ranks` (ep and cp without stages)."""
+    return [
+        (tp, ep, cp, keys)
+        for tp in tp_sizes(base, hf_config, ranks, per_node)
+        for keys in shardings(ranks // tp, per_node // tp, pp)
+        for ep in (ep_sizes(base, hf_config, ranks, tp, keys) if pp == 1 else [1])
+        for cp in (cp_sizes(base, hf_config, ranks, tp, keys, per_node) if pp == 1 else [1])
+    ]
+
+
+def _candidate(settings: dict[str, Any], ranks: list[tuple[ModelSummary, Run]], hw: Hardware) -> Candidate:
+    """A config of each pipeline rank's summary and run (one without stages): its largest rank's peak, the slowest
+    rank's step."""
+    mems = [memory(m, run) for m, run in ranks]
+    times = [step_time(m, run, hw) for m, run in ranks]
+    largest = max(range(len(ranks)), key=lambda k: mems[k].peak)
+    slowest = max(range(len(ranks)), key=lambda k: times[k].total)
+    return Candidate(settings, mems[largest], times[slowest], tokens_per_second(ranks[slowest][1], times[slowest]))
+
+
 def _of_pipeline(
     base: DictConfig,
     hf_config,
@@ -149,21 +180,12 @@ def _of_pipeline(
     planned: tuple[nn.Module, ShardingPlan] | None,
 ) -> list[Candidate]:
     """The candidates of `pp` pipeline ranks (none where the model's layers do not split so): every sharding's
-    summary of each rank's stages from one build of them; a config's peak is its largest rank's, its step the
-    slowest rank's."""
+    summary of each rank's stages from one build of them."""
     ranks = world_size // pp  # of a stage: tp x cp x the data-parallel ones
-    # One stage a rank: the base's schedule where it is such, else 1F1B; split evenly.
-    one = SCHEDULES[base.parallel.pp_schedule] == 1
-    pipeline = {"pp": pp, "pp_split_points": []}
-    if pp > 1:
-        pipeline |= {"pp_schedule": base.parallel.pp_schedule if one else "1F1B", "pp_stages_per_rank": 1}
-    layouts = [
-        (tp, ep, cp, keys)
-        for tp in tp_sizes(base, hf_config, ranks, hw.per_node)
-        for keys in shardings(ranks // tp, hw.per_node // tp, pp)
-        for ep in (ep_sizes(base, hf_config, ranks, tp, keys) if pp == 1 else [1])
-        for cp in (cp_sizes(base, hf_config, ranks, tp, keys, hw.per_node) if pp == 1 else [1])
-    ]
+    pipeline = _pipeline_keys(base, pp)
+    layouts = _layouts(base, hf_config, pp, ranks, hw.per_node)
+    if not layouts:
+        return []
     configs = [
         typed(
             OmegaConf.merge(
@@ -178,8 +200,6 @@ def _of_pipeline(
         )
         for tp, ep, cp, keys in layouts
     ]
-    if not layouts:
-        return []
     try:  # one model build for every sharding's plan, for each pipeline rank
         by_rank = [summaries_by_sharding(configs, planned, stage) for stage in range(pp)]
     except ConfigError:  # too few layers for pp ranks (without stages: the model's own error, the user's)
@@ -190,7 +210,6 @@ def _of_pipeline(
     found = []
     for i, ((tp, ep, cp, keys), variant) in enumerate(zip(layouts, configs)):
         stages = [(by_rank[stage][i], run_settings(variant, world_size, device_type, stage)) for stage in range(pp)]
-        per_rank = base.trainer.global_batch_size // (ranks // tp // cp)
         named = {
             "parallel.pp": pp,
             "parallel.tp": tp,
@@ -203,19 +222,9 @@ def _of_pipeline(
         }
         # On a CPU the state is in host memory already: nothing to offload; nor with tp, ep, cp or pp (refused).
         offloads = (False, True) if device_type == "cuda" and tp == ep == cp == pp == 1 else (False,)
+        per_rank = base.trainer.global_batch_size // (ranks // tp // cp)
         for each, settings in variants(stages, per_rank, chunks, offloads, variant.parallel.pp_schedule):
-            mems = [memory(m, run) for m, run in each]
-            times = [step_time(m, run, hw) for m, run in each]
-            largest = max(range(pp), key=lambda k: mems[k].peak)
-            slowest = max(range(pp), key=lambda k: times[k].total)
-            found.append(
-                Candidate(
-                    {**named, **settings},
-                    mems[largest],
-                    times[slowest],
-                    tokens_per_second(each[slowest][1], times[slowest]),
-                )
-            )
+            found.append(_candidate({**named, **settings}, each, hw))
     return found
 
 
