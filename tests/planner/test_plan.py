@@ -315,12 +315,11 @@ def test_plan_refuses_to_compare_pipeline_stages_shardings(capsys):
 
 
 @pytest.mark.slow
-def test_fit_searches_pipeline_stages_as_plan_plans_them():
+def test_fit_searches_pipeline_stages_as_plan_plans_them(found_7b):
     """--fit's pipeline configs (llama_7b on 8 H100s: pp 2, 4 and 8 by 1F1B, with tp and hsdp) are configs the
     trainer takes (its checks, as `plan` runs them); the smallest of each pp, planned again from its overrides, has
     `plan`'s largest pipeline rank's peak and the slowest rank's step, and no fewer micro-batches than stages."""
-    found = candidates(compose(FIT_7B), 8, "cuda", _h100())
-    staged = [c for c in found if c.settings["parallel.pp"] > 1]
+    staged = [c for c in found_7b if c.settings["parallel.pp"] > 1]
     assert {c.settings["parallel.pp"] for c in staged} == {2, 4, 8}
     assert {c.settings["sharding"] for c in staged} == {"blockwise", "hsdp"} and {
         c.settings["parallel.tp"] for c in staged
@@ -478,6 +477,12 @@ def _h100(link: str = "nvlink"):
     return gpu_hardware(gpu("h100"), 2, link, cpu_optimizer_rate())
 
 
+@pytest.fixture(scope="module")
+def found_7b():
+    """--fit's every config of FIT_7B on 8 H100s (seconds of planning: one search for the tests that read it)."""
+    return candidates(compose(FIT_7B), 8, "cuda", _h100())
+
+
 def test_fit_searches_only_what_the_objective_takes():
     """An objective that reads no loss group, splits no sequence and has no loss from the last stage (the base
     class): --fit offers neither the loss in chunks, context parallel nor pipeline stages, which the run would refuse;
@@ -501,12 +506,11 @@ def test_fit_takes_the_cap_as_people_write_it(cap):
 
 
 @pytest.mark.slow
-def test_fit_picks_what_fits_and_a_larger_cap_is_never_slower(capsys):
+def test_fit_picks_what_fits_and_a_larger_cap_is_never_slower(found_7b, capsys):
     """llama_7b on 8 H100s: the best config of each cap, planned again from the `best:` line the command prints,
     fits it less the headroom (10% and the CUDA context); the best of a larger cap is never predicted slower."""
     cfg = compose(FIT_7B)
-    found = candidates(cfg, 8, "cuda", _h100())
-    best = [fit(found, budget(cap, 0.1, True), cfg)[0].tokens_per_s for cap in (12, 16, 24, 40, 80, 141)]
+    best = [fit(found_7b, budget(cap, 0.1, True), cfg)[0].tokens_per_s for cap in (12, 16, 24, 40, 80, 141)]
     assert best == sorted(best) and best[0] < best[-1]
     assert main([*FIT_7B, "--fit", "24GiB", "world_size=8", "--device", "cuda", "--top", "3"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
