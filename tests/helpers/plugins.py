@@ -1,6 +1,7 @@
 """Plug-ins the tests load by `_target_`, as a user's package would be: callbacks that record what every rank saw
-or ask for a skip or a stop on one rank only, one that signals its own process, one that raises, and a schedule
-function that spikes the lr, and a model whose forward overflows at a known module."""
+or ask for a skip or a stop on one rank only, one that signals its own process, one that holds a run until a file
+appears, one that raises, and a schedule function that spikes the lr, and a model whose forward overflows at a known
+module."""
 
 import json
 import os
@@ -117,6 +118,21 @@ class SlowStep:
             if run.rank == 0:
                 open(os.path.join(run.run_dir, "slow"), "w").close()
             time.sleep(self.seconds)
+
+
+class HoldUntil:
+    """After step `step`, while the file `release` is missing: <run dir>/held (rank 0), every rank waiting; a run
+    held where a test acts on it, however slowly the test's process is scheduled. A resumed run passes through."""
+
+    def __init__(self, step: int, release: str):
+        self.step, self.release = step, release
+
+    def on_step_end(self, run, step: int, metrics: dict) -> None:
+        if step == self.step and not os.path.exists(self.release):
+            if run.rank == 0:
+                open(os.path.join(run.run_dir, "held"), "w").close()
+            while not os.path.exists(self.release):
+                time.sleep(0.1)
 
 
 class SweepFault:

@@ -1,8 +1,9 @@
 """More than one node on a real SLURM: `bash slurm/local_cluster.sh start --nodes 2` runs two
 slurmd daemons on this machine (node1, node2). slurm/train.sbatch trains one rank per node (rank and master address
 from SLURM, the doctor sees 2 nodes); HSDP on 2 nodes x 2 tasks puts the replicas across the nodes and the shards
-within each (fp32 parity with one process); and a node lost mid-run (its slurmd and its tasks killed) has the job
-requeued, resuming from its last checkpoint once the node is back, ending with an uninterrupted run's weights."""
+within each (fp32 parity with one process); and a node lost mid-run (its slurmd and its tasks killed, then marked DOWN)
+has the job requeued, resuming from its last checkpoint once the node is back, ending with an uninterrupted run's
+weights."""
 
 import json
 import os
@@ -92,12 +93,22 @@ LOST = with_overrides(
 def test_a_lost_node_requeues_and_the_run_resumes(jobs, tmp_path):
     """One rank on each of 2 nodes (their ranks and master address from SLURM); node2 lost after the first
     checkpoint: the job requeues itself, resumes, and ends with the uninterrupted run's weights, to the bit."""
-    job, run_dir = _run(jobs, tmp_path, ["--nodes=2", "--ntasks-per-node=1"], LOST, 40)
+    release = tmp_path / "release"
+    hold = ["+callbacks.hold._target_=tests.helpers.plugins.HoldUntil", "+callbacks.hold.step=7"]
+    job, run_dir = _run(
+        jobs, tmp_path, ["--nodes=2", "--ntasks-per-node=1"], [*LOST, *hold, f"+callbacks.hold.release={release}"], 40
+    )
     baseline = start([*LOST, "distributed.nproc_per_node=2", f"hydra.run.dir={tmp_path}/baseline"], str(tmp_path))
-    wait_for("the first checkpoint", lambda: complete_steps(run_dir), timeout=240, interval=0.2)
+    # Held after step 7 (a checkpoint at 5): lost mid-run however late this process looks.
+    wait_for("the run held after its first checkpoint", lambda: os.path.exists(f"{run_dir}/held"), timeout=240)
+    assert complete_steps(run_dir)
     lose_node("node2")
+    release.touch()
     try:
         wait_for("the job to be requeued", lambda: states(job).get(job, [""])[0] == "REQUEUED", timeout=180)
+        # DOWN, as slurmctld marks a lost node SlurmdTimeout later: the requeue's terminate request to the dead node
+        # is dropped, not retried 60 s on at the node come back, where it would kill the resumed run's rank.
+        subprocess.run(["scontrol", "update", "nodename=node2", "state=down", "reason=lost"], check=True)
     finally:  # the node comes back
         subprocess.run(
             ["bash", os.path.join(ROOT, "slurm", "local_cluster.sh"), "start", "--nodes", "2"],
