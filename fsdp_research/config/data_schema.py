@@ -1,5 +1,5 @@
-"""The data group's schema (data=local_text|hub|synthetic|chat|preference): sources, tokenizer, windows, eval sets,
-and the chat and preference data's rendering, targets, truncation and packing."""
+"""The data group's schema (data=local_text|hub|synthetic|chat|preference|prompts): sources, tokenizer, windows,
+eval sets, and the chat, preference and prompt data's rendering, targets, truncation and packing."""
 
 from dataclasses import dataclass, field
 from enum import Enum
@@ -11,11 +11,13 @@ class DataKind(str, Enum):
     synthetic = "synthetic"
     chat = "chat"
     preference = "preference"
+    # Prompts alone (TRL's prompt-only format), for an objective that generates the completions (objective=grpo).
+    prompts = "prompts"
 
     @property
     def templated(self) -> bool:
-        """Records rendered (a chat template, or a prompt and its completion) into documents with targets."""
-        return self in (DataKind.chat, DataKind.preference)
+        """Records rendered (a chat template, a prompt and its completion, or a prompt alone) into documents."""
+        return self in (DataKind.chat, DataKind.preference, DataKind.prompts)
 
 
 class LossOn(str, Enum):
@@ -80,6 +82,8 @@ class DataConfig:
     build_workers: int = 0
     # chat: each record's conversation ([{role, content}, ...]), rendered with the tokenizer's chat template (or the
     # Jinja file chat_template names); or prompt/completion pairs of text (both fields set: TRL's format).
+    # prompts: each record's prompt_field (text, or messages rendered with the generation prompt), its other fields
+    # kept beside it for the reward functions.
     messages_field: str = "messages"
     prompt_field: str | None = None
     completion_field: str | None = None
@@ -96,7 +100,8 @@ class DataConfig:
     # The targets: every assistant message (its end-of-turn token included, its role header not), the last one, or
     # every token.
     loss_on: LossOn = LossOn.assistant
-    # A conversation longer than seq_len: dropped (counted in the log), cut to seq_len, or an error.
+    # A conversation longer than seq_len: dropped (counted in the log), cut to seq_len, or an error (a prompt: cut
+    # to its last seq_len tokens, where its generation prompt is).
     truncation: Truncation = Truncation.drop
     # chat: whole conversations packed into each window (never split); false: one per window, padded.
     packing: bool = True

@@ -4,6 +4,7 @@ targets (data.loss_on), rendered with the tokenizer's own chat template. The ass
 the conversation turn by turn: the text each assistant message adds after the generation prompt."""
 
 import copy
+import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +27,8 @@ class Document:
     targets: np.ndarray  # bool: token j is trained on (predicted from the tokens before it)
     # Preference data: 1 a preferred completion (chosen, or an example labelled desirable), 0 not; -1 none.
     label: int = -1
+    # Prompts: the record as JSON (the prompt as given and the other fields, for the reward functions).
+    record: str = ""
 
 
 # How a run's prompts are tokenized (its samples, and `generate` on its export): a user's message in the chat
@@ -38,6 +41,9 @@ def prompt_rendering(cfg: DataConfig) -> str:
         record = _first_record(cfg)
         field = cfg.completion_field if unpaired_examples(cfg) else cfg.chosen_field
         return "chat" if isinstance(record, dict) and isinstance(record.get(field), list) else "pair"
+    if cfg.kind is DataKind.prompts:
+        record = _first_record(cfg)
+        return "chat" if isinstance(record, dict) and isinstance(record.get(cfg.prompt_field), list) else "pair"
     if cfg.kind is not DataKind.chat:
         return "text"
     return "pair" if cfg.prompt_field else "chat"
@@ -265,6 +271,27 @@ def _preference(tok, cfg: DataConfig, record: Any, path: str, where: str) -> tup
     return _pair_documents(tok, prompt, chosen, rejected)
 
 
+def _prompt(tok, cfg: DataConfig, record: Any, path: str, where: str) -> Document:
+    """A prompt as TRL's GRPOTrainer tokenizes it (messages with the generation prompt; text with the tokenizer's
+    special tokens), no target; its record kept as JSON."""
+    prompt = _messages(_field(record, "data.prompt_field", cfg.prompt_field, path, where))
+    if isinstance(prompt, list):
+        ids = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
+    elif isinstance(prompt, str):
+        ids = tok(prompt)["input_ids"]
+    else:
+        raise ConfigError(
+            "data.prompt_field", f"{path} {where}: a {type(prompt).__name__}, not text or messages", "fix that record"
+        )
+    try:
+        text = json.dumps(record, ensure_ascii=False)
+    except (TypeError, ValueError) as err:
+        raise ConfigError(
+            "data.paths", f"{path} {where}: a field JSON cannot hold ({err})", "store it as text"
+        ) from None
+    return Document(np.asarray(ids, np.int64), np.zeros(len(ids), bool), record=text)
+
+
 def _field(record: Any, key: str, name: str, path: str, where: str) -> Any:
     if key == "data.messages_field" and isinstance(record, dict) and name not in record and _PAIR <= record.keys():
         raise ConfigError(
@@ -314,6 +341,8 @@ def _documents_of(tok, cfg: DataConfig, source: Iterator[tuple[str, str, Any]]) 
                 if len(chunk) == cfg.kl_chunk:
                     yield from _unpaired(chunk)
                     chunk = []
+            elif cfg.kind is DataKind.prompts:
+                yield _prompt(tok, cfg, record, path, where)
             elif cfg.prompt_field or cfg.completion_field:
                 prompt = _field(record, "data.prompt_field", cfg.prompt_field, path, where)
                 completion = _field(record, "data.completion_field", cfg.completion_field, path, where)
@@ -342,6 +371,8 @@ def check_chat(cfg: DataConfig) -> None:
     fields, its roles) rendered, as the eval files' first."""
     if cfg.sources:
         raise ConfigError("data.sources", f"data={cfg.kind.value} reads data.paths, not a mixture", "give data.paths")
+    if cfg.kind is DataKind.prompts and not cfg.prompt_field:
+        raise ConfigError("data.prompt_field", "data=prompts reads each record's prompt from it", "set it: prompt")
     if cfg.kind is DataKind.chat and bool(cfg.prompt_field) != bool(cfg.completion_field):
         raise ConfigError(
             "data.prompt_field", "prompt/completion pairs need both fields", "set data.completion_field too"

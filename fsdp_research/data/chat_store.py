@@ -1,7 +1,8 @@
-"""Conversations (and prompt/completion pairs; preference pairs, two documents each) tokenized once, into a token
-store (fsdp_research.data.store): the documents' token ids in the store's dtype, a byte a token saying which are
-targets, and per document its target count, built by one rank and read by every rank and every later start at the
-positions it packs (fsdp_research.data.packing.ChatWindows, PairWindows). Its fingerprint is of the files (or hub
+"""Conversations (and prompt/completion pairs; preference pairs, two documents each; prompts alone) tokenized once,
+into a token store (fsdp_research.data.store): the documents' token ids in the store's dtype, a byte a token saying
+which are targets, and per document its target count (prompts: their records too, a line of JSON each), built by
+one rank and read by every rank and every later start at the positions it packs (fsdp_research.data.packing's
+ChatWindows, PairWindows; fsdp_research.data.prompts.PromptWindows). Its fingerprint is of the files (or hub
 dataset), the tokenizer, the chat template's text, the fields and data.loss_on: what decides the ids and targets.
 Sequence length, packing and truncation are not in it: they apply when it is read."""
 
@@ -53,21 +54,35 @@ def _build(cfg: DataConfig, paths: list[str] | None, key: str, dtype: np.dtype, 
     ends: list[int] = []
     targets: list[int] = []
     labels: list[int] = []
+    record_ends: list[int] = []
     counts = {"tokens": 0, "documents": 0, "text_bytes": 0}
 
-    def write(tokens_file, targets_file) -> None:
+    def write(tokens_file, targets_file, records_file) -> None:
         for doc in documents(cfg, paths, key):
             tokens_file.write(doc.ids.astype(dtype).tobytes())
             targets_file.write(doc.targets.astype(np.uint8).tobytes())
+            if records_file:
+                record_ends.append(records_file.tell() + records_file.write(doc.record.encode() + b"\n"))
             counts["tokens"] += len(doc.ids)
             counts["documents"] += 1
             ends.append(counts["tokens"])
             targets.append(int(doc.targets[1:].sum()))
             labels.append(doc.label)
 
-    write_atomic(prefix + ".tokens", lambda f: write_atomic(prefix + ".targets", lambda g: write(f, g), "wb"), "wb")
+    def write_tokens(f, g) -> None:
+        if cfg.kind is DataKind.prompts:  # each prompt's record, for the reward functions
+            write_atomic(prefix + ".records", lambda r: write(f, g, r), "wb")
+            write_atomic(prefix + ".records.npy", lambda r: np.save(r, np.asarray(record_ends, np.int64)), "wb")
+        else:
+            write(f, g, None)
+
+    write_atomic(
+        prefix + ".tokens", lambda f: write_atomic(prefix + ".targets", lambda g: write_tokens(f, g), "wb"), "wb"
+    )
     write_atomic(prefix + ".counts.npy", lambda f: np.save(f, np.asarray(targets, np.int64)), "wb")
     written = (".tokens", ".targets", ".counts.npy")
+    if cfg.kind is DataKind.prompts:
+        written += (".records", ".records.npy")
     if cfg.kind is DataKind.preference:  # which document is preferred (fsdp_research.data.chat.Document.label)
         write_atomic(prefix + ".labels.npy", lambda f: np.save(f, np.asarray(labels, np.int8)), "wb")
         written += (".labels.npy",)

@@ -99,11 +99,22 @@ def fill(row: np.ndarray, docs: list[tuple[np.ndarray, np.ndarray]], pad_id: int
     row[POSITIONS, at:] = np.arange(seq_len - at) if masking else np.arange(at, seq_len)
 
 
-def _documents(store: TokenStore) -> tuple[np.ndarray, np.ndarray]:
+def documents_of(store: TokenStore) -> tuple[np.ndarray, np.ndarray]:
     """Each document's first token and length, from the store's document index."""
     ends = store.document_ends()
     first = np.concatenate([[0], ends[:-1]]).astype(np.int64)
     return first, ends - first
+
+
+def refuse_longer(lengths: np.ndarray, seq_len: int, truncation: Truncation, what: str) -> None:
+    """data.truncation=error: the longest of `lengths` over seq_len refused, named by `what`."""
+    longest = int(lengths.max(initial=0))
+    if longest > seq_len and truncation is Truncation.error:
+        raise ConfigError(
+            "data.truncation",
+            f"{what} has {longest} tokens, more than data.seq_len={seq_len}",
+            "raise data.seq_len, or set data.truncation=drop or truncate",
+        )
 
 
 class PackedDocuments:
@@ -145,15 +156,9 @@ class ChatWindows(PackedDocuments):
     ):
         self.store, self.length, self.shape = store, seq_len, (3, seq_len)
         self.pad_id, self.masking = pad, masking
-        self.first, self.lengths = _documents(store)
+        self.first, self.lengths = documents_of(store)
         counts = store.target_counts()
-        longest = int(self.lengths.max(initial=0))
-        if longest > seq_len and truncation is Truncation.error:
-            raise ConfigError(
-                "data.truncation",
-                f"a document of {what} has {longest} tokens, more than data.seq_len={seq_len}",
-                "raise data.seq_len, or set data.truncation=drop or truncate",
-            )
+        refuse_longer(self.lengths, seq_len, truncation, f"a document of {what}")
         keep = counts > 0
         self.dropped = int((keep & (self.lengths > seq_len)).sum()) if truncation is Truncation.drop else 0
         if truncation is Truncation.drop:
@@ -227,7 +232,7 @@ class TextDocuments(PackedDocuments):
     def __init__(self, store: TokenStore, seq_len: int, pad: int, what: str):
         self.store, self.length, self.shape = store, seq_len, (3, seq_len)
         self.pad_id, self.masking, self.what = pad, True, what
-        starts, lengths = _documents(store)
+        starts, lengths = documents_of(store)
         # seq_len - 1 targets a piece, the last piece the rest; a window of one position holds no target.
         stride = seq_len - 1
         pieces = -(-(lengths - 1) // stride) if stride else np.zeros_like(lengths)
@@ -263,7 +268,7 @@ class PairWindows(PackedDocuments):
     def __init__(self, store: TokenStore, seq_len: int, pad: int, packing: bool, truncation: Truncation, what: str):
         self.store, self.length, self.shape = store, seq_len, (4, seq_len)
         self.pad_id, self.masking, self.what = pad, True, what
-        self.first, self.lengths = _documents(store)
+        self.first, self.lengths = documents_of(store)
         counts = store.target_counts()
         if truncation is Truncation.truncate:
             half = seq_len // 2

@@ -21,6 +21,7 @@ from fsdp_research.data.chat import chat_tokenizer
 from fsdp_research.data.chat_store import chat_spec
 from fsdp_research.data.packing import ChatWindows, DocumentWindows, PackedDocuments, PairWindows, TextDocuments
 from fsdp_research.data.parts import default_paths, hub_parts, identity, plan_parts, scan
+from fsdp_research.data.prompts import PromptWindows
 from fsdp_research.data.sampling import StoreWindows, Stream, SyntheticWindows
 from fsdp_research.data.store import StoreSpec, TokenStore, store_spec
 from fsdp_research.data.store_builder import ensure_store
@@ -31,7 +32,7 @@ from fsdp_research.errors import ConfigError
 
 def packed(cfg: DataConfig) -> bool:
     """Whether the samples are packed documents with targets (fsdp_research.data.packing), not token windows."""
-    return cfg.kind.templated or bool(cfg.document_masking)
+    return (cfg.kind.templated and cfg.kind is not DataKind.prompts) or bool(cfg.document_masking)
 
 
 def store_root(cfg: DataConfig) -> str:
@@ -179,7 +180,7 @@ class Data:
 
 def _describe(windows) -> str:
     store = getattr(windows, "store", None)
-    if isinstance(windows, PackedDocuments):
+    if isinstance(windows, (PackedDocuments, PromptWindows)):
         return f"{windows.describe()}, token store {store.path}"
     if store:
         masked = ", documents masked apart" if isinstance(windows, DocumentWindows) else ""
@@ -191,13 +192,20 @@ def _chat_key(cfg: DataConfig) -> str:
     return "data.hub_name" if cfg.hub_name else "data.paths"
 
 
-def chat_windows(cfg: DataConfig, paths: list[str] | None, key: str, build: Build) -> ChatWindows | PairWindows:
-    """The conversations (or preference pairs) of `paths` (None: of data.hub_name) from their store (built first
-    where there is none), packed (data.packing, data.document_masking: on unless false)."""
+def chat_windows(
+    cfg: DataConfig, paths: list[str] | None, key: str, build: Build
+) -> ChatWindows | PairWindows | PromptWindows:
+    """The conversations (or preference pairs, or prompts) of `paths` (None: of data.hub_name) from their store
+    (built first where there is none), packed (data.packing, data.document_masking: on unless false)."""
     store = _ensure(chat_spec(cfg, paths, key), store_root(cfg), build)
     what = cfg.hub_name if paths is None else list(paths)
     tok = chat_tokenizer(cfg)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if cfg.kind is DataKind.prompts:
+        prompts = PromptWindows(store, cfg.seq_len, pad, cfg.truncation, key)
+        if not prompts.count:
+            raise ConfigError(key, f"{what} holds no prompt of at most data.seq_len tokens", "raise data.seq_len")
+        return prompts
     if cfg.kind is DataKind.preference:
         pairs = PairWindows(store, cfg.seq_len, pad, cfg.packing, cfg.truncation, key)
         if not pairs.count:

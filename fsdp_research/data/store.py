@@ -148,6 +148,14 @@ class TokenStore:
         """A preference store's: which document is the preferred one (1), which not (0)."""
         return self._per_document(".labels.npy")
 
+    def record(self, document: int) -> bytes:
+        """A prompt store's (one part, fsdp_research.data.chat_store): a document's record, a line of JSON; the
+        index of where each ends is loaded once."""
+        if not hasattr(self, "_record_ends"):
+            self._record_ends = np.concatenate([[0], self._per_document(".records.npy")])
+        start, stop = int(self._record_ends[document]), int(self._record_ends[document + 1])
+        return os.pread(self._fd(0, ".records"), stop - start, start)
+
     def _per_document(self, suffix: str, shift: bool = False) -> np.ndarray:
         arrays = [
             np.load(os.path.join(self.path, f"{part_name(i)}{suffix}")) + (self.offsets[i] if shift else 0)

@@ -44,8 +44,9 @@ class Objective:
     seq_len + 1 tokens; packed chat samples [n, 3, seq_len])."""
 
     # The data kinds (data=...) it reads: anything else is refused before any compute. Preference pairs only where
-    # an objective says so: two documents a pair, which a per-token loss would take as any two.
-    reads: tuple[DataKind, ...] = tuple(k for k in DataKind if k is not DataKind.preference)
+    # an objective says so: two documents a pair, which a per-token loss would take as any two; prompts alone only
+    # where it generates their completions.
+    reads: tuple[DataKind, ...] = tuple(k for k in DataKind if k not in (DataKind.preference, DataKind.prompts))
     # Whether its loss takes context parallel's chunks of each sequence (ctx.split); without, parallel.cp > 1 is
     # refused.
     splits_sequences: bool = False
