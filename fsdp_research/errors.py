@@ -31,3 +31,7 @@ class CallbackError(RuntimeError):
 
 class AnomalyError(RuntimeError):
     """A non-finite value under trainer.detect_anomaly: the step and where it first appeared, in one line."""
+
+
+class RewardError(RuntimeError):
+    """A reward function raised or returned what is no reward: which one, for which prompt, in one line."""

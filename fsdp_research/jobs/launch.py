@@ -20,7 +20,7 @@ from fsdp_research.checkpoint.resume import checkpoints_in
 from fsdp_research.config.schema import typed
 from fsdp_research.data.tokenizer import resolve_tokenizer
 from fsdp_research.distributed.processes import dead_ranks, device_for, launch_env, members, spawn
-from fsdp_research.errors import AnomalyError, CheckpointError, ConfigError
+from fsdp_research.errors import AnomalyError, CheckpointError, ConfigError, RewardError
 from fsdp_research.jobs.sweep import sweep_value
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.train import rundir
@@ -84,7 +84,7 @@ def _spawned_worker(cfg: Any, run_dir: str) -> None:
         # rank 0 says it once.
         _say_once(f"error: {err}")
         sys.exit(2)
-    except AnomalyError as err:
+    except (AnomalyError, RewardError) as err:
         _say_once(f"error: {one_line(err)}")
         sys.exit(1)
     except KeyboardInterrupt:
@@ -245,7 +245,8 @@ def launch(cfg: DictConfig, output_dir: str) -> float | None:
         if not multirun:
             _exit_resumable(run_dir, err.exit_code or 1)
         return
-    except AnomalyError as err:  # a failed run, not bad input: one line, exit 1; resuming would fail the same way
+    # A failed run, not bad input: one line, exit 1; resuming would fail the same way.
+    except (AnomalyError, RewardError) as err:
         print(f"error: {one_line(err)}", file=sys.stderr)
         if not multirun:
             sys.exit(1)

@@ -76,6 +76,11 @@ class Objective:
         """Once on every rank after setup, with the sharded model and the run's data (a collective where it builds
         a model of its own or computes over the data)."""
 
+    def samples_per_step(self, global_batch_size: int) -> int:
+        """How many of the data's samples a step reads (the run's position in the data goes on by as many): the
+        global batch's; fewer where each makes several sequences (GRPO: a prompt's num_generations completions)."""
+        return global_batch_size
+
     def step_batch(self, model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
         """The batch step `step` trains on, from this rank's batch of the data: the data's own by default. One that
         makes its own (online RL: rollouts generated from the data's prompts, several updates per rollout batch)

@@ -67,6 +67,7 @@ def open_data(cfg: DictConfig, vocab_size: int) -> Data:
 def read_ahead(
     data: Data,
     t: DictConfig,
+    samples: int,
     start: tuple[int, int],
     device: torch.device,
     resources: contextlib.ExitStack,
@@ -74,14 +75,14 @@ def read_ahead(
     cp: int = 1,
     pp: int = 1,
 ) -> Prefetcher:
-    """This rank's batches from `start` on ((step, samples consumed before it); trainer section `t`), read ahead on
-    a thread (closed when the run ends): its data-parallel rank's (the ranks of a tp x cp group, and a pipeline's
-    stages, read the same).
-    The samples go on from those consumed, so a resume at another global batch size trains on the next."""
+    """This rank's batches of `samples` a step (the objective's) from `start` on ((step, samples consumed before it);
+    trainer section `t`), read ahead on a thread (closed when the run ends): its data-parallel rank's (the ranks of a
+    tp x cp group, and a pipeline's stages, read the same). The samples go on from those consumed, so a resume at
+    another global batch size trains on the next."""
     rank, world = data_parallel(tp, cp, pp)
     step0, consumed = start
     batches = Prefetcher(
-        lambda step: data.rank_batch(consumed + (step - step0) * t.global_batch_size, t.global_batch_size, rank, world),
+        lambda step: data.rank_batch(consumed + (step - step0) * samples, samples, rank, world),
         step0,
         t.max_steps,
         pin=device.type == "cuda",

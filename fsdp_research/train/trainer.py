@@ -157,7 +157,8 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     throughput = throughput_of(cfg, d, *whole, device, state.step, objective.reference_forwards)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)
-    batches = read_ahead(data, t, (state.step, state.samples), device, resources, lay.tp, lay.cp, lay.pp)
+    samples = objective.samples_per_step(t.global_batch_size)
+    batches = read_ahead(data, t, samples, (state.step, state.samples), device, resources, lay.tp, lay.cp, lay.pp)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -236,7 +237,7 @@ def train_step(run: Run, step: int) -> StepResult:
     lr = run.state.scheduler.get_last_lr()[0]
     run.state.scheduler.step()
     run.state.step = step + 1
-    run.state.samples += t.global_batch_size
+    run.state.samples += run.objective.samples_per_step(t.global_batch_size)
     run.state.tokens_seen += t.global_batch_size * run.cfg.data.seq_len
     # Skipped for the callbacks (the EMA's average stays): by one of them, or by the loss scaler's overflow.
     return StepResult(loss_sum, norm, lr, totals, mean_loss, skipped or not finite)

@@ -1,11 +1,12 @@
 """data=prompts, TRL's prompt-only format, in the formats users have (JSON Lines, Parquet, a saved dataset): each
 prompt's tokens are what TRL's GRPOTrainer tokenizes (messages with the generation prompt, text with the special
 tokens), left-padded; its record (the prompt as given and every other field) is the row `datasets` reads; too-long
-prompts are dropped, cut to their end or refused; what no objective reads yet, or the store cannot keep, is refused
-in one line."""
+prompts are dropped, cut to their end or refused; objective=grpo reads them (objective=lm refuses them), and what
+it cannot do yet, or the store cannot keep, is refused in one line."""
 
 import datetime
 import json
+import re
 import types
 
 import numpy as np
@@ -143,3 +144,25 @@ def test_what_prompts_cannot_be_is_refused_in_one_line(tmp_path, tok_dir):
     pq.write_table(pa.table({"prompt": ["a"], "when": [datetime.date(2026, 12, 7)]}), dated)
     with pytest.raises(ConfigError, match=rf"^data.paths: {dated} row 0: a field JSON cannot hold \(.*date.*\); fix: "):
         _check(tmp_path, tok_dir, dated)
+
+
+def test_objective_grpo_reads_them_and_refuses_what_it_cannot_do_in_one_line(tmp_path, tok_dir):
+    path = _write(tmp_path, "jsonl", RECORDS)
+    grpo = ["objective=grpo", "objective.reward_funcs=[tests.helpers.rewards.digits]", "objective.num_generations=4"]
+    _check(tmp_path, tok_dir, path, *grpo, "trainer.global_batch_size=16", "trainer.micro_batch_size=4")
+    refused = {
+        "objective.num_generations: 1: a group of one has no advantage": ["objective.num_generations=1"],
+        "trainer.global_batch_size: 10 completions are not whole groups of objective.num_generations=4": [
+            "trainer.global_batch_size=10",
+            "trainer.micro_batch_size=5",
+        ],
+        "objective.loss_type: 'ppo' is not one of grpo, bnpo, dr_grpo, dapo": ["objective.loss_type=ppo"],
+        "objective.beta: the KL to a reference is not built yet": ["objective.beta=0.04"],
+        "objective.reward_funcs: is empty": ["objective.reward_funcs=[]"],
+    }
+    for message, overrides in refused.items():
+        with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
+            _check(tmp_path, tok_dir, path, *grpo, *overrides)
+    with pytest.raises(ConfigError, match=r"^trainer.eval_interval: objective=grpo has no eval yet"):
+        cfg = _cfg(tmp_path, tok_dir, path, *grpo, "trainer.eval_interval=10", "data.eval_fraction=0.2")
+        check_config(cfg, 1, build_hf_config(cfg.model), torch.device("cpu"))

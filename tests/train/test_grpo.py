@@ -1,13 +1,16 @@
 """GRPO's arithmetic (fsdp_research.objectives.grpo_loss) against TRL's: the advantages as its GRPOTrainer computes
 them from the same rewards (None: not applicable), and for fixed completions, masks, advantages and old and
 reference log-probabilities, each loss type at each importance-sampling level equal to GRPOTrainer._compute_loss in
-one process and one micro-batch (1e-6, fp32), its gradients too."""
+one process and one micro-batch (1e-6, fp32), its gradients too; the reward functions' values checked (None: not
+applicable; a wrong count or a non-number named with the prompt) and the functions themselves before any compute."""
 
 import pytest
 import torch
 from trl.trainer.utils import nanstd
 
+from fsdp_research.errors import ConfigError
 from fsdp_research.objectives.grpo_loss import LEVELS, LOSS_TYPES, PolicyLoss, group_advantages
+from fsdp_research.objectives.rewards import build_rewards, score
 from tests.helpers.chats import chat_llama
 
 N, T, GROUP = 6, 7, 3
@@ -119,3 +122,36 @@ def test_each_loss_is_trl_s_and_so_are_its_gradients(model_dir, tmp_path, loss_t
         (total / count).backward()
         torch.testing.assert_close(total / count, theirs.detach(), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-6, atol=1e-7)
+
+
+def test_a_reward_that_is_none_a_wrong_count_or_no_number_is_said_so():
+    names, funcs, weights = build_rewards(
+        ["tests.helpers.rewards.matches_answer", "tests.helpers.rewards.digits"], None
+    )
+    columns = {
+        "prompts": ["a", "b"],
+        "completions": ["it is 4", "x"],
+        "completion_ids": [[1], [2]],
+        "answer": ["4", None],
+    }
+    rewards, error = score(names, funcs, columns, [7, 9])
+    assert error is None and rewards[0].tolist() == [1.0, 1 / 7] and rewards[1, 0].isnan() and rewards[1, 1] == 0
+    assert weights.tolist() == [1.0, 1.0]
+    _, error = score(*build_rewards(["tests.helpers.rewards.too_few"], None)[:2], columns, [7, 9])
+    want = "reward function too_few returned 1 values for 2 completions (prompt 7 first): return one float or None"
+    assert error == f"{want} per completion"
+    _, error = score(["text"], [lambda **kw: [1.0, "1"]], columns, [7, 9])
+    assert error == "reward function text returned '1' for a completion of prompt 9: not a number"
+
+
+def test_reward_functions_are_checked_before_any_compute():
+    with pytest.raises(ConfigError, match=r"^objective.reward_funcs: is empty: GRPO learns from rewards; fix: "):
+        build_rewards([], None)
+    with pytest.raises(
+        ConfigError, match=r"^objective.reward_funcs\[0\]: module 'tests.helpers.rewards' has no attribute 'nope'"
+    ):
+        build_rewards(["tests.helpers.rewards.nope"], None)
+    with pytest.raises(ConfigError, match=r"^objective.reward_weights: 2 weights for 1 functions; fix: give one each$"):
+        build_rewards(["tests.helpers.rewards.digits"], [1.0, 2.0])
+    with pytest.raises(ConfigError, match=r"^objective.reward_funcs\[0\]: 3 names no function; fix: "):
+        build_rewards([3], None)

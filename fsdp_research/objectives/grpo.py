@@ -1,0 +1,224 @@
+"""objective=grpo: GRPO and its variants (Dr. GRPO, DAPO, GSPO) on data=prompts, as TRL's GRPOTrainer runs them.
+Each step: every prompt of this rank's share num_generations times, completed by the policy as it is
+(fsdp_research.objectives.rollouts: the same completions at any world size and after a resume), scored by the
+reward functions (fsdp_research.objectives.rewards), their group-relative advantages taken over the whole step's
+completions; then the clipped policy loss (fsdp_research.objectives.grpo_loss) of the completions, normalised over
+the step's (every rank's and micro-batch's) as the loss type says. trainer.global_batch_size counts completions, as
+TRL's. Metrics with TRL's names: reward, reward_std, rewards/<function>/mean, completions/mean_length,
+completions/clipped_ratio."""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from omegaconf import DictConfig
+
+from fsdp_research.config.data_schema import DataKind
+from fsdp_research.data.chat import chat_tokenizer, prompt_rendering
+from fsdp_research.data.pipeline import Data
+from fsdp_research.data.prompts import DOCUMENT, TOKENS
+from fsdp_research.data.sampling import key
+from fsdp_research.errors import ConfigError
+from fsdp_research.objectives.base import Objective, StepContext
+from fsdp_research.objectives.grpo_loss import LEVELS, LOSS_TYPES, SCALES, PolicyLoss, group_advantages
+from fsdp_research.objectives.rewards import agree_on_errors, build_rewards, score
+from fsdp_research.objectives.rollouts import Rollout, Sampling, generate
+from fsdp_research.train.samples import prompt_encoder
+
+# The purpose a rollout's keys are drawn for (fsdp_research.data.sampling.key's parts).
+_ROLLOUT = 7
+
+
+class GRPO(Objective):
+    reads = (DataKind.prompts,)
+
+    def __init__(
+        self,
+        reward_funcs: list | None = None,
+        reward_weights: list | None = None,
+        num_generations: int = 8,
+        max_completion_length: int = 256,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        loss_type: str = "dapo",
+        importance_sampling_level: str = "token",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        num_iterations: int = 1,
+        scale_rewards: str = "group",
+    ):
+        self.reward_funcs, self.reward_weights = list(reward_funcs or []), reward_weights
+        self.group, self.scale = num_generations, scale_rewards
+        self.sampling = Sampling(max_completion_length, temperature, top_p)
+        self.num_iterations = num_iterations
+        self.policy = PolicyLoss(
+            loss_type, importance_sampling_level, epsilon, epsilon_high, beta, max_completion_length
+        )
+
+    def check(self, cfg: DictConfig) -> None:
+        for name, value, allowed in [
+            ("loss_type", self.policy.loss_type, LOSS_TYPES),
+            ("importance_sampling_level", self.policy.importance_sampling_level, LEVELS),
+            ("scale_rewards", self.scale, SCALES),
+        ]:
+            if value not in allowed:
+                raise ConfigError(f"objective.{name}", f"{value!r} is not one of {', '.join(allowed)}", "pick one")
+        s, t = self.sampling, cfg.trainer
+        if self.group < 2:
+            raise ConfigError("objective.num_generations", f"{self.group}: a group of one has no advantage", "use 2+")
+        if s.max_tokens < 1:
+            raise ConfigError("objective.max_completion_length", f"{s.max_tokens} is below 1", "use e.g. 256")
+        if s.temperature <= 0 or not 0 < s.top_p <= 1:
+            raise ConfigError(
+                "objective.temperature", f"{s.temperature} (top_p {s.top_p})", "temperature > 0 and top_p in (0, 1]"
+            )
+        if self.policy.beta:
+            raise ConfigError("objective.beta", "the KL to a reference is not built yet", "use objective.beta=0")
+        if self.num_iterations != 1:
+            raise ConfigError("objective.num_iterations", "one update per rollout batch only, for now", "use 1")
+        if cfg.parallel.tp > 1:
+            raise ConfigError("parallel.tp", f"{cfg.parallel.tp}: grpo's rollouts under tp are not built yet", "use 1")
+        if t.eval_interval:
+            raise ConfigError("trainer.eval_interval", "objective=grpo has no eval yet", "set trainer.eval_interval=0")
+        if t.global_batch_size % self.group:
+            raise ConfigError(
+                "trainer.global_batch_size",
+                f"{t.global_batch_size} completions are not whole groups of objective.num_generations={self.group}",
+                f"use a multiple of {self.group}",
+            )
+        build_rewards(self.reward_funcs, self.reward_weights)
+
+    def setup(self, cfg: DictConfig) -> None:
+        self.cfg = cfg
+        self.names, self.funcs, self.weights = build_rewards(self.reward_funcs, self.reward_weights)
+        self.tok = chat_tokenizer(cfg.data)
+        self.conversational = prompt_rendering(cfg.data) == "chat"
+        self.stop = prompt_encoder(cfg)[1]
+
+    def prepare(self, model: nn.Module, device: torch.device, data: Data) -> None:
+        self.windows, self.device = data.stream.windows[0], device
+        ranks = dist.get_world_size()
+        if self.samples_per_step(self.cfg.trainer.global_batch_size) % ranks:
+            raise ConfigError(
+                "trainer.global_batch_size",
+                f"{self.cfg.trainer.global_batch_size} completions: "
+                f"{self.samples_per_step(self.cfg.trainer.global_batch_size)} prompts do not split over {ranks} ranks",
+                f"use a multiple of {self.group * ranks}",
+            )
+
+    def samples_per_step(self, global_batch_size: int) -> int:
+        return global_batch_size // self.group
+
+    def _rollout(self, model: nn.Module, prompts: torch.Tensor, step: int) -> Rollout:
+        """This rank's completions, generated a micro-batch at a time (the same shapes at any world size)."""
+        docs = prompts[:, DOCUMENT].max(1).values.tolist()
+        generations = [k % self.group for k in range(len(prompts))]
+        seed = self.cfg.trainer.seed
+        keys = torch.tensor([key(seed, _ROLLOUT, step, d, g) & 0xFFFFFFFF for d, g in zip(docs, generations)])
+        parts = []
+        for rows in torch.arange(len(prompts)).split(self.cfg.trainer.micro_batch_size):
+            p = prompts[rows]
+            parts.append(
+                generate(
+                    model,
+                    p[:, TOKENS],
+                    p[:, DOCUMENT] >= 0,
+                    keys[rows].to(p.device),
+                    self.sampling,
+                    self.stop,
+                    self.windows.pad_id,
+                )  # fmt: skip
+            )
+        return Rollout(*(torch.cat([getattr(r, f) for r in parts]) for f in ("ids", "mask", "logps")))
+
+    def _columns(self, docs: list[int], rollout: Rollout) -> dict[str, list]:
+        """The reward functions' arguments (TRL's): prompts as given, completions (text, or an assistant message for
+        conversational prompts), completion_ids, and every other field of the records."""
+        records = [self.windows.record(d) for d in docs]
+        field = self.cfg.data.prompt_field
+        ids = [row[m].tolist() for row, m in zip(rollout.ids, rollout.mask)]
+        texts = self.tok.batch_decode(ids, skip_special_tokens=True)
+        completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
+        columns = {"prompts": [r[field] for r in records], "completions": completions, "completion_ids": ids}
+        for name in dict.fromkeys(k for r in records for k in r if k != field):
+            columns[name] = [r.get(name) for r in records]
+        return columns
+
+    def step_batch(self, model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
+        """The step's completions (a collective): generated, scored, their advantages over the whole step's; what
+        the micro-batches get is their indices in this rank's rollout, which the objective holds."""
+        prompts = batch.repeat_interleave(self.group, 0)
+        rollout = self._rollout(model, prompts, step)
+        docs = prompts[:, DOCUMENT].max(1).values.tolist()
+        rewards, error = score(self.names, self.funcs, self._columns(docs, rollout), docs)
+        agree_on_errors(error)
+        everyone = _gathered(rewards.to(self.device))
+        advantages = group_advantages(everyone, self.weights.to(everyone), self.group, self.scale)
+        mine = slice(dist.get_rank() * len(rewards), (dist.get_rank() + 1) * len(rewards))
+        self.logged = _reward_metrics(everyone, self.weights.to(everyone), self.group, self.names)
+        self.logged.update(_length_metrics(rollout, self.stop))
+        self.step = {
+            "tokens": torch.cat([prompts[:, TOKENS], rollout.ids], 1),
+            "attention": torch.cat([prompts[:, DOCUMENT] >= 0, rollout.mask], 1).long(),
+            "ids": rollout.ids,
+            "mask": rollout.mask,
+            "advantages": advantages[mine].float(),
+        }
+        return torch.arange(len(prompts), device=batch.device)[:, None]
+
+    def targets(self, batch: torch.Tensor) -> torch.Tensor:
+        """What the loss type averages over: completions (grpo), max_completion_length tokens a completion
+        (dr_grpo), or completion tokens (bnpo, dapo)."""
+        mask = self.step["mask"][batch[:, 0]]
+        if self.policy.loss_type == "grpo":
+            return torch.ones(len(mask), device=mask.device)
+        if self.policy.loss_type == "dr_grpo":
+            return torch.full((len(mask),), float(self.policy.max_completion_length), device=mask.device)
+        return mask.sum(1).float()
+
+    def loss(self, model: nn.Module, batch: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, dict]:
+        rows = batch[:, 0]
+        tokens, attention = self.step["tokens"][rows], self.step["attention"][rows]
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        with ctx.amp:
+            logits = model(input_ids=tokens, attention_mask=attention, position_ids=positions).logits
+        n = self.step["ids"].shape[1]
+        scaled = logits[:, -n - 1 : -1].float() / self.sampling.temperature
+        logps = scaled.log_softmax(-1).gather(-1, self.step["ids"][rows][..., None])[..., 0]
+        # One update per rollout batch: the old policy is this one (TRL's, num_iterations 1), the ratio 1.
+        total, _ = self.policy(logps, logps.detach(), self.step["advantages"][rows], self.step["mask"][rows])
+        return total * ctx.weight, {}
+
+    def metrics(self, stats: dict[str, torch.Tensor]) -> dict[str, float]:
+        return {"targets": round(stats["targets"].item()), **self.logged}
+
+
+def _gathered(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's rows of x, in rank order (a collective)."""
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts)
+
+
+def _reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group: int, names: list[str]) -> dict[str, float]:
+    """TRL's: the mean weighted reward, its standard deviation within groups (averaged), each function's mean."""
+    total = (rewards * weights).nansum(1)
+    out = {"reward": total.mean().item(), "reward_std": total.view(-1, group).std(1).mean().item()}
+    for j, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, j]).item()
+    return out
+
+
+def _length_metrics(rollout: Rollout, stop: set[int]) -> dict[str, float]:
+    """Of every rank's completions (a collective): their mean length, the share that ended without a stop token
+    (cut at max_completion_length)."""
+    lengths = rollout.mask.sum(1)
+    last = rollout.ids.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
+    cut = ~torch.isin(last, torch.tensor(sorted(stop), device=last.device))
+    sums = torch.stack([lengths.double().sum(), cut.double().sum(), torch.tensor(float(len(lengths)))])
+    sums = sums.to(rollout.ids.device)
+    dist.all_reduce(sums)
+    return {
+        "completions/mean_length": (sums[0] / sums[2]).item(),
+        "completions/clipped_ratio": (sums[1] / sums[2]).item(),
+    }

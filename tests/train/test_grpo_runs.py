@@ -1,0 +1,104 @@
+"""objective=grpo end to end, by train.py's processes, on a tiny chat llama and a toy task with a user's reward
+function outside the package (tests/helpers/rewards.py): the reward rises; 2 ranks log the losses and rewards of 1;
+a run resumed mid-way logs the uninterrupted run's, to the bit (the rollouts' noise is keyed by the step and the
+prompt); a reward function that raises at the second step stops the run in one line naming it, the first step's
+checkpoint kept."""
+
+import json
+
+import pytest
+
+from tests.conftest import ROOT
+from tests.helpers.chats import chat_llama
+from tests.helpers.cli import finish, read_metrics, start
+
+QUESTIONS = [f"What is {i} + {i % 7}?" for i in range(48)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("grpo_runs")
+    model = chat_llama(str(tmp / "model"))
+    with open(tmp / "prompts.jsonl", "w") as f:
+        for i, q in enumerate(QUESTIONS):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": q}], "answer": str(i + i % 7)}) + "\n")
+    common = [
+        "model=pretrained",
+        f"model.name_or_path={model}",
+        "data=prompts",
+        f"data.paths=[{tmp / 'prompts.jsonl'}]",
+        "data.seq_len=40",
+        "objective=grpo",
+        "objective.reward_funcs=[tests.helpers.rewards.digits]",
+        "objective.num_generations=4",
+        "objective.max_completion_length=12",
+        "trainer.global_batch_size=16",
+        "trainer.micro_batch_size=8",
+        "trainer.eval_interval=0",
+        "trainer.log_interval=1",
+        "precision=fp32",
+        "logger=none",
+        "schedule=constant",
+        "optim.lr=1e-2",
+        "checkpoint.export=false",
+    ]
+    dirs = {name: tmp / name for name in ("one", "two", "half", "broken")}
+    procs = {
+        "one": start([*common, "trainer.max_steps=12", "checkpoint.save=false", f"hydra.run.dir={dirs['one']}"], ROOT),
+        "two": start(
+            [
+                *common,
+                "trainer.max_steps=12",
+                "checkpoint.save=false",
+                "distributed.nproc_per_node=2",
+                f"hydra.run.dir={dirs['two']}",
+            ],
+            ROOT,
+        ),  # fmt: skip
+        "half": start([*common, "trainer.max_steps=6", "checkpoint.interval=6", f"hydra.run.dir={dirs['half']}"], ROOT),
+        "broken": start(
+            [
+                *common,
+                "objective.reward_funcs=[tests.helpers.rewards.raises_second_time]",
+                "trainer.max_steps=3",
+                "checkpoint.interval=1",
+                f"hydra.run.dir={dirs['broken']}",
+            ],
+            ROOT,
+        ),  # fmt: skip
+    }
+    done = {name: finish(proc) for name, proc in procs.items()}
+    for name in ("one", "two", "half"):
+        assert done[name].returncode == 0, done[name].stderr[-3000:]
+    resume = [*common, "trainer.max_steps=12", f"checkpoint.resume={dirs['half']}", f"hydra.run.dir={dirs['half']}"]
+    done["resumed"] = finish(start(resume, ROOT))
+    assert done["resumed"].returncode == 0, done["resumed"].stderr[-3000:]
+    return dirs, done
+
+
+def _series(run_dir, key: str) -> list[float]:
+    return [m[key] for m in read_metrics(run_dir) if key in m]
+
+
+@pytest.mark.slow
+def test_the_reward_rises_and_two_ranks_and_a_resume_log_one_rank_s(runs):
+    dirs, _ = runs
+    reward = _series(dirs["one"], "reward")
+    assert len(reward) == 12 and sum(reward[-4:]) > 1.5 * sum(reward[:4]), reward
+    for key in ("loss", "reward", "reward_std", "completions/mean_length", "completions/clipped_ratio"):
+        assert _series(dirs["two"], key) == pytest.approx(_series(dirs["one"], key), abs=1e-4), key
+        assert _series(dirs["half"], key) == _series(dirs["one"], key), key  # bitwise: steps 1-6, then 7-12 resumed
+
+
+@pytest.mark.slow
+def test_a_reward_function_that_raises_stops_the_run_in_one_line(runs):
+    dirs, done = runs
+    broken = done["broken"]
+    assert broken.returncode == 1
+    line = broken.last_error_line()
+    start = (
+        "error: RewardError: reward function raises_second_time raised ValueError: this reward function fails (prompts "
+    )
+    assert line.startswith(start) and line.endswith(" of the step)"), broken.stderr[-3000:]
+    assert (dirs["broken"] / "checkpoints" / "step_1").is_dir()  # the step before it, kept
+    assert [m["step"] for m in read_metrics(dirs["broken"]) if "loss" in m] == [1]
