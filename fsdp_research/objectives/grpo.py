@@ -4,8 +4,8 @@ Each step: every prompt of this rank's share num_generations times, completed by
 reward functions (fsdp_research.objectives.rewards), their group-relative advantages taken over the whole step's
 completions; then the clipped policy loss (fsdp_research.objectives.grpo_loss) of the completions, normalised over
 the step's (every rank's and micro-batch's) as the loss type says. trainer.global_batch_size counts completions, as
-TRL's. Metrics with TRL's names: reward, reward_std, rewards/<function>/mean, completions/mean_length,
-completions/clipped_ratio."""
+TRL's. Metrics with TRL's names: reward, reward_std, frac_reward_zero_std, rewards/<function>/mean and /std,
+completions/mean_length, completions/clipped_ratio."""
 
 import torch
 import torch.distributed as dist
@@ -19,7 +19,7 @@ from fsdp_research.data.prompts import DOCUMENT, TOKENS
 from fsdp_research.data.sampling import key
 from fsdp_research.errors import ConfigError
 from fsdp_research.objectives.base import Objective, StepContext
-from fsdp_research.objectives.grpo_loss import LEVELS, LOSS_TYPES, SCALES, PolicyLoss, group_advantages
+from fsdp_research.objectives.grpo_loss import LEVELS, LOSS_TYPES, SCALES, PolicyLoss, group_advantages, nanstd
 from fsdp_research.objectives.rewards import agree_on_errors, build_rewards, score
 from fsdp_research.objectives.rollouts import Rollout, Sampling, generate
 from fsdp_research.train.samples import prompt_encoder
@@ -155,7 +155,7 @@ class GRPO(Objective):
         everyone = _gathered(rewards.to(self.device))
         advantages = group_advantages(everyone, self.weights.to(everyone), self.group, self.scale)
         mine = slice(dist.get_rank() * len(rewards), (dist.get_rank() + 1) * len(rewards))
-        self.logged = _reward_metrics(everyone, self.weights.to(everyone), self.group, self.names)
+        self.logged = _reward_metrics(everyone, self.weights.to(everyone), self.group, self.scale, self.names)
         self.logged.update(_length_metrics(rollout, self.stop))
         self.step = {
             "tokens": torch.cat([prompts[:, TOKENS], rollout.ids], 1),
@@ -200,12 +200,21 @@ def _gathered(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group: int, names: list[str]) -> dict[str, float]:
-    """TRL's: the mean weighted reward, its standard deviation within groups (averaged), each function's mean."""
-    total = (rewards * weights).nansum(1)
-    out = {"reward": total.mean().item(), "reward_std": total.view(-1, group).std(1).mean().item()}
+def _reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str, names: list[str]):
+    """TRL's (sum_then_normalize): the weighted reward's mean and standard deviation over the step's completions
+    (those no function scored left out), each function's, and the share of completions whose group's rewards (the
+    batch's, scale_rewards batch) do not vary."""
+    total = (rewards * weights).nansum(1).masked_fill(torch.isnan(rewards).all(1), torch.nan)
+    spread = nanstd(total).expand_as(total) if scale == "batch" else nanstd(total.view(-1, group), 1)
+    zero = torch.isclose(spread, torch.zeros_like(spread)).double()
+    out = {
+        "reward": torch.nanmean(total).item(),
+        "reward_std": nanstd(total).item(),
+        "frac_reward_zero_std": zero.mean().item(),
+    }
     for j, name in enumerate(names):
         out[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, j]).item()
+        out[f"rewards/{name}/std"] = nanstd(rewards[:, j]).item()
     return out
 
 

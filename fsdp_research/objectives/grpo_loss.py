@@ -13,7 +13,7 @@ LEVELS = ("token", "sequence")
 SCALES = ("group", "batch", "none")
 
 
-def _nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Bessel-corrected standard deviation over the values that are not NaN (NaN where fewer than two are)."""
     dims = dim if dim is not None else tuple(range(x.dim()))
     mean = torch.nanmean(x, dim=dims, keepdim=True)
@@ -32,9 +32,9 @@ def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int, s
     grouped = total.view(-1, group)
     advantages = total - torch.nanmean(grouped, dim=1).repeat_interleave(group)
     if scale == "group":
-        advantages = advantages / (_nanstd(grouped, dim=1).repeat_interleave(group) + 1e-4)
+        advantages = advantages / (nanstd(grouped, dim=1).repeat_interleave(group) + 1e-4)
     elif scale == "batch":
-        advantages = advantages / (_nanstd(total) + 1e-4)
+        advantages = advantages / (nanstd(total) + 1e-4)
     return torch.nan_to_num(advantages, nan=0.0)
 
 

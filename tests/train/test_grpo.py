@@ -9,6 +9,7 @@ import torch
 from trl.trainer.utils import nanstd
 
 from fsdp_research.errors import ConfigError
+from fsdp_research.objectives.grpo import _reward_metrics
 from fsdp_research.objectives.grpo_loss import LEVELS, LOSS_TYPES, PolicyLoss, group_advantages
 from fsdp_research.objectives.rewards import build_rewards, score
 from tests.helpers.chats import chat_llama
@@ -36,6 +37,26 @@ def test_advantages_are_trl_s(scale):
     ours = group_advantages(rewards, weights, GROUP, scale)
     torch.testing.assert_close(ours, expected, rtol=0, atol=0)
     assert ours[3] == 0 and ours[:3].sum().abs() < 1e-5  # the unscored one; a group's advantages sum to zero
+
+
+@pytest.mark.parametrize("scale", ["group", "batch"])
+def test_reward_metrics_are_trl_s(scale):
+    """As GRPOTrainer logs them: the unscored completion out of reward and reward_std (nanstd), each function's
+    nanmean and nanstd, the share of completions whose group's (or batch's) rewards do not vary."""
+    rewards, weights = _rewards(), torch.tensor([1.0, 0.5])
+    rewards[:3, 0] = 1.0  # the first group's rewards all equal: its std 0
+    rewards[:3, 1] = 0.0
+    total = (rewards * weights).nansum(1)
+    total[3] = float("nan")
+    spread = nanstd(total.view(-1, GROUP), dim=1).repeat_interleave(GROUP) if scale == "group" else nanstd(total)
+    got = _reward_metrics(rewards, weights, GROUP, scale, ["a", "b"])
+    assert got["reward"] == pytest.approx(torch.nanmean(total).item())
+    assert got["reward_std"] == pytest.approx(nanstd(total).item())
+    zero = torch.isclose(spread, torch.zeros_like(spread)).float().mean().item()
+    assert got["frac_reward_zero_std"] == pytest.approx(zero) and (zero == 0.5) == (scale == "group")
+    for j, name in enumerate("ab"):
+        assert got[f"rewards/{name}/mean"] == pytest.approx(torch.nanmean(rewards[:, j]).item())
+        assert got[f"rewards/{name}/std"] == pytest.approx(nanstd(rewards[:, j]).item())
 
 
 def test_a_group_of_equal_rewards_has_no_advantage():
