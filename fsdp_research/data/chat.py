@@ -283,6 +283,8 @@ def _prompt(tok, cfg: DataConfig, record: Any, path: str, where: str) -> Documen
         raise ConfigError(
             "data.prompt_field", f"{path} {where}: a {type(prompt).__name__}, not text or messages", "fix that record"
         )
+    if not len(ids):
+        raise ConfigError("data.prompt_field", f"{path} {where}: the prompt has no token", "fix that record")
     try:
         text = json.dumps(record, ensure_ascii=False)
     except (TypeError, ValueError) as err:

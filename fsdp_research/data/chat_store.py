@@ -55,6 +55,7 @@ def _build(cfg: DataConfig, paths: list[str] | None, key: str, dtype: np.dtype, 
     targets: list[int] = []
     labels: list[int] = []
     record_ends: list[int] = []
+    fields: dict[str, None] = {}  # every record's fields, in the order they first come (a set that keeps it)
     counts = {"tokens": 0, "documents": 0, "text_bytes": 0}
 
     def write(tokens_file, targets_file, records_file) -> None:
@@ -63,6 +64,7 @@ def _build(cfg: DataConfig, paths: list[str] | None, key: str, dtype: np.dtype, 
             targets_file.write(doc.targets.astype(np.uint8).tobytes())
             if records_file:
                 record_ends.append(records_file.tell() + records_file.write(doc.record.encode() + b"\n"))
+                fields.update(dict.fromkeys(json.loads(doc.record)))
             counts["tokens"] += len(doc.ids)
             counts["documents"] += 1
             ends.append(counts["tokens"])
@@ -73,6 +75,8 @@ def _build(cfg: DataConfig, paths: list[str] | None, key: str, dtype: np.dtype, 
         if cfg.kind is DataKind.prompts:  # each prompt's record, for the reward functions
             write_atomic(prefix + ".records", lambda r: write(f, g, r), "wb")
             write_atomic(prefix + ".records.npy", lambda r: np.save(r, np.asarray(record_ends, np.int64)), "wb")
+            # JSON, but no .json name: a part's one .json file is its completion marker.
+            write_atomic(prefix + ".fields", lambda r: json.dump(list(fields), r))
         else:
             write(f, g, None)
 
@@ -82,7 +86,7 @@ def _build(cfg: DataConfig, paths: list[str] | None, key: str, dtype: np.dtype, 
     write_atomic(prefix + ".counts.npy", lambda f: np.save(f, np.asarray(targets, np.int64)), "wb")
     written = (".tokens", ".targets", ".counts.npy")
     if cfg.kind is DataKind.prompts:
-        written += (".records", ".records.npy")
+        written += (".records", ".records.npy", ".fields")
     if cfg.kind is DataKind.preference:  # which document is preferred (fsdp_research.data.chat.Document.label)
         write_atomic(prefix + ".labels.npy", lambda f: np.save(f, np.asarray(labels, np.int8)), "wb")
         written += (".labels.npy",)

@@ -30,6 +30,8 @@ class PromptWindows:
         self.dropped = int((~keep).sum())
         self.prompts = np.flatnonzero(keep)
         self.count = len(self.prompts)
+        # What the reward functions get as columns: every field, None where a record lacks it.
+        self.fields = store.record_fields()
 
     def read(self, index: np.ndarray) -> np.ndarray:
         out = np.full((len(index), *self.shape), -1, np.int64)

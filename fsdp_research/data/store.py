@@ -156,6 +156,11 @@ class TokenStore:
         start, stop = int(self._record_ends[document]), int(self._record_ends[document + 1])
         return os.pread(self._fd(0, ".records"), stop - start, start)
 
+    def record_fields(self) -> list[str]:
+        """A prompt store's: the fields any of its records holds, in the order they first come."""
+        with open(os.path.join(self.path, f"{part_name(0)}.fields")) as f:
+            return json.load(f)
+
     def _per_document(self, suffix: str, shift: bool = False) -> np.ndarray:
         arrays = [
             np.load(os.path.join(self.path, f"{part_name(i)}{suffix}")) + (self.offsets[i] if shift else 0)

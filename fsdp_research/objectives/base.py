@@ -87,6 +87,12 @@ class Objective:
         returns it here."""
         return batch
 
+    def trained_tokens(self, batch: torch.Tensor) -> torch.Tensor | None:
+        """This rank's tokens of the step's batch, for throughput, where its samples' positions are not them (GRPO:
+        the prompts' and completions' own); None: the trainer counts them (packed samples' tokens, else every
+        position)."""
+        return None
+
     def targets(self, batch: torch.Tensor) -> torch.Tensor | None:
         """Each sample's targets in the step's batch: the trainer weights every micro-batch's loss sum so that the
         step's loss is the mean over all of them, at any number of ranks (StepContext.weight). None: each

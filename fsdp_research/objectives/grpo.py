@@ -22,7 +22,6 @@ from fsdp_research.objectives.base import Objective, StepContext
 from fsdp_research.objectives.grpo_loss import LEVELS, LOSS_TYPES, SCALES, PolicyLoss, group_advantages, nanstd
 from fsdp_research.objectives.rewards import agree_on_errors, build_rewards, score
 from fsdp_research.objectives.rollouts import Rollout, Sampling, generate
-from fsdp_research.train.samples import prompt_encoder
 
 # The purpose a rollout's keys are drawn for (fsdp_research.data.sampling.key's parts).
 _ROLLOUT = 7
@@ -80,6 +79,10 @@ class GRPO(Objective):
             raise ConfigError("parallel.tp", f"{cfg.parallel.tp}: grpo's rollouts under tp are not built yet", "use 1")
         if t.eval_interval:
             raise ConfigError("trainer.eval_interval", "objective=grpo has no eval yet", "set trainer.eval_interval=0")
+        if cfg.data.eval_fraction > 0:
+            raise ConfigError(
+                "data.eval_fraction", f"{cfg.data.eval_fraction}: held-out prompts grpo never reads", "set it to 0"
+            )
         if t.global_batch_size % self.group:
             raise ConfigError(
                 "trainer.global_batch_size",
@@ -93,10 +96,12 @@ class GRPO(Objective):
         self.names, self.funcs, self.weights = build_rewards(self.reward_funcs, self.reward_weights)
         self.tok = chat_tokenizer(cfg.data)
         self.conversational = prompt_rendering(cfg.data) == "chat"
-        self.stop = prompt_encoder(cfg)[1]
 
     def prepare(self, model: nn.Module, device: torch.device, data: Data) -> None:
         self.windows, self.device = data.stream.windows[0], device
+        # TRL's: the tokenizer's end of sequence and every one the model's generation config names.
+        ends = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        self.stop = {self.tok.eos_token_id, *([ends] if isinstance(ends, int) else ends or [])} - {None}
         ranks = dist.get_world_size()
         if self.samples_per_step(self.cfg.trainer.global_batch_size) % ranks:
             raise ConfigError(
@@ -111,10 +116,11 @@ class GRPO(Objective):
 
     def _rollout(self, model: nn.Module, prompts: torch.Tensor, step: int) -> Rollout:
         """This rank's completions, generated a micro-batch at a time (the same shapes at any world size)."""
-        docs = prompts[:, DOCUMENT].max(1).values.tolist()
-        generations = [k % self.group for k in range(len(prompts))]
-        seed = self.cfg.trainer.seed
-        keys = torch.tensor([key(seed, _ROLLOUT, step, d, g) & 0xFFFFFFFF for d, g in zip(docs, generations)])
+        # By the prompt's place in the step's global batch, not its index in the data (a prompt twice in a step, as
+        # an epoch ends, gets two groups of completions): the same at any world size.
+        first = dist.get_rank() * (len(prompts) // self.group)
+        seed, places = self.cfg.trainer.seed, [(first + k // self.group, k % self.group) for k in range(len(prompts))]
+        keys = torch.tensor([key(seed, _ROLLOUT, step, j, g) & 0xFFFFFFFF for j, g in places])
         parts = []
         for rows in torch.arange(len(prompts)).split(self.cfg.trainer.micro_batch_size):
             p = prompts[rows]
@@ -140,8 +146,9 @@ class GRPO(Objective):
         texts = self.tok.batch_decode(ids, skip_special_tokens=True)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
         columns = {"prompts": [r[field] for r in records], "completions": completions, "completion_ids": ids}
-        for name in dict.fromkeys(k for r in records for k in r if k != field):
-            columns[name] = [r.get(name) for r in records]
+        for name in self.windows.fields:
+            if name != field:
+                columns[name] = [r.get(name) for r in records]
         return columns
 
     def step_batch(self, model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
@@ -155,7 +162,7 @@ class GRPO(Objective):
         everyone = _gathered(rewards.to(self.device))
         advantages = group_advantages(everyone, self.weights.to(everyone), self.group, self.scale)
         mine = slice(dist.get_rank() * len(rewards), (dist.get_rank() + 1) * len(rewards))
-        self.logged = _reward_metrics(everyone, self.weights.to(everyone), self.group, self.scale, self.names)
+        self.logged = reward_metrics(everyone, self.weights.to(everyone), self.group, self.scale, self.names)
         self.logged.update(_length_metrics(rollout, self.stop))
         self.step = {
             "tokens": torch.cat([prompts[:, TOKENS], rollout.ids], 1),
@@ -165,6 +172,9 @@ class GRPO(Objective):
             "advantages": advantages[mine].float(),
         }
         return torch.arange(len(prompts), device=batch.device)[:, None]
+
+    def trained_tokens(self, batch: torch.Tensor) -> torch.Tensor:
+        return self.step["attention"].sum()
 
     def targets(self, batch: torch.Tensor) -> torch.Tensor:
         """What the loss type averages over: completions (grpo), max_completion_length tokens a completion
@@ -180,10 +190,12 @@ class GRPO(Objective):
         rows = batch[:, 0]
         tokens, attention = self.step["tokens"][rows], self.step["attention"][rows]
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        with ctx.amp:
-            logits = model(input_ids=tokens, attention_mask=attention, position_ids=positions).logits
         n = self.step["ids"].shape[1]
-        scaled = logits[:, -n - 1 : -1].float() / self.sampling.temperature
+        with ctx.amp:  # the completions' logits only (those of their last token's position too: dropped)
+            logits = model(
+                input_ids=tokens, attention_mask=attention, position_ids=positions, logits_to_keep=n + 1
+            ).logits
+        scaled = logits[:, :-1].float() / self.sampling.temperature
         logps = scaled.log_softmax(-1).gather(-1, self.step["ids"][rows][..., None])[..., 0]
         # One update per rollout batch: the old policy is this one (TRL's, num_iterations 1), the ratio 1.
         total, _ = self.policy(logps, logps.detach(), self.step["advantages"][rows], self.step["mask"][rows])
@@ -200,7 +212,7 @@ def _gathered(x: torch.Tensor) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str, names: list[str]):
+def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str, names: list[str]):
     """TRL's (sum_then_normalize): the weighted reward's mean and standard deviation over the step's completions
     (those no function scored left out), each function's, and the share of completions whose group's rewards (the
     batch's, scale_rewards batch) do not vary."""
@@ -224,8 +236,7 @@ def _length_metrics(rollout: Rollout, stop: set[int]) -> dict[str, float]:
     lengths = rollout.mask.sum(1)
     last = rollout.ids.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
     cut = ~torch.isin(last, torch.tensor(sorted(stop), device=last.device))
-    sums = torch.stack([lengths.double().sum(), cut.double().sum(), torch.tensor(float(len(lengths)))])
-    sums = sums.to(rollout.ids.device)
+    sums = torch.stack([lengths.double().sum(), cut.double().sum(), torch.tensor(len(lengths), device=cut.device)])
     dist.all_reduce(sums)
     return {
         "completions/mean_length": (sums[0] / sums[2]).item(),

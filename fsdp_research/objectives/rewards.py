@@ -51,7 +51,7 @@ def _checked(name: str, values: Any, n: int, prompt_of: list[int]) -> list[float
                           " first): return one float or None per completion")  # fmt: skip
     out = []
     for k, v in enumerate(values):
-        if v is not None and (isinstance(v, bool) or not isinstance(v, numbers.Real)):
+        if v is not None and not isinstance(v, numbers.Real):  # bools too, as TRL takes them
             raise RewardError(
                 f"reward function {name} returned {v!r} for a completion of prompt {prompt_of[k]}: not a number"
             )

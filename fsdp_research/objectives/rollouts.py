@@ -97,7 +97,7 @@ def generate(
     try:
         for t in range(s.max_tokens):
             inputs = {"input_ids": step_ids, "attention_mask": attention, "position_ids": positions}
-            out = model(**inputs, cache=cache, use_cache=True)
+            out = model(**inputs, cache=cache, use_cache=True, logits_to_keep=1)
             token, logp = sample_next(out.logits[:, -1], keys, t, s)
             ids[:, t] = torch.where(done, pad, token)
             mask[:, t], logps[:, t] = ~done, torch.where(done, 0.0, logp)

@@ -36,7 +36,7 @@ def check_samples(cfg: DictConfig) -> None:
         raise ConfigError("trainer.sample_tokens", f"{cfg.trainer.sample_tokens} is below 1", "use e.g. 32")
 
 
-def prompt_encoder(cfg: DictConfig) -> tuple[Callable[[str], list[int]], set[int]]:
+def _encoder(cfg: DictConfig) -> tuple[Callable[[str], list[int]], set[int]]:
     """(a prompt's ids, the ids a sample stops at). Conversations: the prompt as a user's message after the chat
     template's generation prompt, stopping at the end of the document or of the assistant's turn; prompt/completion
     pairs: as the pair's prompt is tokenized; text: its tokens, stopping at the end of the document."""
@@ -80,7 +80,7 @@ def take_samples(model: nn.Module, cfg: DictConfig, device: torch.device, amp) -
     if not prompts:
         return []
     tok = load_tokenizer(cfg.data.tokenizer)
-    encode, stop = prompt_encoder(cfg)
+    encode, stop = _encoder(cfg)
     rows = []
     model.eval()
     for prompt in prompts:

@@ -214,8 +214,11 @@ def train_step(run: Run, step: int) -> StepResult:
     weight, targets = step_weight(run.objective.targets(batch), micro_steps, run.layout)
     if targets is not None:
         totals["targets"] = targets
-    if packed(run.cfg.data):
-        run.throughput.add(packed_tokens(batch, run.data.pad_id))
+    tokens = run.objective.trained_tokens(batch)
+    if tokens is None and packed(run.cfg.data):
+        tokens = packed_tokens(batch, run.data.pad_id)
+    if tokens is not None:
+        run.throughput.add(tokens)
     split = split_of(run.model)
     losses = StepLoss(run.objective, StepContext(run.amp, split, run.router, weight), run.anomaly.check_loss)
     schedule = MicroBatches(t.micro_batch_size, micro_steps, t.defer_grad_sync)

@@ -1,8 +1,8 @@
 """data=prompts, TRL's prompt-only format, in the formats users have (JSON Lines, Parquet, a saved dataset): each
 prompt's tokens are what TRL's GRPOTrainer tokenizes (messages with the generation prompt, text with the special
-tokens), left-padded; its record (the prompt as given and every other field) is the row `datasets` reads; too-long
-prompts are dropped, cut to their end or refused; objective=grpo reads them (objective=lm refuses them), and what
-it cannot do yet, or the store cannot keep, is refused in one line."""
+tokens), left-padded; its record (the prompt as given and every other field, None where it lacks one) is the row
+`datasets` reads; too-long prompts are dropped, cut to their end or refused; objective=grpo reads them (objective=lm
+refuses them), and what it cannot do yet, or the store cannot keep, is refused in one line."""
 
 import datetime
 import json
@@ -26,8 +26,8 @@ from tests.helpers.chats import chat_tokenizer
 RECORDS = [
     {"prompt": [{"role": "user", "content": f"What is {i} + {i}?"}], "answer": str(2 * i), "meta": {"i": [i]}}
     for i in range(5)
-] + [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "7 * 6?"}], "answer": "42",
-      "meta": {"i": [5]}}]  # fmt: skip
+] + [{"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "7 * 6?"}], "answer": "42"}]
+# (the last record without "meta": datasets gives it None)
 TEXT = [{"prompt": f"Q: {i} squared is", "answer": str(i * i), "meta": {"i": [i]}} for i in range(6)]
 
 
@@ -110,9 +110,11 @@ def test_prompts_are_trl_s_tokens_and_their_records_the_rows(tmp_path, tok_dir, 
         assert (sample[DOCUMENT][real] == d).all() and real[-1] and not real[: (~real).sum()].any()  # left-padded
         assert sample[TOKENS][real].tolist() == want[d]
         assert (sample[TOKENS][~real] == windows.pad_id).all()
-        assert windows.record(d) == rows[d]
+        record = windows.record(d)  # as its file holds it; the reward functions get every field, None if missing
+        assert {k: record.get(k) for k in windows.fields} == rows[d]
         seen.add(d)
     assert seen == set(range(len(records)))  # every prompt once in an epoch
+    assert windows.fields == rows.column_names
 
 
 def test_too_long_prompts_are_dropped_cut_to_their_end_or_refused(tmp_path, tok_dir):
@@ -159,6 +161,7 @@ def test_objective_grpo_reads_them_and_refuses_what_it_cannot_do_in_one_line(tmp
         "objective.loss_type: 'ppo' is not one of grpo, bnpo, dr_grpo, dapo": ["objective.loss_type=ppo"],
         "objective.beta: the KL to a reference is not built yet": ["objective.beta=0.04"],
         "objective.reward_funcs: is empty": ["objective.reward_funcs=[]"],
+        "data.eval_fraction: 0.1: held-out prompts grpo never reads; fix: set it to 0": ["data.eval_fraction=0.1"],
     }
     for message, overrides in refused.items():
         with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):

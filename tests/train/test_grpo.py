@@ -9,7 +9,7 @@ import torch
 from trl.trainer.utils import nanstd
 
 from fsdp_research.errors import ConfigError
-from fsdp_research.objectives.grpo import _reward_metrics
+from fsdp_research.objectives.grpo import reward_metrics
 from fsdp_research.objectives.grpo_loss import LEVELS, LOSS_TYPES, PolicyLoss, group_advantages
 from fsdp_research.objectives.rewards import build_rewards, score
 from tests.helpers.chats import chat_llama
@@ -49,7 +49,7 @@ def test_reward_metrics_are_trl_s(scale):
     total = (rewards * weights).nansum(1)
     total[3] = float("nan")
     spread = nanstd(total.view(-1, GROUP), dim=1).repeat_interleave(GROUP) if scale == "group" else nanstd(total)
-    got = _reward_metrics(rewards, weights, GROUP, scale, ["a", "b"])
+    got = reward_metrics(rewards, weights, GROUP, scale, ["a", "b"])
     assert got["reward"] == pytest.approx(torch.nanmean(total).item())
     assert got["reward_std"] == pytest.approx(nanstd(total).item())
     zero = torch.isclose(spread, torch.zeros_like(spread)).float().mean().item()
