@@ -182,6 +182,30 @@ BREAKS: list[Break] = [
         # DAPO's clip-higher ignored: the ratios between 1.2 and 1.28 with a positive advantage are clipped.
         ("tests/train/test_grpo.py::test_each_loss_is_trl_s_and_so_are_its_gradients",),
     ),
+    Break(
+        "grpo_rank_keys",
+        "GRPO._rollout",
+        "first = dist.get_rank() * (len(prompts) // self.group)",
+        "first = 0",
+        # Rollout keys by the rank's own prompt positions: rank 1 samples with rank 0's noise, unlike one process.
+        ("tests/train/test_grpo_runs.py::test_the_reward_rises_and_two_ranks_and_a_resume_log_one_rank_s",),
+    ),
+    Break(
+        "rollout_positions",
+        "generate",
+        "positions[:, -1:] + 1",
+        "positions[:, -1:]",
+        # Each decoded token at its predecessor's position: the cached batch no longer the model fed alone.
+        ("tests/train/test_rollouts.py::test_each_prompt_gets_what_the_model_gives_it_alone_and_its_logps",),
+    ),
+    Break(
+        "prompt_record_offset",
+        "TokenStore.record",
+        "int(self._record_ends[document]), int(self._record_ends[document + 1])",
+        "int(self._record_ends[document + 1]), int(self._record_ends[document + 2])",
+        # Each prompt given the next one's record (its answer, its tests).
+        ("tests/data/test_prompts.py::test_prompts_are_trl_s_tokens_and_their_records_the_rows",),
+    ),
 ]
 
 
