@@ -128,6 +128,17 @@ class Job:
         self.proc.wait()
 
 
+def stop_controller(state_dir: str = LOCAL_CLUSTER, timeout: float = 60) -> None:
+    """slurmctld SIGTERMed and waited for (its state is saved; `local_cluster.sh start` recovers it): the requests
+    it was retrying in memory go with it."""
+    with open(os.path.join(state_dir, "run", "slurmctld.pid")) as f:
+        pid = int(f.read().strip())
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
 def lose_node(node: str, state_dir: str = LOCAL_CLUSTER) -> None:
     """The node's slurmd, its step daemons and its tasks, SIGKILLed: as if the machine went away."""
     with open(os.path.join(state_dir, "run", f"slurmd-{node}.pid")) as f:
