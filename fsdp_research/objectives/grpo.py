@@ -124,17 +124,8 @@ class GRPO(Objective):
         parts = []
         for rows in torch.arange(len(prompts)).split(self.cfg.trainer.micro_batch_size):
             p = prompts[rows]
-            parts.append(
-                generate(
-                    model,
-                    p[:, TOKENS],
-                    p[:, DOCUMENT] >= 0,
-                    keys[rows].to(p.device),
-                    self.sampling,
-                    self.stop,
-                    self.windows.pad_id,
-                )  # fmt: skip
-            )
+            real, row_keys = p[:, DOCUMENT] >= 0, keys[rows].to(p.device)
+            parts.append(generate(model, p[:, TOKENS], real, row_keys, self.sampling, self.stop, self.windows.pad_id))
         return Rollout(*(torch.cat([getattr(r, f) for r in parts]) for f in ("ids", "mask", "logps")))
 
     def _columns(self, docs: list[int], rollout: Rollout) -> dict[str, list]:

@@ -72,8 +72,8 @@ def score(
                 values = func(**columns)
             except Exception as err:
                 raise RewardError(
-                    f"reward function {name} raised {type(err).__name__}: {err} (prompts {prompt_of[0]}-"
-                    f"{prompt_of[-1]} of the step)"
+                    f"reward function {name} raised {type(err).__name__}: {err} (its first prompt: data index "
+                    f"{prompt_of[0]})"
                 ) from None
             out[:, j] = torch.tensor(_checked(name, values, n, prompt_of), dtype=torch.float64)
     except RewardError as err:
