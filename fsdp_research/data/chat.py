@@ -37,13 +37,13 @@ PROMPTS = "prompts.json"
 
 
 def prompt_rendering(cfg: DataConfig) -> str:
-    if cfg.kind is DataKind.preference:  # as the pairs are: messages (the first record's) or text
+    if cfg.kind in (DataKind.preference, DataKind.prompts):  # as the records are: messages (the first's) or text
         record = _first_record(cfg)
-        field = cfg.completion_field if unpaired_examples(cfg) else cfg.chosen_field
+        if cfg.kind is DataKind.prompts:
+            field = cfg.prompt_field
+        else:
+            field = cfg.completion_field if unpaired_examples(cfg) else cfg.chosen_field
         return "chat" if isinstance(record, dict) and isinstance(record.get(field), list) else "pair"
-    if cfg.kind is DataKind.prompts:
-        record = _first_record(cfg)
-        return "chat" if isinstance(record, dict) and isinstance(record.get(cfg.prompt_field), list) else "pair"
     if cfg.kind is not DataKind.chat:
         return "text"
     return "pair" if cfg.prompt_field else "chat"

@@ -19,7 +19,15 @@ from fsdp_research.data.prompts import DOCUMENT, TOKENS
 from fsdp_research.data.sampling import key
 from fsdp_research.errors import ConfigError
 from fsdp_research.objectives.base import Objective, StepContext
-from fsdp_research.objectives.grpo_loss import LEVELS, LOSS_TYPES, SCALES, PolicyLoss, group_advantages, nanstd
+from fsdp_research.objectives.grpo_loss import (
+    LEVELS,
+    LOSS_TYPES,
+    SCALES,
+    PolicyLoss,
+    group_advantages,
+    nanstd,
+    weighted_total,
+)
 from fsdp_research.objectives.rewards import agree_on_errors, build_rewards, score
 from fsdp_research.objectives.rollouts import Rollout, Sampling, generate
 
@@ -102,12 +110,12 @@ class GRPO(Objective):
         # TRL's: the tokenizer's end of sequence and every one the model's generation config names.
         ends = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.stop = {self.tok.eos_token_id, *([ends] if isinstance(ends, int) else ends or [])} - {None}
-        ranks = dist.get_world_size()
-        if self.samples_per_step(self.cfg.trainer.global_batch_size) % ranks:
+        ranks, completions = dist.get_world_size(), self.cfg.trainer.global_batch_size
+        if self.samples_per_step(completions) % ranks:
             raise ConfigError(
                 "trainer.global_batch_size",
-                f"{self.cfg.trainer.global_batch_size} completions: "
-                f"{self.samples_per_step(self.cfg.trainer.global_batch_size)} prompts do not split over {ranks} ranks",
+                f"{completions} completions: {self.samples_per_step(completions)} prompts do not split over {ranks} "
+                "ranks",
                 f"use a multiple of {self.group * ranks}",
             )
 
@@ -207,7 +215,7 @@ def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group: int, sca
     """TRL's (sum_then_normalize): the weighted reward's mean and standard deviation over the step's completions
     (those no function scored left out), each function's, and the share of completions whose group's rewards (the
     batch's, scale_rewards batch) do not vary."""
-    total = (rewards * weights).nansum(1).masked_fill(torch.isnan(rewards).all(1), torch.nan)
+    total = weighted_total(rewards, weights)
     spread = nanstd(total).expand_as(total) if scale == "batch" else nanstd(total.view(-1, group), 1)
     zero = torch.isclose(spread, torch.zeros_like(spread)).double()
     out = {

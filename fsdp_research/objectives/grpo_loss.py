@@ -22,13 +22,17 @@ def nanstd(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return torch.where(count > 1, variance, torch.nan).sqrt().squeeze(dims)
 
 
+def weighted_total(rewards: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each completion's weighted sum of the functions that scored it (NaN: a function's None); NaN where none did."""
+    return (rewards * weights).nansum(dim=1).masked_fill(torch.isnan(rewards).all(dim=1), torch.nan)
+
+
 def group_advantages(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str) -> torch.Tensor:
     """Each completion's advantage from `rewards` [completions, functions] (NaN: a function's None, not applicable),
     the completions of a prompt `group` consecutive rows: the functions' weighted sum less its group's mean, over the
     group's standard deviation (scale "group"), the batch's ("batch") or none ("none"), plus 1e-4; 0 for a completion
     every function left unscored."""
-    unscored = torch.isnan(rewards).all(dim=1)
-    total = (rewards * weights).nansum(dim=1).masked_fill(unscored, torch.nan)
+    total = weighted_total(rewards, weights)
     grouped = total.view(-1, group)
     advantages = total - torch.nanmean(grouped, dim=1).repeat_interleave(group)
     if scale == "group":
