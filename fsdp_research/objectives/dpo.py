@@ -10,25 +10,28 @@ frozen copy of the initial weights sharded as the policy is; a model directory i
 import contextlib
 import gc
 import logging
-import os
-from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
 from fsdp_research.callbacks.footprint import PlannedRank
 from fsdp_research.config.schema import Strategy
 from fsdp_research.data.pipeline import Data
 from fsdp_research.distributed.precision import autocast
 from fsdp_research.errors import ConfigError
-from fsdp_research.model.architecture import build_hf_config
-from fsdp_research.model.assembly import build_sharded_model
-from fsdp_research.model.lora import enabled, lora_layers, saved_modules
+from fsdp_research.model.lora import enabled
 from fsdp_research.objectives.pairs import PairObjective, pair_documents, pair_logps, pair_result
-from fsdp_research.objectives.reference import compute_table, load_table, save_table, table_path
+from fsdp_research.objectives.reference import (
+    adapters_off,
+    check_directory,
+    compute_table,
+    frozen_copy,
+    load_table,
+    save_table,
+    table_path,
+)
 
 log = logging.getLogger("fsdp_research")
 
@@ -45,6 +48,7 @@ class DPO(PairObjective):
         reference: str = "auto",
     ):
         self.beta, self.label_smoothing, self.reference = beta, label_smoothing, reference
+        self.directory = None if reference in ("auto", "precompute") else reference  # a model's: the reference
         # precompute: the reference's log-probabilities are looked up, not computed, while training.
         self.reference_forwards = 0 if reference == "precompute" else 1
         self.loss_types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
@@ -80,14 +84,8 @@ class DPO(PairObjective):
             raise ConfigError(
                 "objective.label_smoothing", f"{self.label_smoothing} is not in [0, 0.5)", "use e.g. 0.1 (robust)"
             )
-        if self.reference not in ("auto", "precompute"):
-            if not os.path.isfile(os.path.join(self.reference, "config.json")):
-                raise ConfigError(
-                    "objective.reference",
-                    f"{self.reference!r} is neither auto, precompute nor a model directory (no config.json)",
-                    "use auto, precompute, or a directory save_pretrained wrote",
-                )
-        elif self.reference == "precompute" and not cfg.model.load_weights:
+        check_directory(self.reference, ("auto", "precompute"))
+        if self.reference == "precompute" and not cfg.model.load_weights:
             raise ConfigError(
                 "objective.reference",
                 "precompute: the reference is the pretrained weights, which this model does not load",
@@ -102,18 +100,7 @@ class DPO(PairObjective):
         if self.reference == "precompute":
             self._precompute(model, device, data)
         elif self.reference != "auto" or not enabled(self.cfg.model.lora):
-            self.model = self._copy(device)
-
-    def _copy(self, device: torch.device) -> nn.Module:
-        """The reference as a frozen model of its own, sharded as the policy: the initial weights (a resume's too),
-        or objective.reference's directory."""
-        cfg = self.cfg.copy()
-        with open_dict(cfg):
-            cfg.model.lora.r = None
-            if self.reference not in ("auto", "precompute"):  # a model directory
-                cfg.model.name_or_path, cfg.model.load_weights = self.reference, True
-        copy, _ = build_sharded_model(cfg, build_hf_config(cfg.model), device, dist.get_world_size())
-        return copy.requires_grad_(False).eval()
+            self.model = frozen_copy(self.cfg, device, self.directory)
 
     def _precompute(self, policy: nn.Module, device: torch.device, data: Data) -> None:
         """Each store's table of reference log-probabilities (objectives.reference): read where a start before
@@ -129,7 +116,7 @@ class DPO(PairObjective):
                     log.info(f"objective.reference=precompute: read {path}")
             if by_path[path] is None:
                 if self.model is None and not enabled(self.cfg.model.lora):
-                    self.model = self._copy(device)
+                    self.model = frozen_copy(self.cfg, device, self.directory)
                 with self._reference(policy) as reference:
                     tp = self.cfg.parallel.tp
                     by_path[path] = compute_table(reference, windows, t.micro_batch_size, device, self.amp, tp)
@@ -141,25 +128,9 @@ class DPO(PairObjective):
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    @contextlib.contextmanager
-    def _reference(self, policy: nn.Module) -> Iterator[nn.Module]:
-        """The reference model: the frozen copy, or the policy with every adapter off (LoRA's layers and the
-        trained copies of model.lora.modules_to_save: the base model), as PEFT's disable_adapter switches them."""
-        if self.model is not None:
-            yield self.model
-            return
-        adapted = [m for _, m in lora_layers(policy)] + [m for _, m in saved_modules(policy)]
-        # PEFT's switch sets requires_grad on the adapters' parameters: put back as it was.
-        trains = [(p, p.requires_grad) for m in adapted for p in m.parameters()]
-        for module in adapted:
-            module.enable_adapters(False)
-        try:
-            yield policy
-        finally:
-            for module in adapted:
-                module.enable_adapters(True)
-            for p, requires_grad in trains:
-                p.requires_grad_(requires_grad)
+    def _reference(self, policy: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+        """The reference model: the frozen copy, or the policy with every adapter off."""
+        return contextlib.nullcontext(self.model) if self.model is not None else adapters_off(policy)
 
     def reference_logps(self, policy: nn.Module, batch: torch.Tensor, amp, real: torch.Tensor) -> tuple:
         """The reference's log-probabilities of the pairs' two documents ([pairs] each): looked up (precompute) or

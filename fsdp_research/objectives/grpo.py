@@ -4,20 +4,29 @@ Each step: every prompt of this rank's share num_generations times, completed by
 reward functions (fsdp_research.objectives.rewards), their group-relative advantages taken over the whole step's
 completions; then the clipped policy loss (fsdp_research.objectives.grpo_loss) of the completions, normalised over
 the step's (every rank's and micro-batch's) as the loss type says. trainer.global_batch_size counts completions, as
-TRL's. Metrics with TRL's names: reward, reward_std, frac_reward_zero_std, rewards/<function>/mean and /std,
-completions/mean_length, completions/clipped_ratio."""
+TRL's. With objective.beta > 0, the k3 estimate of the KL to the reference (objectives.reference: the policy with its
+adapters off under LoRA, else a frozen copy of the initial weights or of objective.reference's directory) joins the
+loss. Metrics with TRL's names: reward, reward_std, frac_reward_zero_std, rewards/<function>/mean and /std,
+completions/mean_length, completions/clipped_ratio, kl, entropy, clip_ratio/low_mean, low_min, high_mean, high_max
+and region_mean (means over the step's completion tokens, every rank's and micro-batch's)."""
+
+import contextlib
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from fsdp_research.callbacks.footprint import PlannedRank
 from fsdp_research.config.data_schema import DataKind
+from fsdp_research.config.schema import Strategy
 from fsdp_research.data.chat import chat_tokenizer, prompt_rendering
 from fsdp_research.data.pipeline import Data
 from fsdp_research.data.prompts import DOCUMENT, TOKENS
 from fsdp_research.data.sampling import key
+from fsdp_research.distributed.precision import autocast
 from fsdp_research.errors import ConfigError
+from fsdp_research.model.lora import enabled
 from fsdp_research.objectives.base import Objective, StepContext
 from fsdp_research.objectives.grpo_loss import (
     LEVELS,
@@ -26,8 +35,11 @@ from fsdp_research.objectives.grpo_loss import (
     PolicyLoss,
     group_advantages,
     nanstd,
+    policy_metrics,
+    policy_stats,
     weighted_total,
 )
+from fsdp_research.objectives.reference import adapters_off, check_directory, frozen_copy
 from fsdp_research.objectives.rewards import agree_on_errors, build_rewards, score
 from fsdp_research.objectives.rollouts import Rollout, Sampling, generate
 
@@ -53,8 +65,11 @@ class GRPO(Objective):
         beta: float = 0.0,
         num_iterations: int = 1,
         scale_rewards: str = "group",
+        reference: str = "auto",
     ):
         self.reward_funcs, self.reward_weights = list(reward_funcs or []), reward_weights
+        self.reference, self.directory = reference, None if reference == "auto" else reference
+        self.reference_forwards = 1 if beta else 0
         self.group, self.scale = num_generations, scale_rewards
         self.sampling = Sampling(max_completion_length, temperature, top_p)
         self.num_iterations = num_iterations
@@ -79,8 +94,11 @@ class GRPO(Objective):
             raise ConfigError(
                 "objective.temperature", f"{s.temperature} (top_p {s.top_p})", "temperature > 0 and top_p in (0, 1]"
             )
-        if self.policy.beta:
-            raise ConfigError("objective.beta", "the KL to a reference is not built yet", "use objective.beta=0")
+        if self.policy.beta < 0:
+            raise ConfigError("objective.beta", f"{self.policy.beta} is below 0", "use 0 (no reference) or e.g. 0.04")
+        if self.directory and not self.policy.beta:
+            raise ConfigError("objective.reference", "is read only for the KL, and objective.beta is 0", "set beta > 0")
+        check_directory(self.reference, ("auto",))
         if self.num_iterations != 1:
             raise ConfigError("objective.num_iterations", "one update per rollout batch only, for now", "use 1")
         if cfg.parallel.tp > 1:
@@ -99,6 +117,11 @@ class GRPO(Objective):
             )
         build_rewards(self.reward_funcs, self.reward_weights)
 
+    @classmethod
+    def planned_bytes(cls, rank: PlannedRank, beta: float = 0.0, reference: str = "auto", **_) -> int:
+        """What the planner counts (as a callback's state): the reference's copy of the rank's parameters, if any."""
+        return 0 if not beta or (reference == "auto" and rank.adapters) else rank.param_bytes
+
     def setup(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.names, self.funcs, self.weights = build_rewards(self.reward_funcs, self.reward_weights)
@@ -107,6 +130,11 @@ class GRPO(Objective):
 
     def prepare(self, model: nn.Module, device: torch.device, data: Data) -> None:
         self.windows, self.device = data.stream.windows[0], device
+        classic = Strategy(self.cfg.sharding.strategy) is Strategy.ddp_classic
+        self.amp = autocast(self.cfg.precision, device, enabled=classic)  # as the trainer's forward runs
+        self.model = None  # the policy, its adapters off: the reference
+        if self.policy.beta and (self.directory or not enabled(self.cfg.model.lora)):
+            self.model = frozen_copy(self.cfg, device, self.directory)
         # TRL's: the tokenizer's end of sequence and every one the model's generation config names.
         ends = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.stop = {self.tok.eos_token_id, *([ends] if isinstance(ends, int) else ends or [])} - {None}
@@ -170,7 +198,35 @@ class GRPO(Objective):
             "mask": rollout.mask,
             "advantages": advantages[mine].float(),
         }
-        return torch.arange(len(prompts), device=batch.device)[:, None]
+        rows = torch.arange(len(prompts), device=batch.device)[:, None]
+        if self.policy.beta:
+            with torch.no_grad(), self._reference(model) as reference:
+                parts = [self._logps(reference, r, self.amp)[0] for r in rows.split(self.cfg.trainer.micro_batch_size)]
+            self.step["reference"] = torch.cat(parts)
+        self.extremes = torch.tensor(
+            [1.0, 0.0], dtype=torch.float64, device=self.device
+        )  # clip_ratio/low_min, high_max
+        return rows
+
+    def _reference(self, policy: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+        """The reference model: the frozen copy, or the policy with every adapter off."""
+        return contextlib.nullcontext(self.model) if self.model is not None else adapters_off(policy)
+
+    def _logps(self, model: nn.Module, batch: torch.Tensor, amp) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's completions' tokens' log-probabilities under `model` (of its temperature-scaled logits,
+        as sampled) and each position's entropy (without gradient): [n, max_completion_length] each."""
+        rows = batch[:, 0]
+        tokens, attention = self.step["tokens"][rows], self.step["attention"][rows]
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        n = self.step["ids"].shape[1]
+        with amp:  # the completions' logits only (those of their last token's position too: dropped)
+            logits = model(
+                input_ids=tokens, attention_mask=attention, position_ids=positions, logits_to_keep=n + 1
+            ).logits
+        every = (logits[:, :-1].float() / self.sampling.temperature).log_softmax(-1)
+        with torch.no_grad():
+            entropy = -(every.exp() * every).sum(-1)
+        return every.gather(-1, self.step["ids"][rows][..., None])[..., 0], entropy
 
     def trained_tokens(self, batch: torch.Tensor) -> torch.Tensor:
         return self.step["attention"].sum()
@@ -187,21 +243,21 @@ class GRPO(Objective):
 
     def loss(self, model: nn.Module, batch: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, dict]:
         rows = batch[:, 0]
-        tokens, attention = self.step["tokens"][rows], self.step["attention"][rows]
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        n = self.step["ids"].shape[1]
-        with ctx.amp:  # the completions' logits only (those of their last token's position too: dropped)
-            logits = model(
-                input_ids=tokens, attention_mask=attention, position_ids=positions, logits_to_keep=n + 1
-            ).logits
-        scaled = logits[:, :-1].float() / self.sampling.temperature
-        logps = scaled.log_softmax(-1).gather(-1, self.step["ids"][rows][..., None])[..., 0]
+        logps, entropy = self._logps(model, batch, ctx.amp)
+        mask, advantages = self.step["mask"][rows], self.step["advantages"][rows]
+        reference = self.step["reference"][rows] if self.policy.beta else None
         # One update per rollout batch: the old policy is this one (TRL's, num_iterations 1), the ratio 1.
-        total, _ = self.policy(logps, logps.detach(), self.step["advantages"][rows], self.step["mask"][rows])
-        return total * ctx.weight, {}
+        terms = self.policy(logps, logps.detach(), advantages, mask, reference)
+        sums, extremes = policy_stats(self.policy, terms, entropy, advantages, mask)
+        self.extremes = torch.stack([self.extremes[0].minimum(extremes[0]), self.extremes[1].maximum(extremes[1])])
+        return terms.total * ctx.weight, {"grpo sums": sums}
 
     def metrics(self, stats: dict[str, torch.Tensor]) -> dict[str, float]:
-        return {"targets": round(stats["targets"].item()), **self.logged}
+        sums, extremes = stats["grpo sums"].clone(), self.extremes.clone()
+        dist.all_reduce(sums)
+        dist.all_reduce(extremes[:1], op=dist.ReduceOp.MIN)
+        dist.all_reduce(extremes[1:], op=dist.ReduceOp.MAX)
+        return {"targets": round(stats["targets"].item()), **self.logged, **policy_metrics(sums, extremes, self.policy)}
 
 
 def _gathered(x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,7 @@
-"""objective.reference=precompute: the reference model's log-probability of every document of the preference stores
+"""The reference model of DPO and GRPO's KL: the policy with its LoRA adapters switched off (no second model) or a
+frozen copy sharded as the policy is (the initial weights, or a model directory's).
+
+objective.reference=precompute: the reference model's log-probability of every document of the preference stores
 (training and eval), summed over its targets, computed once before training and kept beside the store, so that the
 reference is not held while training. Every rank computes its share of the windows (a collective); rank 0 writes
 the table (<store>.reference-<key>.npy, atomically); a later start or a resume reads it. The key: the store, the
@@ -6,26 +9,70 @@ reference weights (their files' identity), the compute dtype and how documents a
 decides a document's log-probability. A table holds a float64 a document: O(documents) on every rank, as the
 store's document index is."""
 
+import contextlib
 import hashlib
 import logging
 import os
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 
 from fsdp_research.data.packing import DOCUMENTS, IGNORE, LABELS, PairWindows
 from fsdp_research.data.store_builder import write_atomic
 from fsdp_research.distributed.processes import broadcast_object, on_rank0
+from fsdp_research.errors import ConfigError
 from fsdp_research.model.architecture import build_hf_config, pretrained_dir
-from fsdp_research.model.lora import enabled
+from fsdp_research.model.assembly import build_sharded_model
+from fsdp_research.model.lora import enabled, lora_layers, saved_modules
 from fsdp_research.model.pretrained import checkpoint_files, weights_identity
 from fsdp_research.train.evaluation import rank_share
 from fsdp_research.train.losses import token_losses
 
 log = logging.getLogger("fsdp_research")
+
+
+def check_directory(reference: str, keywords: tuple[str, ...]) -> None:
+    """objective.reference names one of `keywords` or a model directory save_pretrained wrote."""
+    if reference not in keywords and not os.path.isfile(os.path.join(reference, "config.json")):
+        raise ConfigError(
+            "objective.reference",
+            f"{reference!r} is neither {', '.join(keywords)} nor a model directory (no config.json)",
+            f"use {', '.join(keywords)}, or a directory save_pretrained wrote",
+        )
+
+
+def frozen_copy(cfg: DictConfig, device: torch.device, directory: str | None = None) -> nn.Module:
+    """The reference as a frozen model of its own, sharded as the policy: the run's initial weights (a resume's
+    too), or `directory`'s."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.model.lora.r = None
+        if directory is not None:
+            cfg.model.name_or_path, cfg.model.load_weights = directory, True
+    copy, _ = build_sharded_model(cfg, build_hf_config(cfg.model), device, dist.get_world_size())
+    return copy.requires_grad_(False).eval()
+
+
+@contextlib.contextmanager
+def adapters_off(policy: nn.Module) -> Iterator[nn.Module]:
+    """The policy with every adapter off (LoRA's layers and the trained copies of model.lora.modules_to_save: the
+    base model), as PEFT's disable_adapter switches them."""
+    adapted = [m for _, m in lora_layers(policy)] + [m for _, m in saved_modules(policy)]
+    # PEFT's switch sets requires_grad on the adapters' parameters: put back as it was.
+    trains = [(p, p.requires_grad) for m in adapted for p in m.parameters()]
+    for module in adapted:
+        module.enable_adapters(False)
+    try:
+        yield policy
+    finally:
+        for module in adapted:
+            module.enable_adapters(True)
+        for p, requires_grad in trains:
+            p.requires_grad_(requires_grad)
 
 
 def table_path(windows: PairWindows, cfg: DictConfig) -> str:

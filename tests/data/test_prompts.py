@@ -159,7 +159,12 @@ def test_objective_grpo_reads_them_and_refuses_what_it_cannot_do_in_one_line(tmp
             "trainer.micro_batch_size=5",
         ],
         "objective.loss_type: 'ppo' is not one of grpo, bnpo, dr_grpo, dapo": ["objective.loss_type=ppo"],
-        "objective.beta: the KL to a reference is not built yet": ["objective.beta=0.04"],
+        "objective.beta: -0.1 is below 0": ["objective.beta=-0.1"],
+        "objective.reference: '/nonexistent' is neither auto nor a model directory": [
+            "objective.beta=0.04",
+            "objective.reference=/nonexistent",
+        ],
+        "objective.reference: is read only for the KL, and objective.beta is 0": [f"objective.reference={tok_dir}"],
         "objective.reward_funcs: is empty": ["objective.reward_funcs=[]"],
         "data.eval_fraction: 0.1: held-out prompts grpo never reads; fix: set it to 0": ["data.eval_fraction=0.1"],
     }
@@ -169,3 +174,25 @@ def test_objective_grpo_reads_them_and_refuses_what_it_cannot_do_in_one_line(tmp
     with pytest.raises(ConfigError, match=r"^trainer.eval_interval: objective=grpo has no eval yet"):
         cfg = _cfg(tmp_path, tok_dir, path, *grpo, "trainer.eval_interval=10", "data.eval_fraction=0.2")
         check_config(cfg, 1, build_hf_config(cfg.model), torch.device("cpu"))
+
+
+def test_the_planner_counts_grpo_s_reference_copy_and_none_with_lora_or_without_beta(tmp_path, tok_dir):
+    """With objective.beta > 0 the frozen reference is a copy of each rank's parameters (fp32 shards); with LoRA it
+    is the policy itself, and without the KL there is none."""
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_research.planner.memory import memory
+    from fsdp_research.planner.run import run_settings
+    from fsdp_research.planner.summary import summary_for
+
+    path = _write(tmp_path, "jsonl", RECORDS)
+    grpo = ["objective=grpo", "objective.reward_funcs=[tests.helpers.rewards.digits]", "objective.num_generations=4"]
+    planned = {}
+    cases = {"copy": ["objective.beta=0.04"], "lora": ["objective.beta=0.04", "model.lora.r=4"], "none": []}
+    for name, more in cases.items():
+        cfg = _cfg(tmp_path, tok_dir, path, *grpo, *more)
+        planned[name] = memory(summary_for(cfg), run_settings(cfg, 2, "cpu")).callbacks
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(build_hf_config(cfg.model)).parameters())
+    assert planned["copy"] == pytest.approx(4 * params / 2, rel=0.01)
+    assert planned["lora"] == planned["none"] == 0

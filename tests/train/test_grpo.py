@@ -1,8 +1,9 @@
 """GRPO's arithmetic (fsdp_research.objectives.grpo_loss) against TRL's: the advantages as its GRPOTrainer computes
 them from the same rewards (None: not applicable), and for fixed completions, masks, advantages and old and
 reference log-probabilities, each loss type at each importance-sampling level equal to GRPOTrainer._compute_loss in
-one process and one micro-batch (1e-6, fp32), its gradients too; the reward functions' values checked (None: not
-applicable; a wrong count or a non-number named with the prompt) and the functions themselves before any compute."""
+one process and one micro-batch (1e-6, fp32), its gradients and its metrics (kl, entropy, clip_ratio/*) too; the
+reward functions' values checked (None: not applicable; a wrong count or a non-number named with the prompt) and
+the functions themselves before any compute."""
 
 import pytest
 import torch
@@ -10,7 +11,14 @@ from trl.trainer.utils import nanstd
 
 from fsdp_research.errors import ConfigError
 from fsdp_research.objectives.grpo import reward_metrics
-from fsdp_research.objectives.grpo_loss import LEVELS, LOSS_TYPES, PolicyLoss, group_advantages
+from fsdp_research.objectives.grpo_loss import (
+    LEVELS,
+    LOSS_TYPES,
+    PolicyLoss,
+    group_advantages,
+    policy_metrics,
+    policy_stats,
+)
 from fsdp_research.objectives.rewards import build_rewards, score
 from tests.helpers.chats import chat_llama
 
@@ -80,8 +88,12 @@ def _inputs():
     return logps, old, ref, mask, advantages
 
 
-def _trl_loss(model_dir: str, tmp_path, logps: torch.Tensor, **settings) -> torch.Tensor:
-    """GRPOTrainer._compute_loss of one micro-batch, the policy's log-probabilities (and entropies) handed in."""
+ENTROPY = torch.rand(N, T, generator=torch.Generator().manual_seed(1)) * 4
+
+
+def _trl_loss(model_dir: str, tmp_path, logps: torch.Tensor, **settings) -> tuple[torch.Tensor, dict[str, float]]:
+    """GRPOTrainer._compute_loss of one micro-batch and the metrics it logged, the policy's log-probabilities (and
+    entropies) handed in."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
@@ -105,7 +117,7 @@ def _trl_loss(model_dir: str, tmp_path, logps: torch.Tensor, **settings) -> torc
         processing_class=AutoTokenizer.from_pretrained(model_dir),
     )
     trainer.current_gradient_accumulation_steps = 1  # one micro-batch a step (the Trainer sets it when training)
-    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps, torch.zeros_like(logps), None)
+    trainer._get_per_token_logps_and_entropies = lambda *args, **kwargs: (logps, ENTROPY, None)
     _, old, ref, mask, advantages = _inputs()
     inputs = {
         "prompt_ids": torch.ones(N, 2, dtype=torch.long),
@@ -118,7 +130,8 @@ def _trl_loss(model_dir: str, tmp_path, logps: torch.Tensor, **settings) -> torc
         "num_items_in_batch": mask.sum(),
     }
     trainer.model.train()
-    return trainer._compute_loss(trainer.model, inputs)
+    loss = trainer._compute_loss(trainer.model, inputs)
+    return loss, {k: v[-1] for k, v in trainer._metrics["train"].items()}
 
 
 @pytest.mark.slow  # a GRPOTrainer built for each case (~1.5 s each)
@@ -133,16 +146,21 @@ def test_each_loss_is_trl_s_and_so_are_its_gradients(model_dir, tmp_path, loss_t
     for settings in cases:
         logps, old, ref, mask, advantages = _inputs()
         theirs_in = logps.clone().requires_grad_()
-        theirs = _trl_loss(
+        theirs, their_metrics = _trl_loss(
             model_dir, tmp_path, theirs_in, loss_type=loss_type, importance_sampling_level=level, **settings
         )
         theirs.backward()
         ours_in = logps.clone().requires_grad_()
         loss = PolicyLoss(loss_type, level, max_completion_length=T, **settings)
-        total, count = loss(ours_in, old, advantages, mask, ref if settings["beta"] else None)
-        (total / count).backward()
-        torch.testing.assert_close(total / count, theirs.detach(), rtol=1e-6, atol=1e-7)
+        terms = loss(ours_in, old, advantages, mask, ref if settings["beta"] else None)
+        (terms.total / terms.count).backward()
+        torch.testing.assert_close(terms.total / terms.count, theirs.detach(), rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(ours_in.grad, theirs_in.grad, rtol=1e-6, atol=1e-7)
+        metrics = policy_metrics(*policy_stats(loss, terms, ENTROPY, advantages, mask), loss)
+        assert metrics.keys() == {k for k in their_metrics if k == "entropy" or k.startswith(("kl", "clip_ratio"))}
+        assert metrics == pytest.approx({k: their_metrics[k] for k in metrics}, rel=1e-6)
+        assert metrics["clip_ratio/region_mean"] > 0 or level == "sequence"  # a completion's mean ratio: in the clip
+        assert metrics.get("kl", 1) > 0
 
 
 def test_a_reward_that_is_none_a_wrong_count_or_no_number_is_said_so():

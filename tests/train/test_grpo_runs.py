@@ -1,8 +1,10 @@
 """objective=grpo end to end, by train.py's processes, on a tiny chat llama and a toy task with a user's reward
-function outside the package (tests/helpers/rewards.py): the reward rises; 2 ranks log the losses and rewards of 1;
-a run resumed mid-way logs the uninterrupted run's, to the bit (the rollouts' noise is keyed by the step and the
-prompt); a reward function that raises at the second step stops the run in one line naming it, the first step's
-checkpoint kept."""
+function outside the package (tests/helpers/rewards.py), with the KL to the reference (beta 0.04): the reward rises;
+2 ranks log the losses, rewards and KL of 1; a run resumed mid-way logs the uninterrupted run's, to the bit (the
+rollouts' noise is keyed by the step and the prompt; the reference is the initial weights again); with LoRA and a
+trained copy of the head (the reference: the policy with both switched off) the reward rises too and the first
+step's KL is 0; a reward function that raises at the second step stops the run in one line naming it, the first
+step's checkpoint kept."""
 
 import json
 
@@ -32,6 +34,7 @@ def runs(tmp_path_factory):
         "objective.reward_funcs=[tests.helpers.rewards.digits]",
         "objective.num_generations=4",
         "objective.max_completion_length=12",
+        "objective.beta=0.04",
         "trainer.global_batch_size=16",
         "trainer.micro_batch_size=8",
         "trainer.eval_interval=0",
@@ -42,7 +45,7 @@ def runs(tmp_path_factory):
         "optim.lr=1e-2",
         "checkpoint.export=false",
     ]
-    dirs = {name: tmp / name for name in ("one", "two", "half", "broken")}
+    dirs = {name: tmp / name for name in ("one", "two", "half", "broken", "lora")}
     procs = {
         "one": start([*common, "trainer.max_steps=12", "checkpoint.save=false", f"hydra.run.dir={dirs['one']}"], ROOT),
         "two": start(
@@ -52,6 +55,18 @@ def runs(tmp_path_factory):
                 "checkpoint.save=false",
                 "distributed.nproc_per_node=2",
                 f"hydra.run.dir={dirs['two']}",
+            ],
+            ROOT,
+        ),  # fmt: skip
+        "lora": start(
+            [
+                *common,
+                "trainer.max_steps=12",
+                "checkpoint.save=false",
+                "model.lora.r=8",
+                "model.lora.alpha=16",
+                "model.lora.modules_to_save=[lm_head]",
+                f"hydra.run.dir={dirs['lora']}",
             ],
             ROOT,
         ),  # fmt: skip
@@ -68,7 +83,7 @@ def runs(tmp_path_factory):
         ),  # fmt: skip
     }
     done = {name: finish(proc) for name, proc in procs.items()}
-    for name in ("one", "two", "half"):
+    for name in ("one", "two", "half", "lora"):
         assert done[name].returncode == 0, done[name].stderr[-3000:]
     resume = [*common, "trainer.max_steps=12", f"checkpoint.resume={dirs['half']}", f"hydra.run.dir={dirs['half']}"]
     done["resumed"] = finish(start(resume, ROOT))
@@ -85,9 +100,27 @@ def test_the_reward_rises_and_two_ranks_and_a_resume_log_one_rank_s(runs):
     dirs, _ = runs
     reward = _series(dirs["one"], "reward")
     assert len(reward) == 12 and sum(reward[-4:]) > 1.5 * sum(reward[:4]), reward
-    for key in ("loss", "reward", "reward_std", "completions/mean_length", "completions/clipped_ratio"):
+    kl = _series(dirs["one"], "kl")
+    assert kl[0] == 0 and min(kl[1:]) > 0, kl  # the reference: the initial weights
+    for key in (
+        "loss",
+        "reward",
+        "reward_std",
+        "completions/mean_length",
+        "completions/clipped_ratio",
+        "kl",
+        "entropy",
+    ):
         assert _series(dirs["two"], key) == pytest.approx(_series(dirs["one"], key), abs=1e-4), key
         assert _series(dirs["half"], key) == _series(dirs["one"], key), key  # bitwise: steps 1-6, then 7-12 resumed
+
+
+@pytest.mark.slow
+def test_with_lora_the_reference_is_the_policy_with_its_adapters_off(runs):
+    dirs, _ = runs
+    reward, kl = _series(dirs["lora"], "reward"), _series(dirs["lora"], "kl")
+    assert sum(reward[-4:]) > 1.5 * sum(reward[:4]), reward
+    assert kl[0] == 0 and min(kl[1:]) > 0, kl  # LoRA's B starts at 0: the adapted policy is the base at first
 
 
 @pytest.mark.slow
