@@ -13,12 +13,15 @@ from fsdp_research.metrics.sinks import read_records  # noqa: E402
 WARMUP = 4
 
 
-def train_run(tmp: str, run_dir: str, name: str, steps: int, seq_len: int, overrides: list[str]) -> tuple[list, dict]:
-    """`python train.py` on tmp's model: (the metrics of its steps after WARMUP, its summary)."""
+def train_run(
+    tmp: str, run_dir: str, name: str, steps: int, seq_len: int, overrides: list[str], batch: int = 8
+) -> tuple[list, dict]:
+    """`python train.py` on tmp's model, `batch` samples a step in one micro-batch: (the metrics of its steps after
+    WARMUP, its summary)."""
     cmd = [
         sys.executable, os.path.join(ROOT, "train.py"), "model=pretrained", f"model.name_or_path={tmp}/model",
         f"data.seq_len={seq_len}", "logger=none", "trainer.log_interval=1", "trainer.eval_interval=0",
-        f"trainer.max_steps={steps}", "trainer.global_batch_size=8", "trainer.micro_batch_size=8",
+        f"trainer.max_steps={steps}", f"trainer.global_batch_size={batch}", f"trainer.micro_batch_size={batch}",
         "checkpoint.interval=0", "checkpoint.export=false", f"hydra.run.dir={run_dir}", *overrides,
     ]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)

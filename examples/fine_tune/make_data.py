@@ -1,7 +1,8 @@
 """A tiny fine-tuning setup made here, offline: chats in JSON Lines (train and eval), preference pairs of the same sums
-(pairs_train, pairs_eval: the right answer chosen, a wrong one rejected), a byte-level BPE tokenizer with
-ChatML's turn tokens and chat template, and a small llama beside it written with save_pretrained (random weights:
-it stands in for the pretrained model you would name).
+(pairs_train, pairs_eval: the right answer chosen, a wrong one rejected), prompts of the same sums with their answers
+for GRPO (prompts_train: TRL's prompt-only format, the answer a column for the reward functions), a byte-level BPE
+tokenizer with ChatML's turn tokens and chat template, and a small llama beside it written with save_pretrained
+(random weights: it stands in for the pretrained model you would name).
 
     python examples/fine_tune/make_data.py <out dir> [--hidden 128] [--layers 4] [--chats 2000]"""
 
@@ -53,10 +54,21 @@ def pairs(n: int, seed: int) -> list[dict]:
     return out
 
 
+def prompts(n: int, seed: int) -> list[dict]:
+    """TRL's prompt-only conversational format: the sum asked, its answer a column the reward functions read."""
+    return [{"prompt": c["messages"][:2], "answer": c["messages"][2]["content"]} for c in chats(n, seed)]
+
+
 def main(out: str, hidden: int = 128, layers: int = 4, n_chats: int = 2000) -> None:
     os.makedirs(out, exist_ok=True)
     train, evals = chats(n_chats, 0), chats(100, 1)
-    both = (("train", train), ("eval", evals), ("pairs_train", pairs(n_chats, 2)), ("pairs_eval", pairs(100, 3)))
+    both = (
+        ("train", train),
+        ("eval", evals),
+        ("pairs_train", pairs(n_chats, 2)),
+        ("pairs_eval", pairs(100, 3)),
+        ("prompts_train", prompts(n_chats, 4)),
+    )
     for name, rows in both:
         with open(os.path.join(out, f"{name}.jsonl"), "w") as f:
             f.writelines(json.dumps(row) + "\n" for row in rows)

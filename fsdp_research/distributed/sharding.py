@@ -3,7 +3,7 @@ application with FSDP2's fully_shard (ddp too: replicated over every rank, a sha
 DistributedDataParallel for the classic baseline."""
 
 import contextlib
-from collections.abc import Collection
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +54,24 @@ def reshard(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
+
+
+@contextlib.contextmanager
+def kept_gathered(model: nn.Module) -> Iterator[None]:
+    """Every unit keeps its parameters gathered after each forward within (a generation's forwards, a token each:
+    gathered once, not at every token, as TRL's ds3_gather_for_generation), then all are sharded again, each unit's
+    reshard_after_forward as it was. Enter it after the model's first forward (FSDP's lazy init sets the root's)."""
+    # FSDP2's public set_reshard_after_forward takes a bool only: a unit's k (reshard to groups of k) is kept so.
+    groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
+    saved = [g.post_forward_mesh_info for g in groups]
+    for g in groups:
+        g.post_forward_mesh_info = None
+    try:
+        yield
+    finally:
+        for g, info in zip(groups, saved):
+            g.post_forward_mesh_info = info
+        reshard(model)
 
 
 def local_shard(t: torch.Tensor) -> torch.Tensor:

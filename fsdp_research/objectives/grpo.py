@@ -15,6 +15,7 @@ import contextlib
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from fsdp_research.callbacks.footprint import PlannedRank
@@ -66,13 +67,14 @@ class GRPO(Objective):
         num_iterations: int = 1,
         scale_rewards: str = "group",
         reference: str = "auto",
+        gather_for_generation: bool = True,
     ):
         self.reward_funcs, self.reward_weights = list(reward_funcs or []), reward_weights
         self.reference, self.directory = reference, None if reference == "auto" else reference
         self.reference_forwards = 1 if beta else 0
         self.group, self.scale = num_generations, scale_rewards
         self.sampling = Sampling(max_completion_length, temperature, top_p)
-        self.num_iterations = num_iterations
+        self.num_iterations, self.gather = num_iterations, gather_for_generation
         self.policy = PolicyLoss(
             loss_type, importance_sampling_level, epsilon, epsilon_high, beta, max_completion_length
         )
@@ -160,8 +162,13 @@ class GRPO(Objective):
         parts = []
         for rows in torch.arange(len(prompts)).split(self.cfg.trainer.micro_batch_size):
             p = prompts[rows]
+            p = p[..., _first_column(p[:, DOCUMENT] >= 0) :]  # no column of padding alone
             real, row_keys = p[:, DOCUMENT] >= 0, keys[rows].to(p.device)
-            parts.append(generate(model, p[:, TOKENS], real, row_keys, self.sampling, self.stop, self.windows.pad_id))
+            parts.append(
+                generate(
+                    model, p[:, TOKENS], real, row_keys, self.sampling, self.stop, self.windows.pad_id, self.gather
+                )
+            )
         return Rollout(*(torch.cat([getattr(r, f) for r in parts]) for f in ("ids", "mask", "logps")))
 
     def _columns(self, docs: list[int], rollout: Rollout) -> dict[str, list]:
@@ -203,9 +210,8 @@ class GRPO(Objective):
             with torch.no_grad(), self._reference(model) as reference:
                 parts = [self._logps(reference, r, self.amp)[0] for r in rows.split(self.cfg.trainer.micro_batch_size)]
             self.step["reference"] = torch.cat(parts)
-        self.extremes = torch.tensor(
-            [1.0, 0.0], dtype=torch.float64, device=self.device
-        )  # clip_ratio/low_min, high_max
+        # clip_ratio/low_min and high_max so far, the step's micro-batches' extremes.
+        self.extremes = torch.tensor([1.0, 0.0], dtype=torch.float64, device=self.device)
         return rows
 
     def _reference(self, policy: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
@@ -214,19 +220,24 @@ class GRPO(Objective):
 
     def _logps(self, model: nn.Module, batch: torch.Tensor, amp) -> tuple[torch.Tensor, torch.Tensor]:
         """The micro-batch's completions' tokens' log-probabilities under `model` (of its temperature-scaled logits,
-        as sampled) and each position's entropy (without gradient): [n, max_completion_length] each."""
+        as sampled) and each position's entropy (without gradient): [n, max_completion_length] each (0 past the
+        micro-batch's longest completion: its forward leaves out the columns no sequence of it fills)."""
         rows = batch[:, 0]
-        tokens, attention = self.step["tokens"][rows], self.step["attention"][rows]
+        ids, longest = self.step["ids"][rows], int(self.step["mask"][rows].any(0).sum())
+        end = self.step["tokens"].shape[1] - ids.shape[1] + longest
+        attention = self.step["attention"][rows, :end]
+        attention = attention[:, _first_column(attention.bool()) :]
+        tokens = self.step["tokens"][rows, end - attention.shape[1] : end]
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        n = self.step["ids"].shape[1]
         with amp:  # the completions' logits only (those of their last token's position too: dropped)
             logits = model(
-                input_ids=tokens, attention_mask=attention, position_ids=positions, logits_to_keep=n + 1
+                input_ids=tokens, attention_mask=attention, position_ids=positions, logits_to_keep=longest + 1
             ).logits
         every = (logits[:, :-1].float() / self.sampling.temperature).log_softmax(-1)
         with torch.no_grad():
             entropy = -(every.exp() * every).sum(-1)
-        return every.gather(-1, self.step["ids"][rows][..., None])[..., 0], entropy
+        logps = every.gather(-1, ids[:, :longest, None])[..., 0]
+        return tuple(F.pad(x, (0, ids.shape[1] - longest)) for x in (logps, entropy))
 
     def trained_tokens(self, batch: torch.Tensor) -> torch.Tensor:
         return self.step["attention"].sum()
@@ -258,6 +269,11 @@ class GRPO(Objective):
         dist.all_reduce(extremes[:1], op=dist.ReduceOp.MIN)
         dist.all_reduce(extremes[1:], op=dist.ReduceOp.MAX)
         return {"targets": round(stats["targets"].item()), **self.logged, **policy_metrics(sums, extremes, self.policy)}
+
+
+def _first_column(real: torch.Tensor) -> int:
+    """The first column of left-padded rows [n, T] (True: a token) that holds a token of any row."""
+    return int(real.any(0).int().argmax())
 
 
 def _gathered(x: torch.Tensor) -> torch.Tensor:

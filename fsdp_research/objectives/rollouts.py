@@ -6,6 +6,7 @@ top-p filtered logits, transformers' TopPLogitsWarper), not a generator's stream
 shift; so the same completions come out at any world size and after a resume. Every rank runs the same number of
 decode steps: they agree after each whether any sequence is unfinished (FSDP's forwards are collectives)."""
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -13,6 +14,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from transformers import DynamicCache
 from transformers.generation.logits_process import TopPLogitsWarper
+
+from fsdp_research.distributed.sharding import kept_gathered
 
 _LOW32 = 0xFFFFFFFF
 
@@ -80,9 +83,12 @@ def generate(
     s: Sampling,
     stop: set[int],
     pad: int,
+    gather: bool = True,
 ) -> Rollout:
     """Completions of `prompts` [n, P] (left-padded; `real` marks their tokens), sequence i's noise from keys[i]. The
-    model in eval mode meanwhile. A collective: every rank calls it, with as many sequences."""
+    model in eval mode meanwhile; `gather`: its FSDP units' parameters gathered once, after the prompt's forward,
+    and kept so to the end (else gathered for each token's forward). A collective: every rank calls it, with as many
+    sequences."""
     n, device = len(prompts), prompts.device
     ids = torch.full((n, s.max_tokens), pad, dtype=torch.long, device=device)
     mask = torch.zeros(n, s.max_tokens, dtype=torch.bool, device=device)
@@ -92,12 +98,14 @@ def generate(
     stops = torch.tensor(sorted(stop), device=device)
     done = torch.zeros(n, dtype=torch.bool, device=device)
     cache, step_ids = DynamicCache(), prompts
-    training = model.training
-    model.eval()
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(model.train, model.training)
+        model.eval()
         for t in range(s.max_tokens):
             inputs = {"input_ids": step_ids, "attention_mask": attention, "position_ids": positions}
             out = model(**inputs, cache=cache, use_cache=True, logits_to_keep=1)
+            if t == 0 and gather:
+                stack.enter_context(kept_gathered(model))
             token, logp = sample_next(out.logits[:, -1], keys, t, s)
             ids[:, t] = torch.where(done, pad, token)
             mask[:, t], logps[:, t] = ~done, torch.where(done, 0.0, logp)
@@ -106,6 +114,4 @@ def generate(
                 break
             step_ids, positions = ids[:, t : t + 1], positions[:, -1:] + 1
             attention = torch.cat([attention, torch.ones(n, 1, dtype=attention.dtype, device=device)], dim=1)
-    finally:
-        model.train(training)
     return Rollout(ids, mask, logps)

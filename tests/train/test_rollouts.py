@@ -1,8 +1,11 @@
 """GRPO's rollouts: the hashed noise samples the temperature-scaled, top-p filtered distribution (transformers'
 warper); batched, left-padded generation with a KV cache gives each prompt what the Hugging Face model gives it fed
 alone without a cache, whatever the batch holds; the log-probabilities the generator returns are the ones a forward
-over prompt and completion computes (the trainer's: open-instruct's 570x divergence as a check); on 2 FSDP ranks
+over prompt and completion computes, and objective=grpo's training forward too (open-instruct's 570x divergence as a
+check); on 2 FSDP ranks
 (real processes, gloo), each with half the prompts and stopping at different steps, the same completions."""
+
+import contextlib
 
 import pytest
 import torch
@@ -10,6 +13,7 @@ import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from fsdp_research.objectives.grpo import GRPO
 from fsdp_research.objectives.rollouts import Sampling, generate, sample_next
 from tests.helpers.chats import chat_llama
 from tests.helpers.dist import run_distributed
@@ -79,10 +83,23 @@ def test_each_prompt_gets_what_the_model_gives_it_alone_and_its_logps(model_dir)
         torch.testing.assert_close(out.logps[i, :n], want, rtol=1e-5, atol=1e-5)
     some = generate(model, ids[[4, 1]], real[[4, 1]], keys[[4, 1]], SAMPLING, stop, 0)
     assert torch.equal(some.ids, out.ids[[4, 1]])  # a batch of others: the same completions
+    # objective=grpo's training forward, a micro-batch of 3 at a time (each without the columns none of it fills):
+    # the generator's log-probabilities.
+    grpo = GRPO(max_completion_length=SAMPLING.max_tokens, temperature=SAMPLING.temperature)
+    grpo.step = {
+        "tokens": torch.cat([ids, out.ids], 1),
+        "attention": torch.cat([real, out.mask], 1).long(),
+        "ids": out.ids,
+        "mask": out.mask,
+    }
+    with torch.no_grad():
+        trained = [grpo._logps(model, rows[:, None], contextlib.nullcontext())[0] for rows in torch.arange(6).split(3)]
+    torch.testing.assert_close(torch.cat(trained) * out.mask, out.logps, rtol=1e-5, atol=1e-5)
 
 
 def _on_two_ranks(model_dir: str) -> dict:
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     from fsdp_research.config.schema import typed
     from fsdp_research.distributed.processes import init_distributed
@@ -96,13 +113,24 @@ def _on_two_ranks(model_dir: str) -> dict:
     ids, real, keys = _prompts(model_dir)
     half = len(ids) // 2
     mine = slice(dist.get_rank() * half, (dist.get_rank() + 1) * half)
-    out = generate(model, ids[mine], real[mine], keys[mine], SAMPLING, _stops(model.config.vocab_size) - {0}, 0)
+    stops = _stops(model.config.vocab_size) - {0}
+    out = generate(model, ids[mine], real[mine], keys[mine], SAMPLING, stops, 0)
+    sharded = all(isinstance(p, DTensor) for p in model.parameters())
+    each_token = generate(model, ids[mine], real[mine], keys[mine], SAMPLING, stops, 0, gather=False)
+    with torch.no_grad():
+        model(input_ids=ids[mine])
     parts = [None, None]
     dist.all_gather_object(parts, (out.ids, out.mask, out.logps))
     return {
         "ids": torch.cat([p[0] for p in parts]),
         "mask": torch.cat([p[1] for p in parts]),
         "logps": torch.cat([p[2] for p in parts]),
+        "sharded after": sharded,
+        "as gathered each token": all(torch.equal(getattr(out, f), getattr(each_token, f)) for f in ("ids", "logps")),
+        # As before the generation: the blocks reshard after a forward, the root keeps its parameters gathered.
+        "after a forward": [
+            isinstance(p, DTensor) for p in (model.model.layers[0].mlp.up_proj.weight, model.lm_head.weight)
+        ],
     }
 
 
@@ -114,3 +142,7 @@ def test_two_fsdp_ranks_sample_what_one_process_does(model_dir):
     two = run_distributed(_on_two_ranks, 2, model_dir)
     assert torch.equal(two["ids"], one.ids) and torch.equal(two["mask"], one.mask)
     torch.testing.assert_close(two["logps"], one.logps, rtol=1e-5, atol=1e-6)
+    # The parameters gathered once for the generation, not at each token: the same completions, to the bit; then
+    # sharded again, each unit's reshard_after_forward as it was.
+    assert two["as gathered each token"] and two["sharded after"]
+    assert two["after a forward"] == [True, False]
