@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-from fine_tune_runs import WARMUP, arguments, make_data, step_clock, train_run
+from fine_tune_runs import WARMUP, arguments, make_data, train_run, trl_run
 
 LORA = ["model.lora.r=16", "model.lora.alpha=32"]
 CASES = {
@@ -42,28 +42,14 @@ def _as_chats(tmp: str) -> None:
 def _trl(tmp: str, steps: int, pairs: int) -> dict:
     """In this process (one of torchrun's): TRL's DPOTrainer (fp32, a frozen reference given) on tmp's pairs,
     `pairs` a step on each process."""
-    import torch
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import DPOConfig, DPOTrainer
-
-    seconds: list[float] = []
 
     config = DPOConfig(
         output_dir=f"{tmp}/trl", per_device_train_batch_size=pairs, max_steps=steps, learning_rate=3e-4,
         logging_steps=steps, save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0,
         gradient_checkpointing=False, dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
-    model, ref = (AutoModelForCausalLM.from_pretrained(f"{tmp}/model", dtype=torch.float32) for _ in range(2))
-    trainer = DPOTrainer(
-        model=model,
-        ref_model=ref,
-        args=config,
-        train_dataset=load_dataset("json", data_files=f"{tmp}/pairs_train.jsonl", split="train"),
-        processing_class=AutoTokenizer.from_pretrained(f"{tmp}/model"),
-        callbacks=[step_clock(seconds)],
-    )
-    trainer.train()
+    _, seconds = trl_run(DPOTrainer, config, tmp, "pairs_train", ref_model=f"{tmp}/model")
     step_s = statistics.median(seconds[WARMUP:])
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -47,6 +47,29 @@ def step_clock(seconds: list[float]):
     return Clock()
 
 
+def trl_run(trainer_class, config, tmp: str, data: str, **kwargs) -> tuple:
+    """TRL's trainer_class(config) on tmp's model (fp32) and tmp/<data>.jsonl, kwargs to it as models (a path: the
+    model loaded) or as they are, trained: (the trainer, each step's seconds)."""
+    import torch
+    from datasets import load_dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def load(path: str):
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+
+    seconds: list[float] = []
+    trainer = trainer_class(
+        model=load(f"{tmp}/model"),
+        args=config,
+        train_dataset=load_dataset("json", data_files=f"{tmp}/{data}.jsonl", split="train"),
+        processing_class=AutoTokenizer.from_pretrained(f"{tmp}/model"),
+        callbacks=[step_clock(seconds)],
+        **{k: load(v) if isinstance(v, str) else v for k, v in kwargs.items()},
+    )
+    trainer.train()
+    return trainer, seconds
+
+
 def arguments(parser, steps: int, trl_help: str):
     """The benchmarks' options: steps, repeats, the model's size, the window; --trl (internal: TRL's case)."""
     parser.add_argument("--steps", type=int, default=steps)

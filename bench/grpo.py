@@ -18,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 
-from fine_tune_runs import ROOT, WARMUP, arguments, make_data, step_clock, train_run
+from fine_tune_runs import ROOT, WARMUP, arguments, make_data, train_run, trl_run
 
 COMPLETIONS, GROUP, LENGTH, LR = 16, 4, 16, 1e-2
 EDGE = 5  # the reward's first and last steps compared
@@ -26,15 +26,11 @@ EDGE = 5  # the reward's first and last steps compared
 
 def _trl(tmp: str, steps: int) -> dict:
     """In this process: TRL's GRPOTrainer on tmp's model and prompts."""
-    import torch
-    from datasets import load_dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     sys.path.insert(0, ROOT)
     from examples.fine_tune.rewards import digits
 
-    seconds: list[float] = []
     config = GRPOConfig(
         output_dir=f"{tmp}/trl", per_device_train_batch_size=COMPLETIONS, num_generations=GROUP,
         max_completion_length=LENGTH, temperature=1.0, beta=0.0, loss_type="dapo", learning_rate=LR,
@@ -42,15 +38,7 @@ def _trl(tmp: str, steps: int) -> dict:
         max_steps=steps, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False, seed=0,
         dataloader_num_workers=0, disable_tqdm=True,
     )  # fmt: skip
-    trainer = GRPOTrainer(
-        model=AutoModelForCausalLM.from_pretrained(f"{tmp}/model", dtype=torch.float32),
-        reward_funcs=digits,
-        args=config,
-        train_dataset=load_dataset("json", data_files=f"{tmp}/prompts_train.jsonl", split="train"),
-        processing_class=AutoTokenizer.from_pretrained(f"{tmp}/model"),
-        callbacks=[step_clock(seconds)],
-    )
-    trainer.train()
+    trainer, seconds = trl_run(GRPOTrainer, config, tmp, "prompts_train", reward_funcs=digits)
     logs = [h for h in trainer.state.log_history if "reward" in h]
     tokens = [b["num_tokens"] - a["num_tokens"] for a, b in zip(logs, logs[1:])]
     return {
