@@ -43,7 +43,7 @@ def _fmt(key: str, value: Any) -> str:
 class Console:
     """One concise line per logged step; on a terminal, a progress bar with ETA."""
 
-    KEYS = ("loss", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu")
+    KEYS = ("loss", "reward", "eval_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "mfu")
 
     def __init__(self, max_steps: int, tty: bool | None = None):
         self.max_steps = max_steps
@@ -209,7 +209,8 @@ class Sinks:
             sink.log(metrics)
 
     def samples(self, step: int, rows: list[dict[str, str]]) -> None:
-        """trainer.sample_prompts' continuations: console lines, a metrics.jsonl record, a W&B table."""
+        """Samples (trainer.sample_prompts' continuations, an objective's completions): console lines, a metrics.jsonl
+        record, a W&B table."""
         if not rows:
             return
         for sink in self.sinks:

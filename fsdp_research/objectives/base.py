@@ -115,6 +115,11 @@ class Objective:
         """The eval metrics (a collective): by default the next-token loss over the held-out data."""
         return evaluate(model, data, cfg, device, amp)
 
+    def shown(self) -> list[dict[str, str]]:
+        """Rows {prompt, completion} a logged step shows beside its metrics, as trainer.sample_prompts' are (GRPO:
+        some of its completions); none by default."""
+        return []
+
     def metrics(self, stats: dict[str, torch.Tensor]) -> dict[str, float]:
         """What a logged step shows of its stats (each micro-batch's loss() stats summed, MEAN_LOSSES averaged, and
         "targets": the step's, summed over ranks): a collective, every rank the same keys."""

@@ -191,7 +191,13 @@ class GRPO(Objective):
         prompts = batch.repeat_interleave(self.group, 0)
         rollout = self._rollout(model, prompts, step)
         docs = prompts[:, DOCUMENT].max(1).values.tolist()
-        rewards, error = score(self.names, self.funcs, self._columns(docs, rollout), docs)
+        columns = self._columns(docs, rollout)
+        # Shown with the logged step: the first completion of each of this rank's first two prompts.
+        self.rows = [
+            {"prompt": _text(columns["prompts"][k]), "completion": _text(columns["completions"][k])}
+            for k in range(0, min(len(docs), 2 * self.group), self.group)
+        ]
+        rewards, error = score(self.names, self.funcs, columns, docs)
         agree_on_errors(error)
         everyone = _gathered(rewards.to(self.device))
         advantages = group_advantages(everyone, self.weights.to(everyone), self.group, self.scale)
@@ -239,6 +245,9 @@ class GRPO(Objective):
         logps = every.gather(-1, ids[:, :longest, None])[..., 0]
         return tuple(F.pad(x, (0, ids.shape[1] - longest)) for x in (logps, entropy))
 
+    def shown(self) -> list[dict[str, str]]:
+        return self.rows
+
     def trained_tokens(self, batch: torch.Tensor) -> torch.Tensor:
         return self.step["attention"].sum()
 
@@ -269,6 +278,11 @@ class GRPO(Objective):
         dist.all_reduce(extremes[:1], op=dist.ReduceOp.MIN)
         dist.all_reduce(extremes[1:], op=dist.ReduceOp.MAX)
         return {"targets": round(stats["targets"].item()), **self.logged, **policy_metrics(sums, extremes, self.policy)}
+
+
+def _text(value) -> str:
+    """A prompt or completion as text: itself, or its messages' last one's content."""
+    return value if isinstance(value, str) else value[-1]["content"]
 
 
 def _first_column(real: torch.Tensor) -> int:

@@ -349,6 +349,7 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> dic
     result.losses.append(metrics["loss"])
     run.rates.append(metrics["tokens_per_s"])
     run.sinks.log(metrics)
+    run.sinks.samples(done, run.objective.shown())
     return metrics
 
 

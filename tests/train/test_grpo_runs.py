@@ -99,6 +99,9 @@ def _series(run_dir, key: str) -> list[float]:
 def test_the_reward_rises_and_two_ranks_and_a_resume_log_one_rank_s(runs):
     dirs, _ = runs
     reward = _series(dirs["one"], "reward")
+    shown = [json.loads(line) for line in open(dirs["one"] / "metrics.jsonl") if '"samples": [' in line]
+    assert [r["step"] for r in shown] == list(range(1, 13))  # some completions with each logged step
+    assert all(len(r["samples"]) == 2 and r["samples"][0]["prompt"] in QUESTIONS for r in shown), shown[0]
     assert len(reward) == 12 and sum(reward[-4:]) > 1.5 * sum(reward[:4]), reward
     kl = _series(dirs["one"], "kl")
     assert kl[0] == 0 and min(kl[1:]) > 0, kl  # the reference: the initial weights
