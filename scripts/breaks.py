@@ -183,6 +183,22 @@ BREAKS: list[Break] = [
         ("tests/train/test_grpo.py::test_each_loss_is_trl_s_and_so_are_its_gradients",),
     ),
     Break(
+        "grpo_old_logps",
+        "GRPO.loss",
+        'old = self.step["old"][rows] if self.iterations > 1 else logps.detach()',
+        "old = logps.detach()",
+        # num_iterations 2: the second step's ratio against the policy as it is, not as it sampled: 1, never clipped.
+        ("tests/train/test_grpo_runs.py::test_num_iterations_trains_each_rollout_again_and_resumes_within_one",),
+    ),
+    Break(
+        "grpo_kept_rollouts",
+        "GRPO.state_dict",
+        "_gathered(v.long() if v.dtype == torch.bool else v)",
+        "torch.cat([v.long() if v.dtype == torch.bool else v] * dist.get_world_size())",
+        # Each rank's rollouts kept as if every rank's (DCP writes rank 0's): a resume trains on rank 0's twice.
+        ("tests/train/test_grpo_runs.py::test_num_iterations_trains_each_rollout_again_and_resumes_within_one",),
+    ),
+    Break(
         "grpo_rank_keys",
         "GRPO._rollout",
         "first = dist.get_rank() * (len(prompts) // self.group)",

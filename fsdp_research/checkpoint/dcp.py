@@ -105,8 +105,17 @@ class Checkpointer:
             return False
         return stop or step == max_steps or (self.cfg.interval > 0 and step % self.cfg.interval == 0)
 
-    def save(self, step: int, model: torch.nn.Module, optimizer, trainer_state: dict[str, Any], callbacks=None) -> None:
-        """callbacks: the callbacks' state (fsdp_research.callbacks.hooks.Callbacks.state_dict()), saved with DCP."""
+    def save(
+        self,
+        step: int,
+        model: torch.nn.Module,
+        optimizer,
+        trainer_state: dict[str, Any],
+        callbacks: dict | None = None,
+        objective: dict | None = None,
+    ) -> None:
+        """callbacks: the callbacks' state (fsdp_research.callbacks.hooks.Callbacks.state_dict()), objective: the
+        objective's (Objective.state_dict()), saved with DCP."""
         self.wait()
         started = time.perf_counter()
         tmp = os.path.join(self.root, f".tmp_step_{step}")
@@ -128,6 +137,8 @@ class Checkpointer:
         state = {"model": model_state, "optim": optim_state, "rng": {f"rank_{self.rank}": _rng_state()}}
         if callbacks:
             state["callbacks"] = callbacks
+        if objective:
+            state["objective"] = objective
         planner = DefaultSavePlanner(enable_plan_caching=True)
         planner._cached_plans_key = self._plan_key
         try:

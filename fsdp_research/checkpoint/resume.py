@@ -157,3 +157,18 @@ def load_checkpoint(
             _set_rng_state(f.read())
     log.info(f"resumed from checkpoint {step_dir}")
     return torch.load(os.path.join(step_dir, TRAINER_STATE), weights_only=False), state.get("callbacks", {})
+
+
+def load_objective_state(step_dir: str, template: dict[str, torch.Tensor]) -> dict[str, torch.Tensor] | None:
+    """The objective's state (Objective.state_dict(): tensors named and shaped as `template`) from step_dir's
+    checkpoint; None where it has none (or none of those names and shapes: saved with other settings)."""
+    if not template:
+        return None
+    saved = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    saved = {k: tuple(v.size) for k, v in saved.items() if k.startswith("objective.") and hasattr(v, "size")}
+    if saved != {f"objective.{k}": tuple(v.shape) for k, v in template.items()}:
+        return None
+    state = {"objective": template}
+    with new_threads_single_threaded():
+        dcp.load(state, checkpoint_id=step_dir)
+    return state["objective"]

@@ -61,6 +61,10 @@ class Objective:
     # computes it on the last stage; without, pp > 1 is refused.
     pipelines: bool = False
 
+    # Steps each batch of the data is trained on (GRPO's num_iterations: its rollouts trained on again): step s
+    # reads new samples where s is a multiple of it, the steps between get the batch it read.
+    iterations: int = 1
+
     # Forwards with no gradient of the model (or a copy of it) a step runs over its tokens besides its own forward
     # and backward (DPO's reference): throughput's MFU counts them.
     reference_forwards: int = 0
@@ -80,6 +84,15 @@ class Objective:
         """How many of the data's samples a step reads (the run's position in the data goes on by as many): the
         global batch's; fewer where each makes several sequences (GRPO: a prompt's num_generations completions)."""
         return global_batch_size
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of it besides the model (GRPO's rollouts, trained on again after a resume): the
+        same tensors on every rank (written once); {} for none."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor] | None, step: int) -> None:
+        """A resume at step `step`: what state_dict() gave when it was saved (tensors shaped as its state_dict()
+        now), None where the checkpoint has none (saved by another objective or setting)."""
 
     def step_batch(self, model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
         """The batch step `step` trains on, from this rank's batch of the data: the data's own by default. One that

@@ -74,7 +74,7 @@ class GRPO(Objective):
         self.reference_forwards = 1 if beta else 0
         self.group, self.scale = num_generations, scale_rewards
         self.sampling = Sampling(max_completion_length, temperature, top_p)
-        self.num_iterations, self.gather = num_iterations, gather_for_generation
+        self.iterations, self.gather = num_iterations, gather_for_generation
         self.policy = PolicyLoss(
             loss_type, importance_sampling_level, epsilon, epsilon_high, beta, max_completion_length
         )
@@ -101,8 +101,8 @@ class GRPO(Objective):
         if self.directory and not self.policy.beta:
             raise ConfigError("objective.reference", "is read only for the KL, and objective.beta is 0", "set beta > 0")
         check_directory(self.reference, ("auto",))
-        if self.num_iterations != 1:
-            raise ConfigError("objective.num_iterations", "one update per rollout batch only, for now", "use 1")
+        if self.iterations < 1:
+            raise ConfigError("objective.num_iterations", f"{self.iterations} is below 1", "use 1 or more")
         if cfg.parallel.tp > 1:
             raise ConfigError("parallel.tp", f"{cfg.parallel.tp}: grpo's rollouts under tp are not built yet", "use 1")
         if t.eval_interval:
@@ -187,7 +187,16 @@ class GRPO(Objective):
 
     def step_batch(self, model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
         """The step's completions (a collective): generated, scored, their advantages over the whole step's; what
-        the micro-batches get is their indices in this rank's rollout, which the objective holds."""
+        the micro-batches get is their indices in this rank's rollout, which the objective holds. With
+        num_iterations > 1, the steps after one that generated train on its rollouts again (TRL's), their old
+        log-probabilities the policy's before the first of them."""
+        # clip_ratio/low_min and high_max so far, the step's micro-batches' extremes.
+        self.extremes = torch.tensor([1.0, 0.0], dtype=torch.float64, device=self.device)
+        rows = torch.arange(len(batch) * self.group, device=batch.device)[:, None]
+        if step % self.iterations:
+            self.rows = []  # the completions were shown with the step that generated them
+            return rows
+        self.generated_at = step
         prompts = batch.repeat_interleave(self.group, 0)
         rollout = self._rollout(model, prompts, step)
         docs = prompts[:, DOCUMENT].max(1).values.tolist()
@@ -211,14 +220,64 @@ class GRPO(Objective):
             "mask": rollout.mask,
             "advantages": advantages[mine].float(),
         }
-        rows = torch.arange(len(prompts), device=batch.device)[:, None]
-        if self.policy.beta:
-            with torch.no_grad(), self._reference(model) as reference:
-                parts = [self._logps(reference, r, self.amp)[0] for r in rows.split(self.cfg.trainer.micro_batch_size)]
-            self.step["reference"] = torch.cat(parts)
-        # clip_ratio/low_min and high_max so far, the step's micro-batches' extremes.
-        self.extremes = torch.tensor([1.0, 0.0], dtype=torch.float64, device=self.device)
+        micro = rows.split(self.cfg.trainer.micro_batch_size)
+        with torch.no_grad():
+            if self.policy.beta:
+                with self._reference(model) as reference:
+                    self.step["reference"] = torch.cat([self._logps(reference, r, self.amp)[0] for r in micro])
+            if self.iterations > 1:  # TRL's old_per_token_logps: the policy's as it sampled them
+                self.step["old"] = torch.cat([self._logps(model, r, self.amp)[0] for r in micro])
         return rows
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """With num_iterations > 1: the rollouts the next steps train on again, every rank's (a collective when
+        they exist; zeros shaped as they will be before), their metrics and the step that generated them."""
+        if self.iterations == 1:
+            return {}
+        if not hasattr(self, "step"):
+            completions, width = self.cfg.trainer.global_batch_size, self.sampling.max_tokens
+            tokens = torch.zeros(completions, self.cfg.data.seq_len + width, dtype=torch.long)
+            shapes = {"tokens": tokens, "attention": tokens, "ids": tokens[:, :width], "mask": tokens[:, :width]}
+            shapes.update(advantages=torch.zeros(completions), old=torch.zeros(completions, width))
+            if self.policy.beta:
+                shapes["reference"] = shapes["old"]
+            logged = torch.zeros(len(self._logged_names()), dtype=torch.float64)
+            return {**{k: v.clone() for k, v in shapes.items()}, "logged": logged, "generated_at": torch.tensor(-1)}
+        state = {k: _gathered(v.long() if v.dtype == torch.bool else v).cpu() for k, v in self.step.items()}
+        logged = torch.tensor([self.logged[k] for k in self._logged_names()], dtype=torch.float64)
+        return {**state, "logged": logged, "generated_at": torch.tensor(self.generated_at)}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor] | None, step: int) -> None:
+        """A resume within a rollout batch's num_iterations takes its rollouts (this rank's rows of them) from the
+        checkpoint; one at a step that generates needs none."""
+        first = step - step % self.iterations
+        if first == step:
+            return
+        if state is None or int(state["generated_at"]) != first:
+            raise ConfigError(
+                "objective.num_iterations",
+                f"step {step} trains on the rollouts step {first} generated, which the checkpoint does not hold "
+                "(saved with other settings: num_iterations, the batch, data.seq_len, max_completion_length)",
+                "resume with the settings it was saved with",
+            )
+        n = self.cfg.trainer.global_batch_size // dist.get_world_size()
+        mine = slice(dist.get_rank() * n, (dist.get_rank() + 1) * n)
+        self.step = {k: v[mine].to(self.device) for k, v in state.items() if k not in ("logged", "generated_at")}
+        self.step["mask"] = self.step["mask"].bool()
+        self.logged = dict(zip(self._logged_names(), state["logged"].tolist()))
+        self.generated_at = first
+
+    def _logged_names(self) -> list[str]:
+        """The rollouts' metrics (reward_metrics' and _length_metrics'), in order."""
+        each = [f"rewards/{name}/{kind}" for name in self.names for kind in ("mean", "std")]
+        return [
+            "reward",
+            "reward_std",
+            "frac_reward_zero_std",
+            *each,
+            "completions/mean_length",
+            "completions/clipped_ratio",
+        ]
 
     def _reference(self, policy: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
         """The reference model: the frozen copy, or the policy with every adapter off."""
@@ -266,8 +325,9 @@ class GRPO(Objective):
         logps, entropy = self._logps(model, batch, ctx.amp)
         mask, advantages = self.step["mask"][rows], self.step["advantages"][rows]
         reference = self.step["reference"][rows] if self.policy.beta else None
-        # One update per rollout batch: the old policy is this one (TRL's, num_iterations 1), the ratio 1.
-        terms = self.policy(logps, logps.detach(), advantages, mask, reference)
+        # num_iterations 1: the old policy is this one (TRL's), the ratio 1.
+        old = self.step["old"][rows] if self.iterations > 1 else logps.detach()
+        terms = self.policy(logps, old, advantages, mask, reference)
         sums, extremes = policy_stats(self.policy, terms, entropy, advantages, mask)
         self.extremes = torch.stack([self.extremes[0].minimum(extremes[0]), self.extremes[1].maximum(extremes[1])])
         return terms.total * ctx.weight, {"grpo sums": sums}

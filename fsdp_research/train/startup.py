@@ -74,15 +74,22 @@ def read_ahead(
     tp: int = 1,
     cp: int = 1,
     pp: int = 1,
+    iterations: int = 1,
 ) -> Prefetcher:
     """This rank's batches of `samples` a step (the objective's) from `start` on ((step, samples consumed before it);
     trainer section `t`), read ahead on a thread (closed when the run ends): its data-parallel rank's (the ranks of a
     tp x cp group, and a pipeline's stages, read the same). The samples go on from those consumed, so a resume at
-    another global batch size trains on the next."""
+    another global batch size trains on the next. With the objective's `iterations` > 1 a step reads new samples at
+    its multiples, the steps between get the batch the last of them read (counted in `consumed` already)."""
     rank, world = data_parallel(tp, cp, pp)
     step0, consumed = start
+
+    def position(step: int) -> int:
+        reads = step // iterations - (step0 - 1) // iterations  # the multiples of `iterations` in [step0, step]
+        return consumed + samples * (reads - 1)
+
     batches = Prefetcher(
-        lambda step: data.rank_batch(consumed + (step - step0) * samples, samples, rank, world),
+        lambda step: data.rank_batch(position(step), samples, rank, world),
         step0,
         t.max_steps,
         pin=device.type == "cuda",

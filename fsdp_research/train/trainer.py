@@ -18,6 +18,7 @@ from omegaconf import DictConfig
 from fsdp_research.callbacks.hooks import Callbacks, RunHandle
 from fsdp_research.checkpoint.dcp import Checkpointer, config_files
 from fsdp_research.checkpoint.hf_export import export_run
+from fsdp_research.checkpoint.resume import load_objective_state
 from fsdp_research.config.schema import Strategy, typed
 from fsdp_research.data.pipeline import Data, Prefetcher, packed
 from fsdp_research.distributed.context_parallel import split_of
@@ -154,11 +155,14 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
         resume(resume_dir, cfg, model, optimizer, state, callbacks)
     data = open_data(cfg, hf_config.vocab_size if hf_config is not None else d.vocab)
     objective = build_objective(cfg, model, device, data)
+    if resume_dir:  # its state once it is built (it reads the data)
+        objective.load_state_dict(load_objective_state(resume_dir, objective.state_dict()), state.step)
     throughput = throughput_of(cfg, d, *whole, device, state.step, objective.reference_forwards)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)
     samples = objective.samples_per_step(t.global_batch_size)
-    batches = read_ahead(data, t, samples, (state.step, state.samples), device, resources, lay.tp, lay.cp, lay.pp)
+    start = (state.step, state.samples)
+    batches = read_ahead(data, t, samples, start, device, resources, lay.tp, lay.cp, lay.pp, objective.iterations)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
@@ -240,7 +244,8 @@ def train_step(run: Run, step: int) -> StepResult:
     lr = run.state.scheduler.get_last_lr()[0]
     run.state.scheduler.step()
     run.state.step = step + 1
-    run.state.samples += run.objective.samples_per_step(t.global_batch_size)
+    if step % run.objective.iterations == 0:  # a step that read new samples
+        run.state.samples += run.objective.samples_per_step(t.global_batch_size)
     run.state.tokens_seen += t.global_batch_size * run.cfg.data.seq_len
     # Skipped for the callbacks (the EMA's average stays): by one of them, or by the loss scaler's overflow.
     return StepResult(loss_sum, norm, lr, totals, mean_loss, skipped or not finite)
@@ -360,7 +365,8 @@ def evaluate(run: Run) -> dict[str, float]:
 def _save(run: Run) -> None:
     started, step = time.perf_counter(), run.state.step
     trainer_state = run.state.state_dict(run.layout.world_size)
-    run.checkpointer.save(step, run.model, run.optimizer, trainer_state, run.callbacks.state_dict())
+    callbacks, objective = run.callbacks.state_dict(), run.objective.state_dict()
+    run.checkpointer.save(step, run.model, run.optimizer, trainer_state, callbacks, objective)
     # What a save blocks training for (with checkpoint.async, only the staging).
     run.save_times.append(time.perf_counter() - started)
     run.callbacks.call("on_save", run.handle, step, os.path.join(run.checkpointer.root, f"step_{step}"))

@@ -160,6 +160,7 @@ def test_objective_grpo_reads_them_and_refuses_what_it_cannot_do_in_one_line(tmp
         ],
         "objective.loss_type: 'ppo' is not one of grpo, bnpo, dr_grpo, dapo": ["objective.loss_type=ppo"],
         "objective.beta: -0.1 is below 0": ["objective.beta=-0.1"],
+        "objective.num_iterations: 0 is below 1": ["objective.num_iterations=0"],
         "objective.reference: '/nonexistent' is neither auto nor a model directory": [
             "objective.beta=0.04",
             "objective.reference=/nonexistent",

@@ -3,7 +3,8 @@ function outside the package (tests/helpers/rewards.py), with the KL to the refe
 2 ranks log the losses, rewards and KL of 1; a run resumed mid-way logs the uninterrupted run's, to the bit (the
 rollouts' noise is keyed by the step and the prompt; the reference is the initial weights again); with LoRA and a
 trained copy of the head (the reference: the policy with both switched off) the reward rises too and the first
-step's KL is 0; a reward function that raises at the second step stops the run in one line naming it, the first
+step's KL is 0; num_iterations 2 trains each rollout batch twice and resumes within one (refused with another
+num_iterations); a reward function that raises at the second step stops the run in one line naming it, the first
 step's checkpoint kept."""
 
 import json
@@ -45,7 +46,8 @@ def runs(tmp_path_factory):
         "optim.lr=1e-2",
         "checkpoint.export=false",
     ]
-    dirs = {name: tmp / name for name in ("one", "two", "half", "broken", "lora")}
+    dirs = {name: tmp / name for name in ("one", "two", "half", "broken", "lora", "iter", "iter_half")}
+    iterations = [*common, "objective.num_iterations=2", "trainer.max_steps=8"]
     procs = {
         "one": start([*common, "trainer.max_steps=12", "checkpoint.save=false", f"hydra.run.dir={dirs['one']}"], ROOT),
         "two": start(
@@ -71,6 +73,18 @@ def runs(tmp_path_factory):
             ROOT,
         ),  # fmt: skip
         "half": start([*common, "trainer.max_steps=6", "checkpoint.interval=6", f"hydra.run.dir={dirs['half']}"], ROOT),
+        "iter": start([*iterations, "checkpoint.save=false", f"hydra.run.dir={dirs['iter']}"], ROOT),
+        # Stopped at step 5, within the rollouts of step 4 (num_iterations 2), on 2 ranks; resumed on 1.
+        "iter_half": start(
+            [
+                *iterations,
+                "trainer.max_steps=5",
+                "checkpoint.interval=5",
+                "distributed.nproc_per_node=2",
+                f"hydra.run.dir={dirs['iter_half']}",
+            ],
+            ROOT,
+        ),  # fmt: skip
         "broken": start(
             [
                 *common,
@@ -83,11 +97,17 @@ def runs(tmp_path_factory):
         ),  # fmt: skip
     }
     done = {name: finish(proc) for name, proc in procs.items()}
-    for name in ("one", "two", "half", "lora"):
+    for name in ("one", "two", "half", "lora", "iter", "iter_half"):
         assert done[name].returncode == 0, done[name].stderr[-3000:]
     resume = [*common, "trainer.max_steps=12", f"checkpoint.resume={dirs['half']}", f"hydra.run.dir={dirs['half']}"]
-    done["resumed"] = finish(start(resume, ROOT))
-    assert done["resumed"].returncode == 0, done["resumed"].stderr[-3000:]
+    iter_resume = [*iterations, f"checkpoint.resume={dirs['iter_half']}", f"hydra.run.dir={dirs['iter_half']}"]
+    other = [*iterations, "objective.num_iterations=3", f"hydra.run.dir={tmp / 'iter_other'}"]
+    step_5 = dirs["iter_half"] / "checkpoints" / "step_5"  # a step's dir: this config, not the run's own
+    done["iter_other"] = finish(start([*other, f"checkpoint.resume={step_5}"], ROOT))
+    resumed = {"resumed": start(resume, ROOT), "iter_resumed": start(iter_resume, ROOT)}
+    for name, proc in resumed.items():
+        done[name] = finish(proc)
+        assert done[name].returncode == 0, done[name].stderr[-3000:]
     return dirs, done
 
 
@@ -116,6 +136,25 @@ def test_the_reward_rises_and_two_ranks_and_a_resume_log_one_rank_s(runs):
     ):
         assert _series(dirs["two"], key) == pytest.approx(_series(dirs["one"], key), abs=1e-4), key
         assert _series(dirs["half"], key) == _series(dirs["one"], key), key  # bitwise: steps 1-6, then 7-12 resumed
+
+
+@pytest.mark.slow
+def test_num_iterations_trains_each_rollout_again_and_resumes_within_one(runs):
+    """num_iterations 2 (TRL's): each rollout batch trains two steps (the second against the first's log-probs:
+    ratios off 1, some clipped), the data moving on every other step; 2 ranks stopped at step 5, within the rollouts of
+    step 4, resumed on 1 rank (the rollouts from the checkpoint): the uninterrupted run's metrics."""
+    dirs, done = runs
+    rows = read_metrics(dirs["iter"])
+    assert [r["samples"] for r in rows] == [4, 4, 8, 8, 12, 12, 16, 16]  # prompts read: 4 every other step
+    assert [r["reward"] for r in rows[::2]] == [r["reward"] for r in rows[1::2]]  # one rollout batch, two steps
+    # Against the log-probabilities as sampled: ratios of 1 at the step that generated, clipped ones after an update.
+    clipped = [r["clip_ratio/region_mean"] for r in rows]
+    assert max(clipped[::2]) == 0 and min(clipped[1::2]) > 0, clipped
+    for key in ("loss", "reward", "kl", "entropy", "samples", "clip_ratio/region_mean", "completions/mean_length"):
+        assert _series(dirs["iter_half"], key) == pytest.approx(_series(dirs["iter"], key), abs=1e-4), key
+    other = done["iter_other"]  # num_iterations 3 at step 5: the rollouts of step 3, which the checkpoint lacks
+    said = "error: objective.num_iterations: step 5 trains on the rollouts step 3 generated, which the checkpoint"
+    assert other.returncode == 2 and any(line.startswith(said) for line in other.stderr.splitlines()), other.stderr
 
 
 @pytest.mark.slow
