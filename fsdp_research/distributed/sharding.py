@@ -63,6 +63,9 @@ def kept_gathered(model: nn.Module) -> Iterator[None]:
     reshard_after_forward as it was. Enter it after the model's first forward (FSDP's lazy init sets the root's)."""
     # FSDP2's public set_reshard_after_forward takes a bool only: a unit's k (reshard to groups of k) is kept so.
     groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
+    # A unit resharded to groups of k after that forward gathers from its k-group, which it finds by the info set
+    # to None here: sharded fully first.
+    reshard(model)
     saved = [g.post_forward_mesh_info for g in groups]
     for g in groups:
         g.post_forward_mesh_info = None

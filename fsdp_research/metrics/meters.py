@@ -203,7 +203,7 @@ class Throughput:
         device,
         peak: float | None,
         group: int,
-        reference_forwards: int = 0,
+        reference_forwards: float = 0,
     ):
         """The rates of a model's steps of `batch` sequences of seq_len tokens over `world` devices (`group` of them
         reading the same batch), MFU against the device's peak in dtype (or `peak` TFLOP/s); each step also runs

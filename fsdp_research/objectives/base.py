@@ -66,8 +66,9 @@ class Objective:
     iterations: int = 1
 
     # Forwards with no gradient of the model (or a copy of it) a step runs over its tokens besides its own forward
-    # and backward (DPO's reference): throughput's MFU counts them.
-    reference_forwards: int = 0
+    # and backward, on average (DPO's reference; GRPO's reference and old policy, once a rollout batch): throughput's
+    # MFU counts them.
+    reference_forwards: float = 0
 
     def check(self, cfg: DictConfig) -> None:
         """What it refuses of the run's typed config, before any compute (its constructor does no more than keep its

@@ -84,7 +84,7 @@ class DPO(PairObjective):
             raise ConfigError(
                 "objective.label_smoothing", f"{self.label_smoothing} is not in [0, 0.5)", "use e.g. 0.1 (robust)"
             )
-        check_directory(self.reference, ("auto", "precompute"))
+        check_directory(self.reference, ("auto", "precompute"), cfg)
         if self.reference == "precompute" and not cfg.model.load_weights:
             raise ConfigError(
                 "objective.reference",

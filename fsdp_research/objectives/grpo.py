@@ -26,6 +26,7 @@ from fsdp_research.data.pipeline import Data
 from fsdp_research.data.prompts import DOCUMENT, TOKENS
 from fsdp_research.data.sampling import key
 from fsdp_research.distributed.precision import autocast
+from fsdp_research.distributed.sharding import reshard
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.lora import enabled
 from fsdp_research.objectives.base import Objective, StepContext
@@ -71,7 +72,8 @@ class GRPO(Objective):
     ):
         self.reward_funcs, self.reward_weights = list(reward_funcs or []), reward_weights
         self.reference, self.directory = reference, None if reference == "auto" else reference
-        self.reference_forwards = 1 if beta else 0
+        # A step's share of the no-grad forwards each rollout batch runs once: the reference's, the old policy's.
+        self.reference_forwards = ((1 if beta else 0) + (num_iterations > 1)) / max(num_iterations, 1)
         self.group, self.scale = num_generations, scale_rewards
         self.sampling = Sampling(max_completion_length, temperature, top_p)
         self.iterations, self.gather = num_iterations, gather_for_generation
@@ -100,9 +102,11 @@ class GRPO(Objective):
             raise ConfigError("objective.beta", f"{self.policy.beta} is below 0", "use 0 (no reference) or e.g. 0.04")
         if self.directory and not self.policy.beta:
             raise ConfigError("objective.reference", "is read only for the KL, and objective.beta is 0", "set beta > 0")
-        check_directory(self.reference, ("auto",))
-        if self.iterations < 1:
-            raise ConfigError("objective.num_iterations", f"{self.iterations} is below 1", "use 1 or more")
+        check_directory(self.reference, ("auto",), cfg)
+        if not isinstance(self.iterations, int) or self.iterations < 1:
+            raise ConfigError(
+                "objective.num_iterations", f"{self.iterations} is not a whole number of 1 or more", "use e.g. 1 or 2"
+            )
         if cfg.parallel.tp > 1:
             raise ConfigError("parallel.tp", f"{cfg.parallel.tp}: grpo's rollouts under tp are not built yet", "use 1")
         if t.eval_interval:
@@ -135,6 +139,7 @@ class GRPO(Objective):
         classic = Strategy(self.cfg.sharding.strategy) is Strategy.ddp_classic
         self.amp = autocast(self.cfg.precision, device, enabled=classic)  # as the trainer's forward runs
         self.model = None  # the policy, its adapters off: the reference
+        self.rows: list[dict[str, str]] = []
         if self.policy.beta and (self.directory or not enabled(self.cfg.model.lora)):
             self.model = frozen_copy(self.cfg, device, self.directory)
         # TRL's: the tokenizer's end of sequence and every one the model's generation config names.
@@ -194,7 +199,6 @@ class GRPO(Objective):
         self.extremes = torch.tensor([1.0, 0.0], dtype=torch.float64, device=self.device)
         rows = torch.arange(len(batch) * self.group, device=batch.device)[:, None]
         if step % self.iterations:
-            self.rows = []  # the completions were shown with the step that generated them
             return rows
         self.generated_at = step
         prompts = batch.repeat_interleave(self.group, 0)
@@ -225,6 +229,8 @@ class GRPO(Objective):
             if self.policy.beta:
                 with self._reference(model) as reference:
                     self.step["reference"] = torch.cat([self._logps(reference, r, self.amp)[0] for r in micro])
+                if self.model is not None:  # the copy's root keeps its parameters gathered after a forward
+                    reshard(self.model)
             if self.iterations > 1:  # TRL's old_per_token_logps: the policy's as it sampled them
                 self.step["old"] = torch.cat([self._logps(model, r, self.amp)[0] for r in micro])
         return rows
@@ -257,7 +263,8 @@ class GRPO(Objective):
             raise ConfigError(
                 "objective.num_iterations",
                 f"step {step} trains on the rollouts step {first} generated, which the checkpoint does not hold "
-                "(saved with other settings: num_iterations, the batch, data.seq_len, max_completion_length)",
+                "(saved with other settings: num_iterations, beta, reward_funcs, the batch, data.seq_len, "
+                "max_completion_length)",
                 "resume with the settings it was saved with",
             )
         n = self.cfg.trainer.global_batch_size // dist.get_world_size()
@@ -305,7 +312,9 @@ class GRPO(Objective):
         return tuple(F.pad(x, (0, ids.shape[1] - longest)) for x in (logps, entropy))
 
     def shown(self) -> list[dict[str, str]]:
-        return self.rows
+        """The last rollouts' first completions, once (num_iterations > 1: the logged step may train them again)."""
+        rows, self.rows = self.rows, []
+        return rows
 
     def trained_tokens(self, batch: torch.Tensor) -> torch.Tensor:
         return self.step["attention"].sum()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from omegaconf import DictConfig, open_dict
+from transformers import AutoConfig
 
 from fsdp_research.data.packing import DOCUMENTS, IGNORE, LABELS, PairWindows
 from fsdp_research.data.store_builder import write_atomic
@@ -35,13 +36,23 @@ from fsdp_research.train.losses import token_losses
 log = logging.getLogger("fsdp_research")
 
 
-def check_directory(reference: str, keywords: tuple[str, ...]) -> None:
-    """objective.reference names one of `keywords` or a model directory save_pretrained wrote."""
-    if reference not in keywords and not os.path.isfile(os.path.join(reference, "config.json")):
+def check_directory(reference: str | None, keywords: tuple[str, ...], cfg: DictConfig) -> None:
+    """objective.reference names one of `keywords` or a model directory save_pretrained wrote, of the policy's
+    vocabulary (another's log-probabilities would be of other tokens)."""
+    if reference in keywords:
+        return
+    if not isinstance(reference, str) or not os.path.isfile(os.path.join(reference, "config.json")):
         raise ConfigError(
             "objective.reference",
             f"{reference!r} is neither {', '.join(keywords)} nor a model directory (no config.json)",
             f"use {', '.join(keywords)}, or a directory save_pretrained wrote",
+        )
+    theirs, ours = AutoConfig.from_pretrained(reference).vocab_size, build_hf_config(cfg.model).vocab_size
+    if theirs != ours:
+        raise ConfigError(
+            "objective.reference",
+            f"{reference}: a vocabulary of {theirs} tokens, the policy's {ours}",
+            "use the policy's family",
         )
 
 

@@ -118,7 +118,7 @@ def throughput_of(
     plan: ShardingPlan,
     device: torch.device,
     start: int,
-    reference_forwards: int = 0,
+    reference_forwards: float = 0,
 ) -> Throughput:
     """Throughput and MFU (from the parameters a token is multiplied with: a mixture of experts' active ones, no
     embedding lookups; and the objective's reference forwards; against the device's peak in the compute dtype)."""

@@ -149,7 +149,11 @@ def test_what_prompts_cannot_be_is_refused_in_one_line(tmp_path, tok_dir):
 
 
 def test_objective_grpo_reads_them_and_refuses_what_it_cannot_do_in_one_line(tmp_path, tok_dir):
+    from transformers import AutoConfig
+
     path = _write(tmp_path, "jsonl", RECORDS)
+    other = tmp_path / "other_vocab"  # a reference of another vocabulary
+    AutoConfig.for_model("llama", vocab_size=7).save_pretrained(other)
     grpo = ["objective=grpo", "objective.reward_funcs=[tests.helpers.rewards.digits]", "objective.num_generations=4"]
     _check(tmp_path, tok_dir, path, *grpo, "trainer.global_batch_size=16", "trainer.micro_batch_size=4")
     refused = {
@@ -160,7 +164,16 @@ def test_objective_grpo_reads_them_and_refuses_what_it_cannot_do_in_one_line(tmp
         ],
         "objective.loss_type: 'ppo' is not one of grpo, bnpo, dr_grpo, dapo": ["objective.loss_type=ppo"],
         "objective.beta: -0.1 is below 0": ["objective.beta=-0.1"],
-        "objective.num_iterations: 0 is below 1": ["objective.num_iterations=0"],
+        "objective.num_iterations: 0 is not a whole number of 1 or more": ["objective.num_iterations=0"],
+        "objective.num_iterations: 1.5 is not a whole number of 1 or more": ["objective.num_iterations=1.5"],
+        "objective.reference: None is neither auto nor a model directory": [
+            "objective.beta=0.1",
+            "objective.reference=null",
+        ],
+        f"objective.reference: {other}: a vocabulary of 7 tokens, the policy's": [
+            "objective.beta=0.1",
+            f"objective.reference={other}",
+        ],
         "objective.reference: '/nonexistent' is neither auto nor a model directory": [
             "objective.beta=0.04",
             "objective.reference=/nonexistent",
