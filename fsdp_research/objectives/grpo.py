@@ -72,8 +72,6 @@ class GRPO(Objective):
     ):
         self.reward_funcs, self.reward_weights = list(reward_funcs or []), reward_weights
         self.reference, self.directory = reference, None if reference == "auto" else reference
-        # A step's share of the no-grad forwards each rollout batch runs once: the reference's, the old policy's.
-        self.reference_forwards = ((1 if beta else 0) + (num_iterations > 1)) / max(num_iterations, 1)
         self.group, self.scale = num_generations, scale_rewards
         self.sampling = Sampling(max_completion_length, temperature, top_p)
         self.iterations, self.gather = num_iterations, gather_for_generation
@@ -131,6 +129,8 @@ class GRPO(Objective):
     def setup(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.names, self.funcs, self.weights = build_rewards(self.reward_funcs, self.reward_weights)
+        # A step's share of the no-grad forwards each rollout batch runs once: the reference's, the old policy's.
+        self.reference_forwards = ((1 if self.policy.beta else 0) + (self.iterations > 1)) / self.iterations
         self.tok = chat_tokenizer(cfg.data)
         self.conversational = prompt_rendering(cfg.data) == "chat"
 
