@@ -10,7 +10,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from fsdp_research.config.schema import PrecisionConfig
+from fsdp_research.config.schema import PrecisionConfig, Strategy
 from fsdp_research.errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -127,3 +127,9 @@ class LossScaler:
 
     def load_state_dict(self, state: dict) -> None:
         self.scale, self.good_steps, self.skipped_steps = state["scale"], state["good_steps"], state["skipped_steps"]
+
+
+def forward_autocast(cfg, device: torch.device):
+    """The context the trainer's forward runs in, for an objective's own forwards of the run's model (config `cfg`):
+    autocast under the classic DDP baseline, a null context under FSDP (its mixed precision policy casts)."""
+    return autocast(cfg.precision, device, enabled=Strategy(cfg.sharding.strategy) is Strategy.ddp_classic)

@@ -7,7 +7,6 @@ The reference: `auto` is the policy with its LoRA adapters switched off (no seco
 frozen copy of the initial weights sharded as the policy is; a model directory is loaded as such a copy;
 `precompute` computes its log-probabilities once before training and looks them up (objectives.reference)."""
 
-import contextlib
 import gc
 import logging
 
@@ -17,18 +16,17 @@ import torch.nn.functional as F
 from omegaconf import DictConfig
 
 from fsdp_research.callbacks.footprint import PlannedRank
-from fsdp_research.config.schema import Strategy
 from fsdp_research.data.pipeline import Data
-from fsdp_research.distributed.precision import autocast
+from fsdp_research.distributed.precision import forward_autocast
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.lora import enabled
 from fsdp_research.objectives.pairs import PairObjective, pair_documents, pair_logps, pair_result
 from fsdp_research.objectives.reference import (
-    adapters_off,
     check_directory,
     compute_table,
     frozen_copy,
     load_table,
+    reference_model,
     save_table,
     table_path,
 )
@@ -94,8 +92,7 @@ class DPO(PairObjective):
 
     def prepare(self, model: nn.Module, device: torch.device, data: Data) -> None:
         super().prepare(model, device, data)
-        classic = Strategy(self.cfg.sharding.strategy) is Strategy.ddp_classic
-        self.amp = autocast(self.cfg.precision, device, enabled=classic)  # as the trainer's forward runs
+        self.amp = forward_autocast(self.cfg, device)
         self.model = None  # the policy, its adapters off: the reference
         if self.reference == "precompute":
             self._precompute(model, device, data)
@@ -117,7 +114,7 @@ class DPO(PairObjective):
             if by_path[path] is None:
                 if self.model is None and not enabled(self.cfg.model.lora):
                     self.model = frozen_copy(self.cfg, device, self.directory)
-                with self._reference(policy) as reference:
+                with reference_model(self.model, policy) as reference:
                     tp = self.cfg.parallel.tp
                     by_path[path] = compute_table(reference, windows, t.micro_batch_size, device, self.amp, tp)
                 save_table(path, by_path[path])
@@ -128,17 +125,13 @@ class DPO(PairObjective):
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _reference(self, policy: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
-        """The reference model: the frozen copy, or the policy with every adapter off."""
-        return contextlib.nullcontext(self.model) if self.model is not None else adapters_off(policy)
-
     def reference_logps(self, policy: nn.Module, batch: torch.Tensor, amp, real: torch.Tensor) -> tuple:
         """The reference's log-probabilities of the pairs' two documents ([pairs] each): looked up (precompute) or
         its forward, without gradient."""
         if self.reference == "precompute":
             table = self.reading(self.tables)
             return tuple(table[docs[real]].float() for docs in pair_documents(batch))
-        with torch.no_grad(), self._reference(policy) as reference:
+        with torch.no_grad(), reference_model(self.model, policy) as reference:
             return pair_logps(reference, batch, amp)[:2]
 
     def pairs(self, model: nn.Module, batch: torch.Tensor, amp) -> dict[str, torch.Tensor]:

@@ -10,8 +10,6 @@ loss. Metrics with TRL's names: reward, reward_std, frac_reward_zero_std, reward
 completions/mean_length, completions/clipped_ratio, kl, entropy, clip_ratio/low_mean, low_min, high_mean, high_max
 and region_mean (means over the step's completion tokens, every rank's and micro-batch's)."""
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -20,12 +18,11 @@ from omegaconf import DictConfig
 
 from fsdp_research.callbacks.footprint import PlannedRank
 from fsdp_research.config.data_schema import DataKind
-from fsdp_research.config.schema import Strategy
 from fsdp_research.data.chat import chat_tokenizer, prompt_rendering
 from fsdp_research.data.pipeline import Data
 from fsdp_research.data.prompts import DOCUMENT, TOKENS
 from fsdp_research.data.sampling import key
-from fsdp_research.distributed.precision import autocast
+from fsdp_research.distributed.precision import forward_autocast
 from fsdp_research.distributed.sharding import reshard
 from fsdp_research.errors import ConfigError
 from fsdp_research.model.lora import enabled
@@ -41,7 +38,7 @@ from fsdp_research.objectives.grpo_loss import (
     policy_stats,
     weighted_total,
 )
-from fsdp_research.objectives.reference import adapters_off, check_directory, frozen_copy
+from fsdp_research.objectives.reference import check_directory, frozen_copy, reference_model
 from fsdp_research.objectives.rewards import agree_on_errors, build_rewards, score
 from fsdp_research.objectives.rollouts import Rollout, Sampling, generate
 
@@ -136,8 +133,7 @@ class GRPO(Objective):
 
     def prepare(self, model: nn.Module, device: torch.device, data: Data) -> None:
         self.windows, self.device = data.stream.windows[0], device
-        classic = Strategy(self.cfg.sharding.strategy) is Strategy.ddp_classic
-        self.amp = autocast(self.cfg.precision, device, enabled=classic)  # as the trainer's forward runs
+        self.amp = forward_autocast(self.cfg, device)
         self.model = None  # the policy, its adapters off: the reference
         self.rows: list[dict[str, str]] = []
         if self.policy.beta and (self.directory or not enabled(self.cfg.model.lora)):
@@ -227,7 +223,7 @@ class GRPO(Objective):
         micro = rows.split(self.cfg.trainer.micro_batch_size)
         with torch.no_grad():
             if self.policy.beta:
-                with self._reference(model) as reference:
+                with reference_model(self.model, model) as reference:
                     self.step["reference"] = torch.cat([self._logps(reference, r, self.amp)[0] for r in micro])
                 if self.model is not None:  # the copy's root keeps its parameters gathered after a forward
                     reshard(self.model)
@@ -286,14 +282,13 @@ class GRPO(Objective):
             "completions/clipped_ratio",
         ]
 
-    def _reference(self, policy: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
-        """The reference model: the frozen copy, or the policy with every adapter off."""
-        return contextlib.nullcontext(self.model) if self.model is not None else adapters_off(policy)
-
-    def _logps(self, model: nn.Module, batch: torch.Tensor, amp) -> tuple[torch.Tensor, torch.Tensor]:
+    def _logps(
+        self, model: nn.Module, batch: torch.Tensor, amp, entropy: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The micro-batch's completions' tokens' log-probabilities under `model` (of its temperature-scaled logits,
-        as sampled) and each position's entropy (without gradient): [n, max_completion_length] each (0 past the
-        micro-batch's longest completion: its forward leaves out the columns no sequence of it fills)."""
+        as sampled) and, where asked (the training forward's metric), each position's entropy (without gradient):
+        [n, max_completion_length] each (0 past the micro-batch's longest completion: its forward leaves out the
+        columns no sequence of it fills)."""
         rows = batch[:, 0]
         ids, longest = self.step["ids"][rows], int(self.step["mask"][rows].any(0).sum())
         end = self.step["tokens"].shape[1] - ids.shape[1] + longest
@@ -306,10 +301,12 @@ class GRPO(Objective):
                 input_ids=tokens, attention_mask=attention, position_ids=positions, logits_to_keep=longest + 1
             ).logits
         every = (logits[:, :-1].float() / self.sampling.temperature).log_softmax(-1)
+        past = (0, ids.shape[1] - longest)
+        logps = F.pad(every.gather(-1, ids[:, :longest, None])[..., 0], past)
+        if not entropy:
+            return logps, None
         with torch.no_grad():
-            entropy = -(every.exp() * every).sum(-1)
-        logps = every.gather(-1, ids[:, :longest, None])[..., 0]
-        return tuple(F.pad(x, (0, ids.shape[1] - longest)) for x in (logps, entropy))
+            return logps, F.pad(-(every.exp() * every).sum(-1), past)
 
     def shown(self) -> list[dict[str, str]]:
         """The last rollouts' first completions, once (num_iterations > 1: the logged step may train them again)."""
@@ -331,7 +328,7 @@ class GRPO(Objective):
 
     def loss(self, model: nn.Module, batch: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, dict]:
         rows = batch[:, 0]
-        logps, entropy = self._logps(model, batch, ctx.amp)
+        logps, entropy = self._logps(model, batch, ctx.amp, entropy=True)
         mask, advantages = self.step["mask"][rows], self.step["advantages"][rows]
         reference = self.step["reference"][rows] if self.policy.beta else None
         # num_iterations 1: the old policy is this one (TRL's), the ratio 1.

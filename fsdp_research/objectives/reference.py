@@ -68,6 +68,11 @@ def frozen_copy(cfg: DictConfig, device: torch.device, directory: str | None = N
     return copy.requires_grad_(False).eval()
 
 
+def reference_model(copy: nn.Module | None, policy: nn.Module) -> contextlib.AbstractContextManager[nn.Module]:
+    """The reference: the frozen copy where there is one, else the policy with every adapter off."""
+    return contextlib.nullcontext(copy) if copy is not None else adapters_off(policy)
+
+
 @contextlib.contextmanager
 def adapters_off(policy: nn.Module) -> Iterator[nn.Module]:
     """The policy with every adapter off (LoRA's layers and the trained copies of model.lora.modules_to_save: the

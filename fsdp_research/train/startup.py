@@ -31,6 +31,7 @@ from fsdp_research.model.architecture import dropout_in
 from fsdp_research.model.assembly import planned_model
 from fsdp_research.model.dimensions import ModelDims
 from fsdp_research.model.moe_balancing import BiasBalancer
+from fsdp_research.objectives import Objective
 from fsdp_research.optim import configured_keys
 from fsdp_research.optim.resume import continue_schedule
 from fsdp_research.planner.doctor import diagnose, report
@@ -67,22 +68,22 @@ def open_data(cfg: DictConfig, vocab_size: int) -> Data:
 def read_ahead(
     data: Data,
     t: DictConfig,
-    samples: int,
+    objective: Objective,
     start: tuple[int, int],
     device: torch.device,
     resources: contextlib.ExitStack,
     tp: int = 1,
     cp: int = 1,
     pp: int = 1,
-    iterations: int = 1,
 ) -> Prefetcher:
-    """This rank's batches of `samples` a step (the objective's) from `start` on ((step, samples consumed before it);
+    """This rank's batches of the objective's samples a step from `start` on ((step, samples consumed before it);
     trainer section `t`), read ahead on a thread (closed when the run ends): its data-parallel rank's (the ranks of a
     tp x cp group, and a pipeline's stages, read the same). The samples go on from those consumed, so a resume at
     another global batch size trains on the next. With the objective's `iterations` > 1 a step reads new samples at
     its multiples, the steps between get the batch the last of them read (counted in `consumed` already)."""
     rank, world = data_parallel(tp, cp, pp)
     step0, consumed = start
+    samples, iterations = objective.samples_per_step(t.global_batch_size), objective.iterations
 
     def position(step: int) -> int:
         reads = step // iterations - (step0 - 1) // iterations  # the multiples of `iterations` in [step0, step]

@@ -160,9 +160,7 @@ def _start(cfg: DictConfig, run_dir: str, signals: Signals, resources: contextli
     throughput = throughput_of(cfg, d, *whole, device, state.step, objective.reference_forwards)
     sinks, profiler = observe(cfg, run_dir, device, plan, state, resources, fit)
     callbacks.add_builtin("profiler", profiler)
-    samples = objective.samples_per_step(t.global_batch_size)
-    start = (state.step, state.samples)
-    batches = read_ahead(data, t, samples, start, device, resources, lay.tp, lay.cp, lay.pp, objective.iterations)
+    batches = read_ahead(data, t, objective, (state.step, state.samples), device, resources, lay.tp, lay.cp, lay.pp)
     run = Run(
         cfg=cfg,
         run_dir=run_dir,
