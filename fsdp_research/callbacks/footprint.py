@@ -1,7 +1,8 @@
 """What callbacks keep on a rank, as the planner counts it: a callback class may declare its state with a classmethod
 `planned_bytes(rank, **kwargs)` (rank: a PlannedRank; kwargs: the callback's config keys) returning bytes per rank.
 The planner calls it on the class: no callback is built (building one may do anything: open files, start
-threads). A callback without it, or a factory function, is counted as keeping nothing."""
+threads). A callback without it, or a factory function, is counted as keeping nothing. An objective declares what
+it generates the same way (PlannedGeneration)."""
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -23,6 +24,16 @@ class PlannedRank:
     shard_group: int
     # Whether the model trains adapters (LoRA) on a frozen base.
     adapters: bool = False
+
+
+@dataclass(frozen=True)
+class PlannedGeneration:
+    """What an objective that generates (online RL's rollouts) holds while it does, as the planner counts it."""
+
+    # Tokens generated a sequence (each micro-batch's sequences to the end: its KV cache holds prompt and these).
+    tokens: int
+    # Whether the whole model's parameters stay gathered while it generates (else one unit's at a time).
+    gathered: bool
 
 
 Declared = tuple[tuple[str, Callable[[PlannedRank], int]], ...]

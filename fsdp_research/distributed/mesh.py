@@ -125,6 +125,12 @@ def data_parallel(tp: int, cp: int = 1, pp: int = 1) -> tuple[int, int]:
     return dist.get_rank() % stage_ranks // group, stage_ranks // group
 
 
+def one_per_data_rank(parts: list, tp: int, cp: int = 1) -> list:
+    """Of every rank's part (in rank order, as all_gather gives them; no pp), one of each group of tp x cp ranks that
+    read the same batch: the data-parallel ranks', in their order."""
+    return parts[:: tp * cp]
+
+
 def pipeline_rank(pp: int) -> int:
     """This rank's place in its pipeline (pp outermost: ranks 0 .. world / pp - 1 hold the first stage)."""
     return dist.get_rank() // (dist.get_world_size() // pp)

@@ -8,6 +8,7 @@ import torch
 import torch.nn as nn
 from omegaconf import DictConfig
 
+from fsdp_research.callbacks.footprint import PlannedGeneration
 from fsdp_research.config.data_schema import DataKind
 from fsdp_research.config.plugin_schema import LossConfig
 from fsdp_research.config.targets import check_call, kwargs_of, resolve
@@ -73,6 +74,18 @@ class Objective:
     def check(self, cfg: DictConfig) -> None:
         """What it refuses of the run's typed config, before any compute (its constructor does no more than keep its
         arguments: it is called then too)."""
+
+    @classmethod
+    def planned_sequence(cls, seq_len: int, **_) -> tuple[int, int, int]:
+        """What the planner counts of a trained sequence for data.seq_len (called on the class, with the objective's
+        config keys): (its tokens, the positions the loss takes logits of, the fp32 copies of those logits its
+        loss holds at the end of forward beyond cross entropy's)."""
+        return seq_len, seq_len, 0
+
+    @classmethod
+    def planned_generation(cls, **_) -> PlannedGeneration | None:
+        """What it holds while it generates, for the planner (as planned_sequence); None: it generates nothing."""
+        return None
 
     def setup(self, cfg: DictConfig) -> None:
         """Once on every rank before the first step, with the run's typed config."""

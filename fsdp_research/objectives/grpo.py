@@ -16,12 +16,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from omegaconf import DictConfig
 
-from fsdp_research.callbacks.footprint import PlannedRank
+from fsdp_research.callbacks.footprint import PlannedGeneration, PlannedRank
 from fsdp_research.config.data_schema import DataKind
 from fsdp_research.data.chat import chat_tokenizer, prompt_rendering
 from fsdp_research.data.pipeline import Data
 from fsdp_research.data.prompts import DOCUMENT, TOKENS
 from fsdp_research.data.sampling import key
+from fsdp_research.distributed.mesh import data_parallel, one_per_data_rank
 from fsdp_research.distributed.precision import forward_autocast
 from fsdp_research.distributed.sharding import reshard
 from fsdp_research.errors import ConfigError
@@ -102,8 +103,6 @@ class GRPO(Objective):
             raise ConfigError(
                 "objective.num_iterations", f"{self.iterations} is not a whole number of 1 or more", "use e.g. 1 or 2"
             )
-        if cfg.parallel.tp > 1:
-            raise ConfigError("parallel.tp", f"{cfg.parallel.tp}: grpo's rollouts under tp are not built yet", "use 1")
         if t.eval_interval:
             raise ConfigError("trainer.eval_interval", "objective=grpo has no eval yet", "set trainer.eval_interval=0")
         if cfg.data.eval_fraction > 0:
@@ -123,6 +122,18 @@ class GRPO(Objective):
         """What the planner counts (as a callback's state): the reference's copy of the rank's parameters, if any."""
         return 0 if not beta or (reference == "auto" and rank.adapters) else rank.param_bytes
 
+    @classmethod
+    def planned_sequence(cls, seq_len: int, max_completion_length: int = 256, **_) -> tuple[int, int, int]:
+        """A prompt (data.seq_len at most) and its completion; the loss takes the completion's logits alone, and
+        holds one fp32 copy of them more than cross entropy: the entropy's p log p."""
+        return seq_len + max_completion_length, max_completion_length + 1, 1
+
+    @classmethod
+    def planned_generation(
+        cls, max_completion_length: int = 256, gather_for_generation: bool = True, **_
+    ) -> PlannedGeneration:
+        return PlannedGeneration(max_completion_length, gather_for_generation)
+
     def setup(self, cfg: DictConfig) -> None:
         self.cfg = cfg
         self.names, self.funcs, self.weights = build_rewards(self.reward_funcs, self.reward_weights)
@@ -141,12 +152,14 @@ class GRPO(Objective):
         # TRL's: the tokenizer's end of sequence and every one the model's generation config names.
         ends = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self.stop = {self.tok.eos_token_id, *([ends] if isinstance(ends, int) else ends or [])} - {None}
-        ranks, completions = dist.get_world_size(), self.cfg.trainer.global_batch_size
+        # The ranks of a tp group read the same prompts and generate the same completions.
+        self.rank, self.ranks = data_parallel(self.cfg.parallel.tp)
+        ranks, completions = self.ranks, self.cfg.trainer.global_batch_size
         if self.samples_per_step(completions) % ranks:
             raise ConfigError(
                 "trainer.global_batch_size",
                 f"{completions} completions: {self.samples_per_step(completions)} prompts do not split over {ranks} "
-                "ranks",
+                "data-parallel ranks",
                 f"use a multiple of {self.group * ranks}",
             )
 
@@ -157,7 +170,7 @@ class GRPO(Objective):
         """This rank's completions, generated a micro-batch at a time (the same shapes at any world size)."""
         # By the prompt's place in the step's global batch, not its index in the data (a prompt twice in a step, as
         # an epoch ends, gets two groups of completions): the same at any world size.
-        first = dist.get_rank() * (len(prompts) // self.group)
+        first = self.rank * (len(prompts) // self.group)
         seed, places = self.cfg.trainer.seed, [(first + k // self.group, k % self.group) for k in range(len(prompts))]
         keys = torch.tensor([key(seed, _ROLLOUT, step, j, g) & 0xFFFFFFFF for j, g in places])
         parts = []
@@ -208,9 +221,9 @@ class GRPO(Objective):
         ]
         rewards, error = score(self.names, self.funcs, columns, docs)
         agree_on_errors(error)
-        everyone = _gathered(rewards.to(self.device))
+        everyone = self._gathered(rewards.to(self.device))
         advantages = group_advantages(everyone, self.weights.to(everyone), self.group, self.scale)
-        mine = slice(dist.get_rank() * len(rewards), (dist.get_rank() + 1) * len(rewards))
+        mine = slice(self.rank * len(rewards), (self.rank + 1) * len(rewards))
         self.logged = reward_metrics(everyone, self.weights.to(everyone), self.group, self.scale, self.names)
         self.logged.update(_length_metrics(rollout, self.stop))
         self.step = {
@@ -245,7 +258,7 @@ class GRPO(Objective):
                 shapes["reference"] = shapes["old"]
             logged = torch.zeros(len(self._logged_names()), dtype=torch.float64)
             return {**{k: v.clone() for k, v in shapes.items()}, "logged": logged, "generated_at": torch.tensor(-1)}
-        state = {k: _gathered(v.long() if v.dtype == torch.bool else v).cpu() for k, v in self.step.items()}
+        state = {k: self._gathered(v.long() if v.dtype == torch.bool else v).cpu() for k, v in self.step.items()}
         logged = torch.tensor([self.logged[k] for k in self._logged_names()], dtype=torch.float64)
         return {**state, "logged": logged, "generated_at": torch.tensor(self.generated_at)}
 
@@ -263,8 +276,8 @@ class GRPO(Objective):
                 "max_completion_length)",
                 "resume with the settings it was saved with",
             )
-        n = self.cfg.trainer.global_batch_size // dist.get_world_size()
-        mine = slice(dist.get_rank() * n, (dist.get_rank() + 1) * n)
+        n = self.cfg.trainer.global_batch_size // self.ranks
+        mine = slice(self.rank * n, (self.rank + 1) * n)
         self.step = {k: v[mine].to(self.device) for k, v in state.items() if k not in ("logged", "generated_at")}
         self.step["mask"] = self.step["mask"].bool()
         self.logged = dict(zip(self._logged_names(), state["logged"].tolist()))
@@ -305,8 +318,14 @@ class GRPO(Objective):
         logps = F.pad(every.gather(-1, ids[:, :longest, None])[..., 0], past)
         if not entropy:
             return logps, None
-        with torch.no_grad():
-            return logps, F.pad(-(every.exp() * every).sum(-1), past)
+        with torch.no_grad():  # one temporary over the vocabulary (the planner counts it: planned_sequence)
+            return logps, F.pad(-every.exp().mul_(every).sum(-1), past)
+
+    def _gathered(self, x: torch.Tensor) -> torch.Tensor:
+        """Every data-parallel rank's rows of x, in their order (a collective; a tp group's ranks hold the same)."""
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(one_per_data_rank(parts, self.cfg.parallel.tp))
 
     def shown(self) -> list[dict[str, str]]:
         """The last rollouts' first completions, once (num_iterations > 1: the logged step may train them again)."""
@@ -354,13 +373,6 @@ def _text(value) -> str:
 def _first_column(real: torch.Tensor) -> int:
     """The first column of left-padded rows [n, T] (True: a token) that holds a token of any row."""
     return int(real.any(0).int().argmax())
-
-
-def _gathered(x: torch.Tensor) -> torch.Tensor:
-    """Every rank's rows of x, in rank order (a collective)."""
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, x.contiguous())
-    return torch.cat(parts)
 
 
 def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str, names: list[str]):

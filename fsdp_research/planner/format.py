@@ -64,6 +64,12 @@ def format_stages(parallel, run: Run, peaks: list[int], largest: int) -> str:
     )
 
 
+def _parts(run: Run) -> str:
+    """A generated sequence's prompt and completion."""
+    g = run.generation
+    return f" ({run.seq_len - g.tokens} prompt + {g.tokens} completion)" if g else ""
+
+
 def format_plan(m: ModelSummary, run: Run) -> str:
     e, mem = run.compute_dtype, memory(m, run)
     replicated = m.strategy is Strategy.ddp_classic
@@ -72,7 +78,7 @@ def format_plan(m: ModelSummary, run: Run) -> str:
     deferring = run.micro_steps > 1 and run.defer_grad_sync
     lines = [
         f"{m.name}: {size}, {m.n_blocks} blocks; {m.strategy.value} on {run.world_size} rank(s), {_layout(m, run)}",
-        f"compute {e}, reduce {run.reduce_dtype}; micro-batch {run.micro_batch} x {run.seq_len} tokens, "
+        f"compute {e}, reduce {run.reduce_dtype}; micro-batch {run.micro_batch} x {run.seq_len} tokens{_parts(run)}, "
         f"{run.micro_steps} micro-batch(es) per step; {_checkpointing(m.checkpointed)}",
         *([m.optimizer_split] if m.optimizer_split else []),
         "",
@@ -93,7 +99,7 @@ def format_plan(m: ModelSummary, run: Run) -> str:
         (
             f"parameters gathered in flight ({e})",
             mem.gathered,
-            "autocast weight copies" if replicated else _gathered_note(m),
+            "autocast weight copies" if replicated else _gathered_note(m, run),
         ),
         (
             "gradients unsharded in flight",
@@ -113,6 +119,9 @@ def format_plan(m: ModelSummary, run: Run) -> str:
             )
         )
     rows.append(("backward and optimizer temporaries", mem.temporaries, ""))
+    if mem.kv_cache:
+        each = f"{run.micro_batch} x {run.seq_len} positions"
+        rows.append(("KV cache (generation)", mem.kv_cache, f"{each}; the sampling's over the vocabulary above"))
     if mem.callbacks:
         names = ", ".join(name for name, _ in run.callbacks)
         rows.append((f"callbacks' state ({names})", mem.callbacks, "as each declares it (planned_bytes)"))
@@ -214,7 +223,9 @@ def _activation_variants(checkpointed: tuple[bool, ...]) -> list[tuple[bool, ...
     return [none, checkpointed if any(checkpointed) else (True,) * len(checkpointed)]
 
 
-def _gathered_note(m: ModelSummary) -> str:
+def _gathered_note(m: ModelSummary, run: Run) -> str:
+    if run.generation and run.generation.gathered and m.units:
+        return "the whole model while generating (objective.gather_for_generation)"
     if not m.units:
         return "the whole model (root only)"
     if all(not u.reshard_after_forward for u in m.units):

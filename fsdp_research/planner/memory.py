@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from fsdp_research.config.schema import Strategy
 from fsdp_research.planner.activations import FP32, residual_bytes
+from fsdp_research.planner.generation import generation_moments
 from fsdp_research.planner.optimizer import step_temporaries
 from fsdp_research.planner.phases import Phases, step_phases
 from fsdp_research.planner.resident import callback_bytes, communicator_bytes
@@ -65,6 +66,8 @@ class Memory:
     # The callbacks' declared state; the NCCL communicators of reshard_after_forward=k's process groups.
     callbacks: int = 0
     communicators: int = 0
+    # The KV cache of a micro-batch's generation (objective=grpo).
+    kv_cache: int = 0
 
 
 def _largest_units(m: ModelSummary) -> list[int | None]:
@@ -246,6 +249,7 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
     if run.pp > 1:
         moments = _pipelined(moments, m, run, deferred, phases)
     moments.append(("optimizer step", dict(state(0), grads=grad_shards, temporaries=step_temporaries(m, trained, run))))
+    moments += generation_moments(m, run, state(0))
     if run.cpu_offload:  # the callbacks' copies of the parameters are made where the parameters live
         for _, parts in moments:
             parts["host"] = sum(parts.pop(k) for k in ("params", "optimizer", "grads", "callbacks"))
@@ -325,7 +329,7 @@ def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> lis
                 )
             )
     moments.append(("optimizer step", dict(state(params), temporaries=step_temporaries(m, [m.root.trained()], run))))
-    return moments
+    return moments + generation_moments(m, run, state(0))
 
 
 def _kept(m: ModelSummary, run: Run) -> dict[str, int]:
@@ -357,6 +361,7 @@ def memory(m: ModelSummary, run: Run, checkpointed: Sequence[bool] | None = None
         "host",
         "callbacks",
         "communicators",
+        "kv_cache",
     )
     top = {k: max(parts.get(k, 0) for _, parts in moments) for k in keys}
     peak, peak_at = max((sum(v for k, v in parts.items() if k != "host"), name) for name, parts in moments)
@@ -373,4 +378,5 @@ def memory(m: ModelSummary, run: Run, checkpointed: Sequence[bool] | None = None
         host=top["host"],
         callbacks=top["callbacks"],
         communicators=top["communicators"],
+        kv_cache=top["kv_cache"],
     )

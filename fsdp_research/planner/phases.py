@@ -61,7 +61,8 @@ def step_phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> Phas
         return Phases(sum(saved), sum(saved), sum(saved), sum(saved), incoming, blocks)
     # loss.chunks: one slice's logits at a time, made again in backward, where its gradients join them; the
     # model's forward itself returns the hidden states.
-    c = run.loss_chunks
+    # The loss's positions: every one, or the objective's (GRPO: the completion's).
+    c, logits = run.loss_chunks, run.logit_tokens
     chunked = c > 1
     # Chunks after the first: the head's gradient of the chunk beside the one accumulated so far (autograd adds
     # them), in the compute dtype; of a trained head only (the root's trained share: exact where the root is all
@@ -69,11 +70,11 @@ def step_phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> Phas
     head_grads = 2 * e * m.vocab * h * m.root.trained().numel // max(m.root.numel, 1) if chunked else 0
     return Phases(
         saved=sum(saved),
-        forward_end=sum(saved) + norm + logits_forward(m, e) * tok // c,
-        root_forward_end=sum(saved) + norm + (0 if chunked else e * m.vocab * tok),
-        backward_start=sum(saved) + norm + (0 if chunked else FP32 * m.vocab * tok),
-        loss_grads=(logits_forward(m, e) + 2 * FP32 * m.vocab) * tok // c + head_grads
+        forward_end=sum(saved) + norm + logits_forward(m, e) * logits // c + run.loss_copies * FP32 * m.vocab * logits,
+        root_forward_end=sum(saved) + norm + (0 if chunked else e * m.vocab * logits),
+        backward_start=sum(saved) + norm + (0 if chunked else FP32 * m.vocab * logits),
+        loss_grads=(logits_forward(m, e) + 2 * FP32 * m.vocab) * logits // c + head_grads
         if chunked
-        else 2 * FP32 * m.vocab * tok,
+        else 2 * FP32 * m.vocab * logits,
         block=blocks,
     )

@@ -5,7 +5,8 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig
 
-from fsdp_research.callbacks.footprint import Declared, declared_state
+from fsdp_research.callbacks.footprint import Declared, PlannedGeneration, declared_state
+from fsdp_research.config.targets import kwargs_of, resolve
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.planner.pipeline import pipeline_shape
@@ -48,11 +49,22 @@ class Run:
     in_flight: float = 1.0
     losses: int = 1
     bubble: float = 0.0
+    # Positions of a sequence whose logits the loss takes (GRPO: its completion's); 0: every one.
+    loss_positions: int = 0
+    # fp32 copies of those logits the objective's loss holds at the end of forward beyond cross entropy's.
+    loss_copies: int = 0
+    # What a micro-batch's generation holds (GRPO's rollouts); None: the objective generates nothing.
+    generation: PlannedGeneration | None = None
 
     @property
     def tokens(self) -> int:
         """A micro-batch's tokens on one rank."""
         return self.micro_batch * self.seq_len // self.cp
+
+    @property
+    def logit_tokens(self) -> int:
+        """A micro-batch's positions on one rank whose logits the loss takes."""
+        return self.micro_batch * (self.loss_positions or self.seq_len) // self.cp
 
 
 def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int = 0) -> Run:
@@ -61,6 +73,8 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
     compute, reduce = dtypes(cfg.precision)
     p = cfg.parallel
     shape = pipeline_shape(p.pp_schedule, p.pp, steps.micro_steps, p.pp_stages_per_rank) if p.pp > 1 else None
+    objective, declared = resolve(cfg.objective._target_, "objective._target_"), kwargs_of(cfg.objective)
+    sequence = getattr(objective, "planned_sequence", lambda n, **_: (n, n, 0))(cfg.data.seq_len, **declared)
     return Run(
         world_size=world_size,
         compute_dtype=cfg.precision.param_dtype,
@@ -70,7 +84,7 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
         compute_bytes=compute.itemsize,
         reduce_bytes=reduce.itemsize,
         micro_batch=cfg.trainer.micro_batch_size,
-        seq_len=cfg.data.seq_len,
+        seq_len=sequence[0],
         micro_steps=steps.micro_steps,
         # torch's schedules reduce an FSDP module's gradients after its last micro-batch only, unsharded until then;
         # several stages a rank are views of one module, which FSDP reduces after each micro-batch's backward.
@@ -88,4 +102,7 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
         in_flight=shape.in_flight[stage] if shape else 1.0,
         losses=shape.losses if shape else 1,
         bubble=shape.bubble if shape else 0.0,
+        loss_positions=sequence[1],
+        loss_copies=sequence[2],
+        generation=getattr(objective, "planned_generation", lambda **_: None)(**declared),
     )

@@ -10,7 +10,10 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 
+from fsdp_research.config.targets import kwargs_of
 from fsdp_research.distributed.pipeline import pipeline_of
+from fsdp_research.objectives.grpo import GRPO
+from fsdp_research.objectives.rollouts import Sampling, generate
 from tests.helpers.dist import run_distributed, run_fake
 from tests.helpers.timing import prepared, train_step
 
@@ -62,6 +65,47 @@ def _afresh(tracker: FSDPMemTracker, module: torch.nn.Module, args: tuple) -> No
     tracker.memory_tracking.pop(module, None)
 
 
+def _tracked(model, optimizer, fn) -> dict[str, int]:
+    """The groups' peaks while fn() runs."""
+    tracker = _GroupPeaks(model, optimizer)
+    with tracker:
+        # The tracker refuses a top-level module called again in a step, for its per-module statistics (a pipeline
+        # stage's, once a micro-batch; a generation's, once a token): each call starts them afresh (a hook ahead of
+        # the tracker's); the groups' peaks are the whole step's.
+        again = model.register_forward_pre_hook(functools.partial(_afresh, tracker), prepend=True)
+        fn()
+        again.remove()
+    return tracker.peaks
+
+
+def _grpo_peaks(cfg, model, optimizer, batches: list[torch.Tensor]) -> dict[str, dict[str, int]]:
+    """GRPO's two parts, each tracked: a micro-batch's generation (prompts of data.seq_len tokens, each completed to
+    max_completion_length: no token stops it) and the update on rollouts as such a step leaves them (random tokens,
+    through GRPO's own loss)."""
+    o, n, gen = cfg.objective, cfg.trainer.micro_batch_size, torch.Generator().manual_seed(0)
+    vocab, prompt, width = model.config.vocab_size, cfg.data.seq_len, o.max_completion_length
+    prompts = torch.randint(0, vocab, (n, prompt), generator=gen)
+    real, keys, sampling = torch.ones_like(prompts, dtype=torch.bool), torch.arange(n), Sampling(width)
+    generation = _tracked(
+        model, optimizer, lambda: generate(model, prompts, real, keys, sampling, set(), 0, o.gather_for_generation)
+    )
+    objective, count = GRPO(**kwargs_of(o, exclude=("name",))), n * len(batches)
+    tokens = torch.randint(0, vocab, (count, prompt + width), generator=gen)
+    objective.step = {
+        "tokens": tokens,
+        "attention": torch.ones_like(tokens),
+        "ids": tokens[:, prompt:],
+        "mask": torch.ones(count, width, dtype=torch.bool),
+        "advantages": torch.randn(count, generator=gen),
+    }
+    objective.extremes = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    rows = list(torch.arange(count)[:, None].split(n))
+    step = _tracked(
+        model, optimizer, functools.partial(train_step, model, optimizer, rows, cfg, objective, torch.tensor(1.0))
+    )
+    return {"generation": generation, "step": step}
+
+
 def _measure_each(configs: dict[str, Any]) -> dict[str, dict[str, int]]:
     peaks = {}
     for name, container in configs.items():
@@ -70,21 +114,15 @@ def _measure_each(configs: dict[str, Any]) -> dict[str, dict[str, int]]:
             train_step(model, optimizer, batches, cfg)  # the tracker's hooks refuse
         else:
             _first_update(model, optimizer)
-        tracker = _GroupPeaks(model, optimizer)
-        tracker.track_inputs(tuple(batches))
-        with tracker:
-            # The tracker refuses a top-level module called again in a step, for its per-module statistics (a
-            # pipeline stage's, once a micro-batch): each call starts them afresh (a hook ahead of the tracker's);
-            # the groups' peaks are the whole step's.
-            again = model.register_forward_pre_hook(functools.partial(_afresh, tracker), prepend=True)
-            train_step(model, optimizer, batches, cfg)
-            again.remove()
-        peaks[name] = tracker.peaks
+        if cfg.objective.name == "grpo":
+            peaks[name] = _grpo_peaks(cfg, model, optimizer, batches)
+        else:
+            peaks[name] = _tracked(model, optimizer, functools.partial(train_step, model, optimizer, batches, cfg))
         if cfg.parallel.pp > 1:  # each stage's, from its first rank (pp is the mesh's outermost axis)
             every = [None] * dist.get_world_size()
-            dist.all_gather_object(every, tracker.peaks)
+            dist.all_gather_object(every, peaks[name])
             peaks[name] = {"stages": every[:: len(every) // cfg.parallel.pp]}
-        del model, optimizer, tracker
+        del model, optimizer
         gc.collect()
     return peaks
 

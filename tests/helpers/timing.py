@@ -27,15 +27,18 @@ from fsdp_research.train.startup import whole_model
 from tests.helpers.dist import run_distributed
 
 
-def train_step(model, optimizer, batches: list[torch.Tensor], cfg) -> None:
+def train_step(model, optimizer, batches: list[torch.Tensor], cfg, objective=None, weight=None) -> None:
     """One step as the trainer takes it: its micro-batches by the trainer's schedule (this rank's chunks of them
-    under context parallel, the gradient sync on the last; through the stages by the pipeline's), clip, update."""
-    objective, split, pipeline = NextToken(), split_of(model), pipeline_of(model)
-    objective.setup(cfg)
+    under context parallel, the gradient sync on the last; through the stages by the pipeline's), clip, update.
+    The objective's loss (set up; NextToken's by default), each micro-batch's times `weight`."""
+    split, pipeline = split_of(model), pipeline_of(model)
+    if objective is None:
+        objective = NextToken()
+        objective.setup(cfg)
     schedule = MicroBatches(cfg.trainer.micro_batch_size, len(batches), cfg.trainer.defer_grad_sync)
     if pipeline:
         schedule = Pipelined(pipeline, len(batches))
-    losses = StepLoss(objective, StepContext(contextlib.nullcontext(), split, None, None), lambda loss: None)
+    losses = StepLoss(objective, StepContext(contextlib.nullcontext(), split, None, weight), lambda loss: None)
     with split.splitting() if split else contextlib.nullcontext():
         schedule.run(model, torch.cat(batches), losses, lambda loss: loss.backward())
     clip_grad_norm(model, cfg.optim.grad_clip)

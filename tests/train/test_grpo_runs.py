@@ -1,9 +1,9 @@
 """objective=grpo end to end, by train.py's processes, on a tiny chat llama and a toy task with a user's reward
 function outside the package (tests/helpers/rewards.py), with the KL to the reference (beta 0.04): the reward rises;
-2 ranks log the losses, rewards and KL of 1; a run resumed mid-way logs the uninterrupted run's, to the bit (the
-rollouts' noise is keyed by the step and the prompt; the reference is the initial weights again); with LoRA and a
-trained copy of the head (the reference: the policy with both switched off) the reward rises too and the first
-step's KL is 0; num_iterations 2 trains each rollout batch twice and resumes within one (refused with another
+4 ranks (tp 2 x dp 2) log the losses, rewards and KL of 1; a run resumed mid-way logs the uninterrupted run's, to
+the bit (the rollouts' noise is keyed by the step and the prompt; the reference is the initial weights again); with
+LoRA and a trained copy of the head (the reference: the policy with both switched off) the reward rises too and the
+first step's KL is 0; num_iterations 2 trains each rollout batch twice and resumes within one (refused with another
 num_iterations); a reward function that raises at the second step stops the run in one line naming it, the first
 step's checkpoint kept."""
 
@@ -46,17 +46,19 @@ def runs(tmp_path_factory):
         "optim.lr=1e-2",
         "checkpoint.export=false",
     ]
-    dirs = {name: tmp / name for name in ("one", "two", "half", "broken", "lora", "iter", "iter_half")}
+    dirs = {name: tmp / name for name in ("one", "tp_dp", "half", "broken", "lora", "iter", "iter_half")}
     iterations = [*common, "objective.num_iterations=2", "trainer.max_steps=8"]
     procs = {
         "one": start([*common, "trainer.max_steps=12", "checkpoint.save=false", f"hydra.run.dir={dirs['one']}"], ROOT),
-        "two": start(
+        # 4 ranks: tp 2 x dp 2 (a tp group's ranks generate the same completions, as its data-parallel rank's).
+        "tp_dp": start(
             [
                 *common,
                 "trainer.max_steps=12",
                 "checkpoint.save=false",
-                "distributed.nproc_per_node=2",
-                f"hydra.run.dir={dirs['two']}",
+                "distributed.nproc_per_node=4",
+                "parallel.tp=2",
+                f"hydra.run.dir={dirs['tp_dp']}",
             ],
             ROOT,
         ),  # fmt: skip
@@ -97,7 +99,7 @@ def runs(tmp_path_factory):
         ),  # fmt: skip
     }
     done = {name: finish(proc) for name, proc in procs.items()}
-    for name in ("one", "two", "half", "lora", "iter", "iter_half"):
+    for name in ("one", "tp_dp", "half", "lora", "iter", "iter_half"):
         assert done[name].returncode == 0, done[name].stderr[-3000:]
     resume = [*common, "trainer.max_steps=12", f"checkpoint.resume={dirs['half']}", f"hydra.run.dir={dirs['half']}"]
     iter_resume = [*iterations, f"checkpoint.resume={dirs['iter_half']}", f"hydra.run.dir={dirs['iter_half']}"]
@@ -116,7 +118,7 @@ def _series(run_dir, key: str) -> list[float]:
 
 
 @pytest.mark.slow
-def test_the_reward_rises_and_two_ranks_and_a_resume_log_one_rank_s(runs):
+def test_the_reward_rises_and_tp_x_dp_ranks_and_a_resume_log_one_rank_s(runs):
     dirs, _ = runs
     reward = _series(dirs["one"], "reward")
     shown = [json.loads(line) for line in open(dirs["one"] / "metrics.jsonl") if '"samples": [' in line]
@@ -134,7 +136,7 @@ def test_the_reward_rises_and_two_ranks_and_a_resume_log_one_rank_s(runs):
         "kl",
         "entropy",
     ):
-        assert _series(dirs["two"], key) == pytest.approx(_series(dirs["one"], key), abs=1e-4), key
+        assert _series(dirs["tp_dp"], key) == pytest.approx(_series(dirs["one"], key), abs=1e-4), key
         assert _series(dirs["half"], key) == _series(dirs["one"], key), key  # bitwise: steps 1-6, then 7-12 resumed
 
 
