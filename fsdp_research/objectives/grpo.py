@@ -34,10 +34,9 @@ from fsdp_research.objectives.grpo_loss import (
     SCALES,
     PolicyLoss,
     group_advantages,
-    nanstd,
     policy_metrics,
     policy_stats,
-    weighted_total,
+    reward_metrics,
 )
 from fsdp_research.objectives.reference import check_directory, frozen_copy, reference_model
 from fsdp_research.objectives.rewards import agree_on_errors, build_rewards, score
@@ -373,24 +372,6 @@ def _text(value) -> str:
 def _first_column(real: torch.Tensor) -> int:
     """The first column of left-padded rows [n, T] (True: a token) that holds a token of any row."""
     return int(real.any(0).int().argmax())
-
-
-def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str, names: list[str]):
-    """TRL's (sum_then_normalize): the weighted reward's mean and standard deviation over the step's completions
-    (those no function scored left out), each function's, and the share of completions whose group's rewards (the
-    batch's, scale_rewards batch) do not vary."""
-    total = weighted_total(rewards, weights)
-    spread = nanstd(total).expand_as(total) if scale == "batch" else nanstd(total.view(-1, group), 1)
-    zero = torch.isclose(spread, torch.zeros_like(spread)).double()
-    out = {
-        "reward": torch.nanmean(total).item(),
-        "reward_std": nanstd(total).item(),
-        "frac_reward_zero_std": zero.mean().item(),
-    }
-    for j, name in enumerate(names):
-        out[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, j]).item()
-        out[f"rewards/{name}/std"] = nanstd(rewards[:, j]).item()
-    return out
 
 
 def _length_metrics(rollout: Rollout, stop: set[int]) -> dict[str, float]:

@@ -147,3 +147,21 @@ def policy_metrics(sums: torch.Tensor, extremes: torch.Tensor, policy: PolicyLos
         out[f"clip_ratio/{name}"] = value / max(counted, 1.0)
     out["clip_ratio/low_min"], out["clip_ratio/high_max"] = extremes.tolist()
     return out
+
+
+def reward_metrics(rewards: torch.Tensor, weights: torch.Tensor, group: int, scale: str, names: list[str]):
+    """TRL's (sum_then_normalize): the weighted reward's mean and standard deviation over the step's completions
+    (those no function scored left out), each function's, and the share of completions whose group's rewards (the
+    batch's, scale_rewards batch) do not vary."""
+    total = weighted_total(rewards, weights)
+    spread = nanstd(total).expand_as(total) if scale == "batch" else nanstd(total.view(-1, group), 1)
+    zero = torch.isclose(spread, torch.zeros_like(spread)).double()
+    out = {
+        "reward": torch.nanmean(total).item(),
+        "reward_std": nanstd(total).item(),
+        "frac_reward_zero_std": zero.mean().item(),
+    }
+    for j, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = torch.nanmean(rewards[:, j]).item()
+        out[f"rewards/{name}/std"] = nanstd(rewards[:, j]).item()
+    return out

@@ -10,7 +10,6 @@ import torch
 from trl.trainer.utils import nanstd
 
 from fsdp_research.errors import ConfigError
-from fsdp_research.objectives.grpo import reward_metrics
 from fsdp_research.objectives.grpo_loss import (
     LEVELS,
     LOSS_TYPES,
@@ -18,6 +17,7 @@ from fsdp_research.objectives.grpo_loss import (
     group_advantages,
     policy_metrics,
     policy_stats,
+    reward_metrics,
 )
 from fsdp_research.objectives.rewards import build_rewards, score
 from tests.helpers.chats import chat_llama
