@@ -225,7 +225,7 @@ BREAKS: list[Break] = [
     Break(
         "grpo_tp_rewards",
         "one_per_data_rank",
-        "return parts[:: tp * cp]",
+        "return parts[::tp]",
         "return parts",
         # Under tp every rank's rewards gathered, a tp group's twice: a data-parallel rank's advantages are another's.
         ("tests/train/test_grpo_runs.py::test_the_reward_rises_and_tp_x_dp_ranks_and_a_resume_log_one_rank_s",),

@@ -125,10 +125,10 @@ def data_parallel(tp: int, cp: int = 1, pp: int = 1) -> tuple[int, int]:
     return dist.get_rank() % stage_ranks // group, stage_ranks // group
 
 
-def one_per_data_rank(parts: list, tp: int, cp: int = 1) -> list:
-    """Of every rank's part (in rank order, as all_gather gives them; no pp), one of each group of tp x cp ranks that
+def one_per_data_rank(parts: list, tp: int) -> list:
+    """Of every rank's part (in rank order, as all_gather gives them; no pp, no cp), one of each tp group, whose ranks
     read the same batch: the data-parallel ranks', in their order."""
-    return parts[:: tp * cp]
+    return parts[::tp]
 
 
 def pipeline_rank(pp: int) -> int:

@@ -76,11 +76,11 @@ class Objective:
         arguments: it is called then too)."""
 
     @classmethod
-    def planned_sequence(cls, seq_len: int, **_) -> tuple[int, int, int]:
+    def planned_sequence(cls, seq_len: int, **_) -> tuple[int, int, int | None]:
         """What the planner counts of a trained sequence for data.seq_len (called on the class, with the objective's
-        config keys): (its tokens, the positions the loss takes logits of, the fp32 copies of those logits its
-        loss holds at the end of forward beyond cross entropy's)."""
-        return seq_len, seq_len, 0
+        config keys): (its tokens, the positions the loss takes logits of, the fp32 tensors of the logits' shape its
+        loss holds at the end of forward besides the logits; None: cross entropy's)."""
+        return seq_len, seq_len, None
 
     @classmethod
     def planned_generation(cls, **_) -> PlannedGeneration | None:

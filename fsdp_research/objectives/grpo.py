@@ -1,5 +1,5 @@
 """objective=grpo: GRPO and its variants (Dr. GRPO, DAPO, GSPO) on data=prompts, as TRL's GRPOTrainer runs them.
-Each step: every prompt of this rank's share num_generations times, completed by the policy as it is
+Each step: every prompt of this data-parallel rank's share num_generations times, completed by the policy as it is
 (fsdp_research.objectives.rollouts: the same completions at any world size and after a resume), scored by the
 reward functions (fsdp_research.objectives.rewards), their group-relative advantages taken over the whole step's
 completions; then the clipped policy loss (fsdp_research.objectives.grpo_loss) of the completions, normalised over
@@ -124,8 +124,8 @@ class GRPO(Objective):
     @classmethod
     def planned_sequence(cls, seq_len: int, max_completion_length: int = 256, **_) -> tuple[int, int, int]:
         """A prompt (data.seq_len at most) and its completion; the loss takes the completion's logits alone, and
-        holds one fp32 copy of them more than cross entropy: the entropy's p log p."""
-        return seq_len + max_completion_length, max_completion_length + 1, 1
+        holds two fp32 tensors of them besides: their log-probabilities and the entropy's p log p."""
+        return seq_len + max_completion_length, max_completion_length + 1, 2
 
     @classmethod
     def planned_generation(
@@ -177,11 +177,12 @@ class GRPO(Objective):
             p = prompts[rows]
             p = p[..., _first_column(p[:, DOCUMENT] >= 0) :]  # no column of padding alone
             real, row_keys = p[:, DOCUMENT] >= 0, keys[rows].to(p.device)
-            parts.append(
-                generate(
-                    model, p[:, TOKENS], real, row_keys, self.sampling, self.stop, self.windows.pad_id, self.gather
+            with self.amp:  # as the training forward computes (torch DDP's autocast; a null context under FSDP)
+                parts.append(
+                    generate(
+                        model, p[:, TOKENS], real, row_keys, self.sampling, self.stop, self.windows.pad_id, self.gather
+                    )
                 )
-            )
         return Rollout(*(torch.cat([getattr(r, f) for r in parts]) for f in ("ids", "mask", "logps")))
 
     def _columns(self, docs: list[int], rollout: Rollout) -> dict[str, list]:
@@ -244,8 +245,9 @@ class GRPO(Objective):
         return rows
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """With num_iterations > 1: the rollouts the next steps train on again, every rank's (a collective when
-        they exist; zeros shaped as they will be before), their metrics and the step that generated them."""
+        """With num_iterations > 1: the rollouts the next steps train on again, every data-parallel rank's (a
+        collective when they exist; zeros shaped as they will be before), their metrics and the step that generated
+        them."""
         if self.iterations == 1:
             return {}
         if not hasattr(self, "step"):

@@ -10,7 +10,7 @@ from fsdp_research.planner.activations import recompute_share
 from fsdp_research.planner.axes import AXES
 from fsdp_research.planner.budget import Budget
 from fsdp_research.planner.fit import Candidate
-from fsdp_research.planner.memory import memory
+from fsdp_research.planner.memory import Memory, memory
 from fsdp_research.planner.resident import extra_groups
 from fsdp_research.planner.run import Run
 from fsdp_research.planner.summary import ModelSummary
@@ -119,6 +119,17 @@ def format_plan(m: ModelSummary, run: Run) -> str:
             )
         )
     rows.append(("backward and optimizer temporaries", mem.temporaries, ""))
+    rows += _other_rows(m, run, mem)
+    rows.append(("peak", mem.peak, f"at: {mem.peak_at}"))
+    if mem.host:
+        rows.append(("host memory (cpu_offload)", mem.host, "sharded state, off the device"))
+    lines += [f"  {label:<44}{_gib(value):>9}   {note}".rstrip() for label, value, note in rows]
+    return "\n".join(lines + _traffic_lines(m, run) + _accumulation(m, run))
+
+
+def _other_rows(m: ModelSummary, run: Run, mem: Memory) -> list[tuple[str, int, str]]:
+    """The rows of what only some runs hold: a generation's KV cache, callbacks' state, NCCL communicators."""
+    rows = []
     if mem.kv_cache:
         each = f"{run.micro_batch} x {run.seq_len} positions"
         rows.append(("KV cache (generation)", mem.kv_cache, f"{each}; the sampling's over the vocabulary above"))
@@ -128,11 +139,7 @@ def format_plan(m: ModelSummary, run: Run) -> str:
     if mem.communicators:
         groups = extra_groups(m, run)
         rows.append(("NCCL communicators (reshard to k)", mem.communicators, f"{groups} more process groups"))
-    rows.append(("peak", mem.peak, f"at: {mem.peak_at}"))
-    if mem.host:
-        rows.append(("host memory (cpu_offload)", mem.host, "sharded state, off the device"))
-    lines += [f"  {label:<44}{_gib(value):>9}   {note}".rstrip() for label, value, note in rows]
-    return "\n".join(lines + _traffic_lines(m, run) + _accumulation(m, run))
+    return rows
 
 
 def _traffic_lines(m: ModelSummary, run: Run) -> list[str]:

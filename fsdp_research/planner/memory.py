@@ -249,7 +249,7 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
     if run.pp > 1:
         moments = _pipelined(moments, m, run, deferred, phases)
     moments.append(("optimizer step", dict(state(0), grads=grad_shards, temporaries=step_temporaries(m, trained, run))))
-    moments += generation_moments(m, run, state(0))
+    moments += generation_moments(m, run, dict(state(0), grads=0))
     if run.cpu_offload:  # the callbacks' copies of the parameters are made where the parameters live
         for _, parts in moments:
             parts["host"] = sum(parts.pop(k) for k in ("params", "optimizer", "grads", "callbacks"))
@@ -329,7 +329,7 @@ def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> lis
                 )
             )
     moments.append(("optimizer step", dict(state(params), temporaries=step_temporaries(m, [m.root.trained()], run))))
-    return moments + generation_moments(m, run, state(0))
+    return moments + generation_moments(m, run, dict(state(0), grads=trained))  # DDP's buckets stay
 
 
 def _kept(m: ModelSummary, run: Run) -> dict[str, int]:

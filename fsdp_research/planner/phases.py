@@ -68,9 +68,10 @@ def step_phases(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> Phas
     # them), in the compute dtype; of a trained head only (the root's trained share: exact where the root is all
     # trained or all frozen, LoRA's modules_to_save aside).
     head_grads = 2 * e * m.vocab * h * m.root.trained().numel // max(m.root.numel, 1) if chunked else 0
+    at_loss = logits_forward(m, e) if run.loss_held is None else m.vocab * (e + FP32 * run.loss_held)
     return Phases(
         saved=sum(saved),
-        forward_end=sum(saved) + norm + logits_forward(m, e) * logits // c + run.loss_copies * FP32 * m.vocab * logits,
+        forward_end=sum(saved) + norm + at_loss * logits // c,
         root_forward_end=sum(saved) + norm + (0 if chunked else e * m.vocab * logits),
         backward_start=sum(saved) + norm + (0 if chunked else FP32 * m.vocab * logits),
         loss_grads=(logits_forward(m, e) + 2 * FP32 * m.vocab) * logits // c + head_grads

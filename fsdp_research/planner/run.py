@@ -51,8 +51,9 @@ class Run:
     bubble: float = 0.0
     # Positions of a sequence whose logits the loss takes (GRPO: its completion's); 0: every one.
     loss_positions: int = 0
-    # fp32 copies of those logits the objective's loss holds at the end of forward beyond cross entropy's.
-    loss_copies: int = 0
+    # fp32 tensors of those logits' shape the objective's loss holds at the end of forward besides the logits; None:
+    # cross entropy's.
+    loss_held: int | None = None
     # What a micro-batch's generation holds (GRPO's rollouts); None: the objective generates nothing.
     generation: PlannedGeneration | None = None
 
@@ -74,7 +75,7 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
     p = cfg.parallel
     shape = pipeline_shape(p.pp_schedule, p.pp, steps.micro_steps, p.pp_stages_per_rank) if p.pp > 1 else None
     objective, declared = resolve(cfg.objective._target_, "objective._target_"), kwargs_of(cfg.objective)
-    sequence = getattr(objective, "planned_sequence", lambda n, **_: (n, n, 0))(cfg.data.seq_len, **declared)
+    sequence = objective.planned_sequence(cfg.data.seq_len, **declared)
     return Run(
         world_size=world_size,
         compute_dtype=cfg.precision.param_dtype,
@@ -103,6 +104,6 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
         losses=shape.losses if shape else 1,
         bubble=shape.bubble if shape else 0.0,
         loss_positions=sequence[1],
-        loss_copies=sequence[2],
-        generation=getattr(objective, "planned_generation", lambda **_: None)(**declared),
+        loss_held=sequence[2],
+        generation=objective.planned_generation(**declared),
     )

@@ -106,16 +106,17 @@ class StepTime:
 
 
 def step_time(m: ModelSummary, run: Run, hw: Hardware) -> StepTime:
-    tokens = run.tokens * run.micro_steps
-    # Tensor parallel splits the blocks' FLOPs; the output layer runs whole on each tp rank.
+    tokens, logits = run.tokens * run.micro_steps, run.logit_tokens * run.micro_steps
+    # Tensor parallel splits the blocks' FLOPs; the output layer runs whole on each tp rank, at the positions the
+    # loss takes logits of.
     head = 3 * m.head_flops_per_token
-    compute = tokens * ((m.flops_per_token - head) / m.tp + head) / hw.flops
+    compute = (tokens * (m.flops_per_token - head) / m.tp + logits * head) / hw.flops
     redone = 1.0
     if m.selective_every:  # a family whose block the planner does not enumerate: half of its forward
         redone = selective_recompute(m, run.seq_len) if m.model_type in LLAMA_LIKE else 0.5
     recompute = compute * recompute_share(m.checkpointed, redone)
     if run.loss_chunks > 1:  # one more forward of the output layer
-        recompute += tokens * m.head_flops_per_token / hw.flops
+        recompute += logits * m.head_flops_per_token / hw.flops
     comm = traffic(m, run)
     n, replicas = run.shard_group, run.replicas
     shard_bps = link_bps(hw, n)

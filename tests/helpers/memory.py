@@ -65,9 +65,10 @@ def _afresh(tracker: FSDPMemTracker, module: torch.nn.Module, args: tuple) -> No
     tracker.memory_tracking.pop(module, None)
 
 
-def _tracked(model, optimizer, fn) -> dict[str, int]:
-    """The groups' peaks while fn() runs."""
+def _tracked(model, optimizer, fn, inputs: tuple = ()) -> dict[str, int]:
+    """The groups' peaks while fn() runs (`inputs` counted as the step's)."""
     tracker = _GroupPeaks(model, optimizer)
+    tracker.track_inputs(inputs)
     with tracker:
         # The tracker refuses a top-level module called again in a step, for its per-module statistics (a pipeline
         # stage's, once a micro-batch; a generation's, once a token): each call starts them afresh (a hook ahead of
@@ -87,7 +88,10 @@ def _grpo_peaks(cfg, model, optimizer, batches: list[torch.Tensor]) -> dict[str,
     prompts = torch.randint(0, vocab, (n, prompt), generator=gen)
     real, keys, sampling = torch.ones_like(prompts, dtype=torch.bool), torch.arange(n), Sampling(width)
     generation = _tracked(
-        model, optimizer, lambda: generate(model, prompts, real, keys, sampling, set(), 0, o.gather_for_generation)
+        model,
+        optimizer,
+        lambda: generate(model, prompts, real, keys, sampling, set(), 0, o.gather_for_generation),
+        (prompts,),
     )
     objective, count = GRPO(**kwargs_of(o, exclude=("name",))), n * len(batches)
     tokens = torch.randint(0, vocab, (count, prompt + width), generator=gen)
@@ -100,9 +104,8 @@ def _grpo_peaks(cfg, model, optimizer, batches: list[torch.Tensor]) -> dict[str,
     }
     objective.extremes = torch.tensor([1.0, 0.0], dtype=torch.float64)
     rows = list(torch.arange(count)[:, None].split(n))
-    step = _tracked(
-        model, optimizer, functools.partial(train_step, model, optimizer, rows, cfg, objective, torch.tensor(1.0))
-    )
+    update = functools.partial(train_step, model, optimizer, rows, cfg, objective, torch.tensor(1.0))
+    step = _tracked(model, optimizer, update, tuple(objective.step.values()))
     return {"generation": generation, "step": step}
 
 
@@ -117,7 +120,8 @@ def _measure_each(configs: dict[str, Any]) -> dict[str, dict[str, int]]:
         if cfg.objective.name == "grpo":
             peaks[name] = _grpo_peaks(cfg, model, optimizer, batches)
         else:
-            peaks[name] = _tracked(model, optimizer, functools.partial(train_step, model, optimizer, batches, cfg))
+            step = functools.partial(train_step, model, optimizer, batches, cfg)
+            peaks[name] = _tracked(model, optimizer, step, tuple(batches))
         if cfg.parallel.pp > 1:  # each stage's, from its first rank (pp is the mesh's outermost axis)
             every = [None] * dist.get_world_size()
             dist.all_gather_object(every, peaks[name])

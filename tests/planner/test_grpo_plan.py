@@ -84,7 +84,8 @@ def test_generation_and_update_within_10_percent_of_the_tracker(name, measured):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_kv_cache_is_transformers_dynamic_cache(precision):
     """Keys and values of every block for a micro-batch's prompt and completion positions, in the compute dtype
-    (grouped-query attention: the key-value heads' width)."""
+    (grouped-query attention: the key-value heads' width): the cache of a forward over them all (a generation's
+    holds one position fewer, its last token never fed)."""
     cfg = compose(GRPO + [f"precision={precision}", "trainer.micro_batch_size=3", "data.seq_len=20"])
     positions = cfg.data.seq_len + cfg.objective.max_completion_length
     model = AutoModelForCausalLM.from_config(build_hf_config(cfg.model)).to(getattr(torch, cfg.precision.param_dtype))
