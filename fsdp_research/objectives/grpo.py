@@ -10,6 +10,8 @@ loss. Metrics with TRL's names: reward, reward_std, frac_reward_zero_std, reward
 completions/mean_length, completions/clipped_ratio, kl, entropy, clip_ratio/low_mean, low_min, high_mean, high_max
 and region_mean (means over the step's completion tokens, every rank's and micro-batch's)."""
 
+import functools
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -37,13 +39,15 @@ from fsdp_research.objectives.grpo_loss import (
     policy_metrics,
     policy_stats,
     reward_metrics,
+    weighted_total,
 )
 from fsdp_research.objectives.reference import check_directory, frozen_copy, reference_model
-from fsdp_research.objectives.rewards import agree_on_errors, build_rewards, score
-from fsdp_research.objectives.rollouts import Rollout, Sampling, generate
+from fsdp_research.objectives.rewards import agree_on_errors, build_rewards, reward_columns, score, text_of
+from fsdp_research.objectives.rollouts import Rollout, Sampling, first_column, generate, length_metrics
+from fsdp_research.train.evaluation import held_out_sums
 
-# The purpose a rollout's keys are drawn for (fsdp_research.data.sampling.key's parts).
-_ROLLOUT = 7
+# The purposes a rollout's keys are drawn for (fsdp_research.data.sampling.key's parts): a step's, an eval's.
+_ROLLOUT, _EVAL = 7, 8
 
 
 class GRPO(Objective):
@@ -102,12 +106,9 @@ class GRPO(Objective):
             raise ConfigError(
                 "objective.num_iterations", f"{self.iterations} is not a whole number of 1 or more", "use e.g. 1 or 2"
             )
-        if t.eval_interval:
-            raise ConfigError("trainer.eval_interval", "objective=grpo has no eval yet", "set trainer.eval_interval=0")
-        if cfg.data.eval_fraction > 0:
-            raise ConfigError(
-                "data.eval_fraction", f"{cfg.data.eval_fraction}: held-out prompts grpo never reads", "set it to 0"
-            )
+        if cfg.data.eval_paths or cfg.data.eval_sources:
+            given = "data.eval_paths" if cfg.data.eval_paths else "data.eval_sources"
+            raise ConfigError(given, "objective=grpo evaluates held-out prompts only", "use data.eval_fraction")
         if t.global_batch_size % self.group:
             raise ConfigError(
                 "trainer.global_batch_size",
@@ -165,17 +166,21 @@ class GRPO(Objective):
     def samples_per_step(self, global_batch_size: int) -> int:
         return global_batch_size // self.group
 
-    def _rollout(self, model: nn.Module, prompts: torch.Tensor, step: int) -> Rollout:
-        """This rank's completions, generated a micro-batch at a time (the same shapes at any world size)."""
-        # By the prompt's place in the step's global batch, not its index in the data (a prompt twice in a step, as
-        # an epoch ends, gets two groups of completions): the same at any world size.
-        first = self.rank * (len(prompts) // self.group)
-        seed, places = self.cfg.trainer.seed, [(first + k // self.group, k % self.group) for k in range(len(prompts))]
-        keys = torch.tensor([key(seed, _ROLLOUT, step, j, g) & 0xFFFFFFFF for j, g in places])
+    def _step_keys(self, completions: int, step: int) -> torch.Tensor:
+        """The noise keys of this rank's completions at `step`: by the prompt's place in the step's global batch, not
+        its index in the data (a prompt twice in a step, as an epoch ends, gets two groups of completions): the same
+        at any world size."""
+        first = self.rank * (completions // self.group)
+        places = [(first + k // self.group, k % self.group) for k in range(completions)]
+        return torch.tensor([key(self.cfg.trainer.seed, _ROLLOUT, step, j, g) & 0xFFFFFFFF for j, g in places])
+
+    def _rollout(self, model: nn.Module, prompts: torch.Tensor, keys: torch.Tensor) -> Rollout:
+        """The completions of `prompts` (sequence i's noise from keys[i]), generated a micro-batch at a time (the same
+        shapes at any world size)."""
         parts = []
         for rows in torch.arange(len(prompts)).split(self.cfg.trainer.micro_batch_size):
             p = prompts[rows]
-            p = p[..., _first_column(p[:, DOCUMENT] >= 0) :]  # no column of padding alone
+            p = p[..., first_column(p[:, DOCUMENT] >= 0) :]  # no column of padding alone
             real, row_keys = p[:, DOCUMENT] >= 0, keys[rows].to(p.device)
             with self.amp:  # as the training forward computes (torch DDP's autocast; a null context under FSDP)
                 parts.append(
@@ -189,15 +194,9 @@ class GRPO(Objective):
         """The reward functions' arguments (TRL's): prompts as given, completions (text, or an assistant message for
         conversational prompts), completion_ids, and every other field of the records."""
         records = [self.windows.record(d) for d in docs]
-        field = self.cfg.data.prompt_field
         ids = [row[m].tolist() for row, m in zip(rollout.ids, rollout.mask)]
         texts = self.tok.batch_decode(ids, skip_special_tokens=True)
-        completions = [[{"role": "assistant", "content": t}] for t in texts] if self.conversational else texts
-        columns = {"prompts": [r[field] for r in records], "completions": completions, "completion_ids": ids}
-        for name in self.windows.fields:
-            if name != field:
-                columns[name] = [r.get(name) for r in records]
-        return columns
+        return reward_columns(records, self.cfg.data.prompt_field, self.windows.fields, ids, texts, self.conversational)
 
     def step_batch(self, model: nn.Module, batch: torch.Tensor, step: int) -> torch.Tensor:
         """The step's completions (a collective): generated, scored, their advantages over the whole step's; what
@@ -211,12 +210,12 @@ class GRPO(Objective):
             return rows
         self.generated_at = step
         prompts = batch.repeat_interleave(self.group, 0)
-        rollout = self._rollout(model, prompts, step)
+        rollout = self._rollout(model, prompts, self._step_keys(len(prompts), step))
         docs = prompts[:, DOCUMENT].max(1).values.tolist()
         columns = self._columns(docs, rollout)
         # Shown with the logged step: the first completion of each of this rank's first two prompts.
         self.rows = [
-            {"prompt": _text(columns["prompts"][k]), "completion": _text(columns["completions"][k])}
+            {"prompt": text_of(columns["prompts"][k]), "completion": text_of(columns["completions"][k])}
             for k in range(0, min(len(docs), 2 * self.group), self.group)
         ]
         rewards, error = score(self.names, self.funcs, columns, docs)
@@ -225,7 +224,7 @@ class GRPO(Objective):
         advantages = group_advantages(everyone, self.weights.to(everyone), self.group, self.scale)
         mine = slice(self.rank * len(rewards), (self.rank + 1) * len(rewards))
         self.logged = reward_metrics(everyone, self.weights.to(everyone), self.group, self.scale, self.names)
-        self.logged.update(_length_metrics(rollout, self.stop))
+        self.logged.update(length_metrics(rollout, self.stop))
         self.step = {
             "tokens": torch.cat([prompts[:, TOKENS], rollout.ids], 1),
             "attention": torch.cat([prompts[:, DOCUMENT] >= 0, rollout.mask], 1).long(),
@@ -285,7 +284,7 @@ class GRPO(Objective):
         self.generated_at = first
 
     def _logged_names(self) -> list[str]:
-        """The rollouts' metrics (reward_metrics' and _length_metrics'), in order."""
+        """The rollouts' metrics (reward_metrics' and length_metrics'), in order."""
         each = [f"rewards/{name}/{kind}" for name in self.names for kind in ("mean", "std")]
         return [
             "reward",
@@ -307,7 +306,7 @@ class GRPO(Objective):
         ids, longest = self.step["ids"][rows], int(self.step["mask"][rows].any(0).sum())
         end = self.step["tokens"].shape[1] - ids.shape[1] + longest
         attention = self.step["attention"][rows, :end]
-        attention = attention[:, _first_column(attention.bool()) :]
+        attention = attention[:, first_column(attention.bool()) :]
         tokens = self.step["tokens"][rows, end - attention.shape[1] : end]
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         with amp:  # the completions' logits only (those of their last token's position too: dropped)
@@ -327,6 +326,36 @@ class GRPO(Objective):
         parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(one_per_data_rank(parts, self.cfg.parallel.tp))
+
+    def evaluate(self, model: nn.Module, data: Data, cfg: DictConfig, device: torch.device, amp) -> dict[str, float]:
+        """TRL's eval metrics, eval_-prefixed (eval_reward, eval_rewards/<function>/mean,
+        eval_completions/mean_length): the held-out prompts (at most trainer.eval_batches micro-batches of their
+        completions), each completed num_generations times by the policy as it is, its noise keyed by the prompt (the
+        same completions at any world size); means over the completions each function scored (a collective)."""
+        t, group = cfg.trainer, self.group
+        each = max(1, t.micro_batch_size // group)  # prompts a generation takes
+        prompts = min(sum(s.held_out for s in data.stream.splits), t.eval_batches * each)
+
+        def sums_of(batch: torch.Tensor) -> torch.Tensor:
+            """Each prompt's sums over its completions: of their weighted reward, each function's and their
+            length; then how many of them each scored."""
+            batch = batch.repeat_interleave(group, 0)
+            docs = batch[:, DOCUMENT].max(1).values.tolist()
+            keys = torch.tensor([key(t.seed, _EVAL, d, k % group) & 0xFFFFFFFF for k, d in enumerate(docs)])
+            rollout = self._rollout(model, batch, keys)
+            rewards, error = score(self.names, self.funcs, self._columns(docs, rollout), docs)
+            agree_on_errors(error)
+            lengths = rollout.mask.sum(1, keepdim=True).cpu().double()
+            values = torch.cat([weighted_total(rewards, self.weights.to(rewards))[:, None], rewards, lengths], 1)
+            sums = torch.cat([values.nan_to_num(0.0), (~values.isnan()).double()], 1)
+            return sums.view(-1, group, sums.shape[1]).sum(1).to(device)
+
+        read = functools.partial(data.batch, held_out=True)
+        values, counts = held_out_sums(model, read, prompts, each, device, sums_of, cfg.parallel.tp).chunk(2)
+        means = (values / counts.clamp(min=1)).tolist()
+        out = {"eval_reward": means[0], "eval_completions/mean_length": means[-1]}
+        out.update({f"eval_rewards/{name}/mean": means[1 + j] for j, name in enumerate(self.names)})
+        return out
 
     def shown(self) -> list[dict[str, str]]:
         """The last rollouts' first completions, once (num_iterations > 1: the logged step may train them again)."""
@@ -364,27 +393,3 @@ class GRPO(Objective):
         dist.all_reduce(extremes[:1], op=dist.ReduceOp.MIN)
         dist.all_reduce(extremes[1:], op=dist.ReduceOp.MAX)
         return {"targets": round(stats["targets"].item()), **self.logged, **policy_metrics(sums, extremes, self.policy)}
-
-
-def _text(value) -> str:
-    """A prompt or completion as text: itself, or its messages' last one's content."""
-    return value if isinstance(value, str) else value[-1]["content"]
-
-
-def _first_column(real: torch.Tensor) -> int:
-    """The first column of left-padded rows [n, T] (True: a token) that holds a token of any row."""
-    return int(real.any(0).int().argmax())
-
-
-def _length_metrics(rollout: Rollout, stop: set[int]) -> dict[str, float]:
-    """Of every rank's completions (a collective): their mean length, the share that ended without a stop token
-    (cut at max_completion_length)."""
-    lengths = rollout.mask.sum(1)
-    last = rollout.ids.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
-    cut = ~torch.isin(last, torch.tensor(sorted(stop), device=last.device))
-    sums = torch.stack([lengths.double().sum(), cut.double().sum(), torch.tensor(len(lengths), device=cut.device)])
-    dist.all_reduce(sums)
-    return {
-        "completions/mean_length": (sums[0] / sums[2]).item(),
-        "completions/clipped_ratio": (sums[1] / sums[2]).item(),
-    }

@@ -90,3 +90,22 @@ def agree_on_errors(error: str | None) -> None:
     first = next((e for e in errors if e), None)
     if first:
         raise RewardError(first)
+
+
+def reward_columns(
+    records: list[dict], field: str, fields, ids: list[list[int]], texts: list[str], conversational: bool
+) -> dict[str, list]:
+    """The reward functions' arguments (TRL's) for completions of the records' prompts: prompts as given,
+    completions (text, or an assistant message for conversational prompts), completion_ids, and every other field
+    of the records."""
+    completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else texts
+    columns = {"prompts": [r[field] for r in records], "completions": completions, "completion_ids": ids}
+    for name in fields:
+        if name != field:
+            columns[name] = [r.get(name) for r in records]
+    return columns
+
+
+def text_of(value) -> str:
+    """A prompt or completion as text: itself, or its messages' last one's content."""
+    return value if isinstance(value, str) else value[-1]["content"]

@@ -115,3 +115,22 @@ def generate(
             step_ids, positions = ids[:, t : t + 1], positions[:, -1:] + 1
             attention = torch.cat([attention, torch.ones(n, 1, dtype=attention.dtype, device=device)], dim=1)
     return Rollout(ids, mask, logps)
+
+
+def first_column(real: torch.Tensor) -> int:
+    """The first column of left-padded rows [n, T] (True: a token) that holds a token of any row."""
+    return int(real.any(0).int().argmax())
+
+
+def length_metrics(rollout: Rollout, stop: set[int]) -> dict[str, float]:
+    """Of every rank's completions (a collective): their mean length, the share that ended without a stop token
+    (cut at max_completion_length)."""
+    lengths = rollout.mask.sum(1)
+    last = rollout.ids.gather(1, (lengths - 1).clamp(min=0)[:, None])[:, 0]
+    cut = ~torch.isin(last, torch.tensor(sorted(stop), device=last.device))
+    sums = torch.stack([lengths.double().sum(), cut.double().sum(), torch.tensor(len(lengths), device=cut.device)])
+    dist.all_reduce(sums)
+    return {
+        "completions/mean_length": (sums[0] / sums[2]).item(),
+        "completions/clipped_ratio": (sums[1] / sums[2]).item(),
+    }

@@ -180,14 +180,17 @@ def test_objective_grpo_reads_them_and_refuses_what_it_cannot_do_in_one_line(tmp
         ],
         "objective.reference: is read only for the KL, and objective.beta is 0": [f"objective.reference={tok_dir}"],
         "objective.reward_funcs: is empty": ["objective.reward_funcs=[]"],
-        "data.eval_fraction: 0.1: held-out prompts grpo never reads; fix: set it to 0": ["data.eval_fraction=0.1"],
+        "data.eval_paths: objective=grpo evaluates held-out prompts only; fix: use data.eval_fraction": [
+            f"data.eval_paths=[{path}]",
+            "trainer.eval_interval=10",
+        ],
     }
     for message, overrides in refused.items():
         with pytest.raises(ConfigError, match=f"^{re.escape(message)}"):
             _check(tmp_path, tok_dir, path, *grpo, *overrides)
-    with pytest.raises(ConfigError, match=r"^trainer.eval_interval: objective=grpo has no eval yet"):
-        cfg = _cfg(tmp_path, tok_dir, path, *grpo, "trainer.eval_interval=10", "data.eval_fraction=0.2")
-        check_config(cfg, 1, build_hf_config(cfg.model), torch.device("cpu"))
+    # Its eval: the held-out prompts.
+    cfg = _cfg(tmp_path, tok_dir, path, *grpo, "trainer.eval_interval=10", "data.eval_fraction=0.2")
+    check_config(cfg, 1, build_hf_config(cfg.model), torch.device("cpu"))
 
 
 def test_the_planner_counts_grpo_s_reference_copy_and_none_with_lora_or_without_beta(tmp_path, tok_dir):

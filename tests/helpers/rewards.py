@@ -11,6 +11,11 @@ def digits(prompts, completions, completion_ids, **columns) -> list[float]:
     return [sum(ch.isdigit() for ch in _text(c)) / max(1, len(_text(c))) for c in completions]
 
 
+def mean_token(prompts, completions, completion_ids, **columns) -> list[float]:
+    """The completion's mean token id: any token sampled otherwise moves it (a check of which noise sampled them)."""
+    return [sum(ids) / max(1, len(ids)) for ids in completion_ids]
+
+
 def matches_answer(prompts, completions, completion_ids, answer, **columns) -> list[float | None]:
     """1 where the completion holds the record's answer, 0 where not; None (not applicable) without one."""
     return [None if a is None else float(str(a) in _text(c)) for c, a in zip(completions, answer)]

@@ -46,14 +46,24 @@ def runs(tmp_path_factory):
         "optim.lr=1e-2",
         "checkpoint.export=false",
     ]
+    # 6 held-out prompts evaluated every 6 steps (the runs compared with one another), by digits and (weighted 0: the
+    # training is digits' alone) mean_token, which any token sampled otherwise would move. 6: 3 generations of 2
+    # prompts on 1 rank, 2 (one of a single prompt) on each of 2 data-parallel ranks (a random model's completions
+    # are the noise's, whatever the prompt: noise keyed by the place in a generation would sum alike otherwise).
+    evals = ["data.eval_fraction=0.25", "trainer.eval_interval=6", "trainer.eval_batches=3"]
+    evals += ["objective.reward_funcs=[tests.helpers.rewards.digits,tests.helpers.rewards.mean_token]"]
+    evals += ["objective.reward_weights=[1.0,0.0]"]
     dirs = {name: tmp / name for name in ("one", "tp_dp", "half", "broken", "lora", "iter", "iter_half")}
     iterations = [*common, "objective.num_iterations=2", "trainer.max_steps=8"]
     procs = {
-        "one": start([*common, "trainer.max_steps=12", "checkpoint.save=false", f"hydra.run.dir={dirs['one']}"], ROOT),
+        "one": start(
+            [*common, *evals, "trainer.max_steps=12", "checkpoint.save=false", f"hydra.run.dir={dirs['one']}"], ROOT
+        ),
         # 4 ranks: tp 2 x dp 2 (a tp group's ranks generate the same completions, as its data-parallel rank's).
         "tp_dp": start(
             [
                 *common,
+                *evals,
                 "trainer.max_steps=12",
                 "checkpoint.save=false",
                 "distributed.nproc_per_node=4",
@@ -74,7 +84,9 @@ def runs(tmp_path_factory):
             ],
             ROOT,
         ),  # fmt: skip
-        "half": start([*common, "trainer.max_steps=6", "checkpoint.interval=6", f"hydra.run.dir={dirs['half']}"], ROOT),
+        "half": start(
+            [*common, *evals, "trainer.max_steps=6", "checkpoint.interval=6", f"hydra.run.dir={dirs['half']}"], ROOT
+        ),
         "iter": start([*iterations, "checkpoint.save=false", f"hydra.run.dir={dirs['iter']}"], ROOT),
         # Stopped at step 5, within the rollouts of step 4 (num_iterations 2), on 2 ranks; resumed on 1.
         "iter_half": start(
@@ -101,7 +113,8 @@ def runs(tmp_path_factory):
     done = {name: finish(proc) for name, proc in procs.items()}
     for name in ("one", "tp_dp", "half", "lora", "iter", "iter_half"):
         assert done[name].returncode == 0, done[name].stderr[-3000:]
-    resume = [*common, "trainer.max_steps=12", f"checkpoint.resume={dirs['half']}", f"hydra.run.dir={dirs['half']}"]
+    resume = [*common, *evals, "trainer.max_steps=12", f"checkpoint.resume={dirs['half']}"]
+    resume.append(f"hydra.run.dir={dirs['half']}")
     iter_resume = [*iterations, f"checkpoint.resume={dirs['iter_half']}", f"hydra.run.dir={dirs['iter_half']}"]
     other = [*iterations, "objective.num_iterations=3", f"hydra.run.dir={tmp / 'iter_other'}"]
     step_5 = dirs["iter_half"] / "checkpoints" / "step_5"  # a step's dir: this config, not the run's own
@@ -114,7 +127,9 @@ def runs(tmp_path_factory):
 
 
 def _series(run_dir, key: str) -> list[float]:
-    return [m[key] for m in read_metrics(run_dir) if key in m]
+    """The key's values in metrics.jsonl's per-step rows, or its eval records' for an eval_ key."""
+    rows = read_metrics(run_dir) if not key.startswith("eval_") else map(json.loads, open(run_dir / "metrics.jsonl"))
+    return [m[key] for m in rows if key in m]
 
 
 @pytest.mark.slow
@@ -125,6 +140,8 @@ def test_the_reward_rises_and_tp_x_dp_ranks_and_a_resume_log_one_rank_s(runs):
     assert [r["step"] for r in shown] == list(range(1, 13))  # some completions with each logged step
     assert all(len(r["samples"]) == 2 and r["samples"][0]["prompt"] in QUESTIONS for r in shown), shown[0]
     assert len(reward) == 12 and sum(reward[-4:]) > 1.5 * sum(reward[:4]), reward
+    evaluated = _series(dirs["one"], "eval_reward")
+    assert len(evaluated) == 2 and all(0 <= r <= 1 for r in evaluated), evaluated  # steps 6 and 12
     kl = _series(dirs["one"], "kl")
     assert kl[0] == 0 and min(kl[1:]) > 0, kl  # the reference: the initial weights
     for key in (
@@ -135,6 +152,10 @@ def test_the_reward_rises_and_tp_x_dp_ranks_and_a_resume_log_one_rank_s(runs):
         "completions/clipped_ratio",
         "kl",
         "entropy",
+        "eval_reward",
+        "eval_rewards/digits/mean",
+        "eval_rewards/mean_token/mean",
+        "eval_completions/mean_length",
     ):
         assert _series(dirs["tp_dp"], key) == pytest.approx(_series(dirs["one"], key), abs=1e-4), key
         assert _series(dirs["half"], key) == _series(dirs["one"], key), key  # bitwise: steps 1-6, then 7-12 resumed
