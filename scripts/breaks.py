@@ -200,8 +200,8 @@ BREAKS: list[Break] = [
     ),
     Break(
         "grpo_rank_keys",
-        "GRPO._rollout",
-        "first = self.rank * (len(prompts) // self.group)",
+        "GRPO._step_keys",
+        "first = self.rank * (completions // self.group)",
         "first = 0",
         # Rollout keys by the rank's own prompt positions: rank 1 samples with rank 0's noise, unlike one process.
         ("tests/train/test_grpo_runs.py::test_the_reward_rises_and_tp_x_dp_ranks_and_a_resume_log_one_rank_s",),
@@ -225,8 +225,8 @@ BREAKS: list[Break] = [
     Break(
         "grpo_eval_keys",
         "GRPO.evaluate",
-        "key(t.seed, _EVAL, d, k % group)",
-        "key(t.seed, _EVAL, k, 0)",
+        "(t.seed, _EVAL, d, k % group)",
+        "(t.seed, _EVAL, k, 0)",
         # The eval's noise by a completion's place in the rank's batch: another world size, other completions.
         ("tests/train/test_grpo_runs.py::test_the_reward_rises_and_tp_x_dp_ranks_and_a_resume_log_one_rank_s",),
     ),

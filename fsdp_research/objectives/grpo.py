@@ -23,7 +23,6 @@ from fsdp_research.config.data_schema import DataKind
 from fsdp_research.data.chat import chat_tokenizer, prompt_rendering
 from fsdp_research.data.pipeline import Data
 from fsdp_research.data.prompts import DOCUMENT, TOKENS
-from fsdp_research.data.sampling import key
 from fsdp_research.distributed.mesh import data_parallel, one_per_data_rank
 from fsdp_research.distributed.precision import forward_autocast
 from fsdp_research.distributed.sharding import reshard
@@ -43,7 +42,7 @@ from fsdp_research.objectives.grpo_loss import (
 )
 from fsdp_research.objectives.reference import check_directory, frozen_copy, reference_model
 from fsdp_research.objectives.rewards import agree_on_errors, build_rewards, reward_columns, score, text_of
-from fsdp_research.objectives.rollouts import Rollout, Sampling, first_column, generate, length_metrics
+from fsdp_research.objectives.rollouts import Rollout, Sampling, first_column, generate, length_metrics, noise_keys
 from fsdp_research.train.evaluation import held_out_sums
 
 # The purposes a rollout's keys are drawn for (fsdp_research.data.sampling.key's parts): a step's, an eval's.
@@ -172,7 +171,7 @@ class GRPO(Objective):
         at any world size."""
         first = self.rank * (completions // self.group)
         places = [(first + k // self.group, k % self.group) for k in range(completions)]
-        return torch.tensor([key(self.cfg.trainer.seed, _ROLLOUT, step, j, g) & 0xFFFFFFFF for j, g in places])
+        return noise_keys([(self.cfg.trainer.seed, _ROLLOUT, step, j, g) for j, g in places])
 
     def _rollout(self, model: nn.Module, prompts: torch.Tensor, keys: torch.Tensor) -> Rollout:
         """The completions of `prompts` (sequence i's noise from keys[i]), generated a micro-batch at a time (the same
@@ -341,7 +340,7 @@ class GRPO(Objective):
             length; then how many of them each scored."""
             batch = batch.repeat_interleave(group, 0)
             docs = batch[:, DOCUMENT].max(1).values.tolist()
-            keys = torch.tensor([key(t.seed, _EVAL, d, k % group) & 0xFFFFFFFF for k, d in enumerate(docs)])
+            keys = noise_keys([(t.seed, _EVAL, d, k % group) for k, d in enumerate(docs)])
             rollout = self._rollout(model, batch, keys)
             rewards, error = score(self.names, self.funcs, self._columns(docs, rollout), docs)
             agree_on_errors(error)

@@ -15,6 +15,7 @@ import torch.nn as nn
 from transformers import DynamicCache
 from transformers.generation.logits_process import TopPLogitsWarper
 
+from fsdp_research.data.sampling import key
 from fsdp_research.distributed.sharding import kept_gathered
 
 _LOW32 = 0xFFFFFFFF
@@ -28,6 +29,12 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 15)
     x = (x * 0x846CA68B) & _LOW32
     return x ^ (x >> 16)
+
+
+def noise_keys(parts: list[tuple[int, ...]]) -> torch.Tensor:
+    """The keys gumbel_noise takes (int64 holding 32-bit values) of each sequence's fsdp_research.data.sampling.key
+    parts."""
+    return torch.tensor([key(*p) & _LOW32 for p in parts])
 
 
 def gumbel_noise(keys: torch.Tensor, position: int, vocab: int) -> torch.Tensor:

@@ -23,20 +23,21 @@ from fsdp_research.planner.summary import ModelSummary
 SAMPLING_BYTES = 48
 
 
-def _gathered(m: ModelSummary, e: int, whole: bool) -> int:
-    """The parameters gathered in a forward (FSDP2's): the root's, the units kept after forward, the largest unit
-    and two all-gather buffers of it; or (whole) every unit's."""
+def _gathered(m: ModelSummary, e: int, kept: int, whole: bool) -> int:
+    """The parameters gathered in a forward (FSDP2's): the root's, the units kept after forward (`kept` bytes), the
+    largest unit and two all-gather buffers of it; or (whole) every unit's."""
     units = list(m.units)
-    unit = max((u.numel for u in units), default=0)
+    unit = e * max((u.numel for u in units), default=0)
     if whole:
-        return e * (m.root.numel + sum(u.numel for u in units) + 2 * unit)
-    kept = sum(u.numel if k == 1 else u.shard_numel(k) for u in units if (k := u.kept_after_forward()))
-    return e * (m.root.numel + kept + 3 * unit)
+        return e * (m.root.numel + sum(u.numel for u in units)) + 2 * unit
+    return e * m.root.numel + kept + 3 * unit
 
 
-def generation_moments(m: ModelSummary, run: Run, idle: dict[str, int]) -> list[tuple[str, dict[str, int]]]:
+def generation_moments(
+    m: ModelSummary, run: Run, idle: dict[str, int], kept: int = 0
+) -> list[tuple[str, dict[str, int]]]:
     """Where a micro-batch's generation can peak, each as bytes by category (as planner.memory's moments); `idle`:
-    what a rank holds between steps."""
+    what a rank holds between steps; `kept`: the bytes of the units FSDP keeps gathered after forward."""
     g = run.generation
     if g is None:
         return []
@@ -45,7 +46,7 @@ def generation_moments(m: ModelSummary, run: Run, idle: dict[str, int]) -> list[
     if m.strategy is Strategy.ddp_classic:
         forward = whole = e * m.root.trained().numel if e != FP32 else 0
     else:
-        forward, whole = _gathered(m, e, False), _gathered(m, e, g.gathered)
+        forward, whole = _gathered(m, e, kept, False), _gathered(m, e, kept, g.gathered)
     per_position = 2 * m.n_blocks * m.kv_dim * e * n
     return [
         (

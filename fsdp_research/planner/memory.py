@@ -249,7 +249,7 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
     if run.pp > 1:
         moments = _pipelined(moments, m, run, deferred, phases)
     moments.append(("optimizer step", dict(state(0), grads=grad_shards, temporaries=step_temporaries(m, trained, run))))
-    moments += generation_moments(m, run, dict(state(0), grads=0))
+    moments += generation_moments(m, run, dict(state(0), grads=0), resident(len(units)))
     if run.cpu_offload:  # the callbacks' copies of the parameters are made where the parameters live
         for _, parts in moments:
             parts["host"] = sum(parts.pop(k) for k in ("params", "optimizer", "grads", "callbacks"))
