@@ -5,18 +5,21 @@ family's forward runs it, the hidden states going in as inputs_embeds after the 
 before the last. Masks and positions are recomputed on every stage from the same keyword arguments (position ids,
 as tensors), as the whole model does."""
 
+import contextlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from fsdp_research.distributed.mesh import Mesh
+from fsdp_research.distributed.sharding import kept_gathered
 from fsdp_research.distributed.step_layout import Layout
 from fsdp_research.errors import ConfigError
 
@@ -30,8 +33,8 @@ SCHEDULES = {
     "ZBVZeroBubble": 2,
     "DualPipeV": 2,
 }
-# Their weight-gradient pass (torch's stage_backward_weight) reads each stage's own parameters: several stages on a
-# rank are views of one module here (StageView), which has them all.
+# Their weight-gradient pass (torch's stage_backward_weight) runs after the input-gradient pass, apart from autograd's
+# hooks: FSDP's reduction is deferred to the step's end (Pipeline._deferred_reduction).
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # Families whose forward is split-tested (tests/distributed/test_pipeline.py): the base model does nothing to
 # inputs_embeds before its layers and the causal LM nothing to the head's output (Gemma scales the embeddings, its
@@ -156,7 +159,7 @@ class Role:
 def stages_of(pp_rank: int, parallel) -> tuple[list[int], int]:
     """(the stages the pipeline's rank pp_rank holds, the stages) of the parallel section: one; a loop (r, r + pp,
     ...: parallel.pp_stages_per_rank); a V (r and 2 pp - 1 - r)."""
-    pp, per_rank = parallel.pp, 2 if SCHEDULES[parallel.pp_schedule] == 2 else parallel.pp_stages_per_rank
+    pp, per_rank = parallel.pp, parallel.pp_stages_per_rank
     if SCHEDULES[parallel.pp_schedule] == 2:
         return [pp_rank, 2 * pp - 1 - pp_rank], 2 * pp
     return [pp_rank + i * pp for i in range(per_rank)], pp * per_rank
@@ -206,7 +209,9 @@ def split_stages(model: nn.Module, parallel, pp_rank: int) -> None:
         return (), {**kwargs, "input_ids" if role.first else "inputs_embeds": args[0]} if args else kwargs
 
     model.register_forward_pre_hook(inputs, with_kwargs=True)
-    model.register_forward_hook(lambda module, args, out: out.logits)
+    # A stage before the last returns the hidden states as sliced by the family's head (a view): the zero-bubble
+    # schedules detach a stage's output in place.
+    model.register_forward_hook(lambda module, args, out: out.logits.clone() if out.logits._is_view() else out.logits)
 
 
 class StageView(nn.Module):
@@ -220,6 +225,30 @@ class StageView(nn.Module):
 
     def forward(self, *args, **kwargs):
         return self.model(*args, pp_stage=self.stage, **kwargs)
+
+    def parameters(self, recurse: bool = True):
+        """The rank's model's (the zero-bubble schedules' weight pass finds the stage's own among them by its
+        graph; without it they would get none)."""
+        return self.model.parameters(recurse)
+
+
+@contextlib.contextmanager
+def deferred_reduction(model: FSDPModule) -> Iterator[None]:
+    """What torch's PipelineStage does for a stage that is an FSDP module, for the rank's model as a whole: over
+    the step every unit keeps its parameters gathered (the weight pass's parameters are the ones the input pass found)
+    and its gradients unsharded; then reduced and sharded again (torch's perform_reduce_grad)."""
+    state = model._get_fsdp_state()
+    state._lazy_init()  # kept_gathered keeps the root's settings as they are after it
+    with kept_gathered(model):
+        model.set_reshard_after_backward(False)
+        model.set_requires_gradient_sync(False)
+        yield
+        model.set_reshard_after_backward(True)
+        model.set_requires_gradient_sync(True)
+        for each in state._state_ctx.all_states:
+            for group in each._fsdp_param_groups:
+                group.post_backward()
+        state._root_post_backward_final_callback()
 
 
 LossOf = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -265,6 +294,7 @@ class Pipeline:
             scale_grads=False,
         )
         model.pipeline = self  # what eval finds of it (pipeline_of)
+        self._model, self.zero_bubble = model, parallel.pp_schedule in ZERO_BUBBLE
         self._loss_of: LossOf | None = None
         self._stats: list[dict[str, torch.Tensor]] = []
 
@@ -281,7 +311,8 @@ class Pipeline:
         args = (inputs,) if self.first else ()
         target = {"target": labels, "losses": losses} if self.last else {}
         # The last stage's logits are not kept: return_outputs off.
-        self._schedule.step(*args, **target, **kwargs, return_outputs=False)
+        with deferred_reduction(self._model) if self.zero_bubble else contextlib.nullcontext():
+            self._schedule.step(*args, **target, **kwargs, return_outputs=False)
         if self.shared is not None:  # the embedding's gradient on the first stage, the head's on the last: the sum
             dist.all_reduce(self.shared.grad.to_local(), group=self.ends)
         # From the CPU: an object broadcast pickles tensors with their device.

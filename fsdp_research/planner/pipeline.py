@@ -49,16 +49,23 @@ def actions(schedule: str, pp: int, micro_steps: int, stages_per_rank: int) -> l
         return _single(schedule, pp, micro_steps)
     lists = get_schedule_ops(schedule, pp, micro_steps, stages_per_rank)
     return [
-        [Action(a.computation_type.value, a.stage_index, a.microbatch_index) for a in rank if a is not None]
+        # DualPipeV overlaps a forward and a backward (sub_actions): counted here one after the other.
+        [
+            Action(one.computation_type.value, one.stage_index, one.microbatch_index)
+            for a in rank
+            if a is not None
+            for one in (a.sub_actions or (a,))
+        ]
         for rank in lists
     ]
 
 
 def _held(order: list[Action]) -> int:
-    """The most micro-batch stages whose activations are held at once (forward done, backward not)."""
+    """The most micro-batch stages whose activations are held at once (forward done, backward not; an input pass
+    keeps the graph for its weight pass: torch's stage_backward_input retains it)."""
     held = top = 0
     for a in order:
-        held += 1 if a.kind == "F" else -1 if a.kind in ("B", "I") else 0
+        held += 1 if a.kind == "F" else -1 if a.kind in ("B", "W") else 0
         top = max(top, held)
     return top
 

@@ -9,7 +9,7 @@ from fsdp_research.config.schema import Strategy
 from fsdp_research.data.pipeline import packed
 from fsdp_research.distributed.context_parallel import check_cp
 from fsdp_research.distributed.expert_parallel import check_ep
-from fsdp_research.distributed.pipeline import SCHEDULES, ZERO_BUBBLE
+from fsdp_research.distributed.pipeline import SCHEDULES
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.distributed.tensor_parallel import check_divisible, sequence_parallel, tp_plan
@@ -108,19 +108,22 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
         )
     if p.pp_schedule not in SCHEDULES:
         raise ConfigError("parallel.pp_schedule", f"{p.pp_schedule!r} is unknown", f"use one of {', '.join(SCHEDULES)}")
-    if p.pp_schedule in ZERO_BUBBLE:
+    # torch 2.13's V schedules cannot run forwards alone (their eval asks a stage without a backward for one).
+    if SCHEDULES[p.pp_schedule] == 2 and cfg.trainer.eval_interval:
         raise ConfigError(
-            "parallel.pp_schedule",
-            f"{p.pp_schedule} is not supported yet (its weight-gradient pass needs each stage a module of its own)",
-            "use 1F1B, GPipe, Interleaved1F1B or LoopedBFS",
+            "trainer.eval_interval",
+            f"eval through {p.pp_schedule} is not supported yet (torch's V schedules have no forward-only pass)",
+            "use trainer.eval_interval=0, or parallel.pp_schedule=InterleavedZeroBubble",
         )
-    looped = SCHEDULES[p.pp_schedule] == "looped"
-    if (p.pp_stages_per_rank < 2) if looped else (p.pp_stages_per_rank != 1):
-        runs = "several stages" if looped else "one stage"
+    per_rank = SCHEDULES[p.pp_schedule]
+    if (p.pp_stages_per_rank < 2) if per_rank == "looped" else (p.pp_stages_per_rank != per_rank):
+        runs, fix = {
+            1: ("one stage", "use 1, or parallel.pp_schedule=Interleaved1F1B"),
+            2: ("exactly 2 stages (a V)", "use 2"),
+            "looped": ("several stages", "use 2 or more"),
+        }[per_rank]
         raise ConfigError(
-            "parallel.pp_stages_per_rank",
-            f"{p.pp_stages_per_rank} with {p.pp_schedule}, which runs {runs} a rank",
-            "use 2 or more" if looped else "use 1, or parallel.pp_schedule=Interleaved1F1B",
+            "parallel.pp_stages_per_rank", f"{p.pp_stages_per_rank} with {p.pp_schedule}, which runs {runs} a rank", fix
         )
     strategy = Strategy(cfg.sharding.strategy)
     refused = [
@@ -128,7 +131,7 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
         # several stages a rank, a stage's first block may be neither.
         (
             "parallel.sequence_parallel",
-            looped and p.tp > 1 and sequence_parallel(p),
+            per_rank != 1 and p.tp > 1 and sequence_parallel(p),
             f"with {p.pp_schedule}'s several stages a rank is not supported yet",
         ),
         ("parallel.cp", p.cp > 1, "context parallel with pipeline parallel is not supported yet"),
@@ -166,12 +169,18 @@ def _check_pipeline_micro_batches(p: DictConfig, micro: int) -> None:
             f"{micro} micro-batches a step are fewer than the pipeline's {p.pp} ranks",
             "use a smaller micro_batch_size or a larger global_batch_size",
         )
-    rounds = max(1, micro // p.pp)  # torch's Interleaved1F1B runs the micro-batches in rounds of equal size
-    if p.pp_schedule == "Interleaved1F1B" and micro % rounds:
+    rounds = max(1, micro // p.pp)  # torch's interleaved schedules run the micro-batches in rounds of equal size
+    if p.pp_schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and micro % rounds:
         raise ConfigError(
             "trainer.micro_batch_size",
-            f"{micro} micro-batches a step do not divide into Interleaved1F1B's {rounds} rounds",
+            f"{micro} micro-batches a step do not divide into {p.pp_schedule}'s {rounds} rounds",
             f"use a multiple of {p.pp} micro-batches a step",
+        )
+    if p.pp_schedule == "DualPipeV" and micro < 2 * p.pp:
+        raise ConfigError(
+            "trainer.micro_batch_size",
+            f"{micro} micro-batches a step are fewer than DualPipeV's {2 * p.pp} stages",
+            "use a smaller micro_batch_size or a larger global_batch_size",
         )
 
 

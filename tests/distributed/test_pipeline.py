@@ -1,9 +1,11 @@
 """Pipeline parallel (parallel.pp) against the single-process reference built from what we did not write
 (tests/helpers/reference.py: transformers' from_pretrained of the same initial weights, torch.optim.AdamW): the same
 per-step losses and gradient norms, and the final checkpoint's weights (every stage's, read back by torch's DCP
-reader), with pp=2 by 1F1B, GPipe and Interleaved1F1B on 2 ranks and pp=2 x dp_shard=2 and pp=2 x tp=2 on 4, for
-llama and qwen2 (q/k/v biases), on llama LoopedBFS, activation checkpointing and hsdp, and qwen2 with tied embeddings
-(one weight on the first and last stage). A pp=2 checkpoint resumes at pp=1 and exports (`fsdp-research export`) as
+reader), with pp=2 by 1F1B, GPipe, Interleaved1F1B, InterleavedZeroBubble and ZBVZeroBubble on 2 ranks and
+pp=2 x dp_shard=2 and pp=2 x tp=2 on 4, for llama and qwen2 (q/k/v biases), on llama LoopedBFS, DualPipeV, the
+zero-bubble schedules with dp and tp, activation checkpointing and hsdp, and qwen2 with tied embeddings (one weight on
+the first and last stage, on one rank in a V) by 1F1B and the three zero-bubble schedules. 4 layers: a V's 4 stages
+of 6 units give each rank a layer. A pp=2 checkpoint resumes at pp=1 and exports (`fsdp-research export`) as
 the reference's weights; the mesh and the whole model are printed; packed documents stay apart on every stage; what
 is not supported yet is one line before any compute."""
 
@@ -26,12 +28,20 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 FAMILIES = ("llama", "qwen2")
 PP = BASE
 INTERLEAVED = ["parallel.pp=2", "parallel.pp_stages_per_rank=2", "trainer.micro_batch_size=1"]
+IZB = [*INTERLEAVED, "parallel.pp_schedule=InterleavedZeroBubble"]
+# A V: stages 0 and 3 on rank 0, 1 and 2 on rank 1 (torch's V schedules run no eval: FAST has none).
+ZBV = [*INTERLEAVED, "parallel.pp_schedule=ZBVZeroBubble"]
+DUALPIPEV = [*INTERLEAVED, "parallel.pp_schedule=DualPipeV"]
 RUNS = {
     2: {
         "pp2": ["parallel.pp=2", "trainer.eval_interval=2"],
         "pp2-gpipe": ["parallel.pp=2", "parallel.pp_schedule=GPipe"],
         # 2 stages a rank (4 in all: the embedding, each layer, the head), 4 micro-batches in 2 rounds.
         "pp2-interleaved": [*INTERLEAVED, "parallel.pp_schedule=Interleaved1F1B"],
+        # The zero-bubble ones: weight gradients apart from input gradients (FSDP's reduction deferred to the end).
+        # Its eval of the same samples as pp2's (eval_batches x micro_batch_size).
+        "pp2-izb": [*IZB, "trainer.eval_interval=2", "trainer.eval_batches=8"],
+        "pp2-zbv": ZBV,
     },
     # One sample a micro-batch: each pipeline's 2 samples of the step are 2 micro-batches, one per stage.
     4: {"pp2xdp2": ["parallel.pp=2", "trainer.micro_batch_size=1"], "pp2xtp2": ["parallel.pp=2", "parallel.tp=2"]},
@@ -49,19 +59,29 @@ KNOBS = {
         "pp2+ac": ["parallel.pp=2", "activation_checkpointing=every_block"],
         "pp2+init": ["parallel.pp=2", "model.load_weights=false"],
         "pp2-loopedbfs": [*INTERLEAVED, "parallel.pp_schedule=LoopedBFS"],
+        "pp2-dualpipev": DUALPIPEV,
     },
-    4: {"pp2+hsdp": ["parallel.pp=2", "sharding=hsdp", "sharding.replicate=2", "trainer.micro_batch_size=1"]},
+    4: {
+        "pp2+hsdp": ["parallel.pp=2", "sharding=hsdp", "sharding.replicate=2", "trainer.micro_batch_size=1"],
+        "pp2xdp2-zbv": ZBV,
+        # Sequence parallel with several stages a rank is refused.
+        "pp2xtp2-izb": [*IZB, "parallel.tp=2", "parallel.sequence_parallel=false"],
+    },
 }
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return trained_with_references(tmp_path_factory.mktemp("pp"), FAMILIES, PP, RUNS, KNOBS, "llama")
+    out = tmp_path_factory.mktemp("pp")
+    return trained_with_references(out, FAMILIES, PP, RUNS, KNOBS, "llama", num_hidden_layers=4)
 
 
 CASES = [(f, n, w) for w in sorted(RUNS) for f in FAMILIES for n in RUNS[w]] + [
     ("llama", "pp2+ac", 2),
     ("llama", "pp2-loopedbfs", 2),
+    ("llama", "pp2-dualpipev", 2),
+    ("llama", "pp2xdp2-zbv", 4),
+    ("llama", "pp2xtp2-izb", 4),
 ]
 
 
@@ -84,6 +104,11 @@ def test_losses_norms_and_weights_match_the_single_process_reference(results, fa
     assert_export_matches(run_dir / "export", ref_weights)  # each stage's tensors written by its own ranks
 
 
+# Tied: the embedding's and the head's gradients summed between the end ranks (1F1B, InterleavedZeroBubble), or one
+# parameter on rank 0, which holds both ends of a V.
+TIED = {"pp2": [], "pp2-izb": IZB, "pp2-zbv": ZBV, "pp2-dualpipev": DUALPIPEV}
+
+
 @pytest.fixture(scope="module")
 def tied(tmp_path_factory):
     """qwen2 with tie_word_embeddings (as Qwen2.5's small models): the reference, and pp=2 on 2 ranks."""
@@ -94,29 +119,32 @@ def tied(tmp_path_factory):
     from tests.helpers.zoo import hf_config
 
     out = tmp_path_factory.mktemp("tied")
-    initial = save_initial(hf_config("qwen2", tie_word_embeddings=True), str(out / "initial"))
+    initial = save_initial(hf_config("qwen2", tie_word_embeddings=True, num_hidden_layers=4), str(out / "initial"))
     base, norms = loading(PP, initial), []
-    runs = train_distributed({"pp2": compose(base + ["parallel.pp=2"])}, 2, str(out))  # first: it builds the store
+    # First: it builds the store.
+    runs = train_distributed({n: compose(base + ["parallel.pp=2", *o]) for n, o in TIED.items()}, 2, str(out))
     losses, weights = reference_run(compose(base), initial, norms=norms)
-    return out, (losses, weights, norms), ok(runs, "pp2")
+    return out, (losses, weights, norms), runs
 
 
-def test_tied_embeddings_are_one_weight_across_the_end_stages(tied, tmp_path):
+@pytest.mark.parametrize("name", TIED)
+def test_tied_embeddings_are_one_weight_across_the_end_stages(tied, name, tmp_path):
     """The embedding on the first stage and the head on the last hold one weight: its gradient summed between them,
     counted once in the norm; losses, norms and the exported weights (one tensor, as save_pretrained writes a tied
     model) as the reference's."""
     from fsdp_research.cli.export import main as export
     from fsdp_research.metrics.sinks import read_records
 
-    out, (losses, weights, norms), run = tied
-    torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
-    logged = [r["grad_norm"] for r in read_records(str(out / "pp2")) if "grad_norm" in r]
+    out, (losses, weights, norms), runs = tied
+    torch.testing.assert_close(torch.tensor(ok(runs, name)["losses"]), torch.tensor(losses), rtol=1e-5, atol=0)
+    logged = [r["grad_norm"] for r in read_records(str(out / name)) if "grad_norm" in r]
     torch.testing.assert_close(torch.tensor(logged), torch.tensor(norms), rtol=1e-5, atol=0)
-    saved = load_checkpoint_weights(str(out / "pp2" / "checkpoints" / "step_4"))
+    saved = load_checkpoint_weights(str(out / name / "checkpoints" / "step_4"))
     assert torch.equal(saved["model.embed_tokens.weight"], saved["lm_head.weight"])
-    assert export([str(out / "pp2"), str(tmp_path / "hf")]) == 0
-    assert_export_matches(tmp_path / "hf", weights)
-    assert_export_matches(out / "pp2" / "export", weights)  # the run's own: the tied weight from the first stage
+    assert_export_matches(out / name / "export", weights)  # the run's own: the tied weight from the first stage
+    if name == "pp2":
+        assert export([str(out / name), str(tmp_path / "hf")]) == 0
+        assert_export_matches(tmp_path / "hf", weights)
 
 
 def test_packed_documents_are_kept_apart_on_every_stage(results):
@@ -147,6 +175,7 @@ def test_eval_through_the_pipeline_is_the_1_rank_eval(results, family):
     out, *_ = results
     staged = _evals(out, 2, family, "pp2")
     assert list(staged) == [2, 4]
+    assert _evals(out, 2, family, "pp2-izb") == pytest.approx(staged, rel=1e-5)
     if family == "llama":
         assert staged == pytest.approx(_evals(out, 1, "llama", "eval"), rel=1e-5)
         packed = _evals(out, 2, "llama", "pp2+docmask")
@@ -208,7 +237,14 @@ def test_split_points_place_the_stages_where_they_say(points, layers):
         (
             2,
             ["parallel.pp=2", "parallel.pp_schedule=ZBVZeroBubble"],
-            "parallel.pp_schedule: ZBVZeroBubble is not supported",
+            "parallel.pp_stages_per_rank: 1 with ZBVZeroBubble, which runs exactly 2 stages (a V) a rank",
+        ),
+        (2, [*ZBV, "trainer.eval_interval=2"], "trainer.eval_interval: eval through ZBVZeroBubble is not supported"),
+        (2, [*DUALPIPEV, "trainer.global_batch_size=2"], "2 micro-batches a step are fewer than DualPipeV's 4 stages"),
+        (
+            4,
+            [*ZBV, "parallel.tp=2", "trainer.global_batch_size=8"],
+            "parallel.sequence_parallel: with ZBVZeroBubble's several stages a rank",
         ),
         (
             2,

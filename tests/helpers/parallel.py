@@ -62,16 +62,18 @@ def loading(base: list[str], initial: str) -> list[str]:
     return base + ["model=pretrained", f"model.name_or_path={initial}"]
 
 
-def train_families(out, families, base: list[str], runs: dict, knobs: dict, knob_family: str) -> tuple[dict, dict]:
-    """Each family's initial weights (transformers' from_config, save_pretrained), then on each world size (one group
-    of processes) every family with each of runs[world]'s overrides and knob_family with knobs[world]'s; returns
-    ({family: its initial dir}, {"<family>/<name>": losses and final weights}), run dirs
-    <out>/w<world>/<family>/<name>."""
+def train_families(
+    out, families, base: list[str], runs: dict, knobs: dict, knob_family: str, **changes
+) -> tuple[dict, dict]:
+    """Each family's initial weights (transformers' from_config with `changes` to its config, save_pretrained),
+    then on each world size (one group of processes) every family with each of runs[world]'s overrides and
+    knob_family with knobs[world]'s; returns ({family: its initial dir}, {"<family>/<name>": losses and final
+    weights}), run dirs <out>/w<world>/<family>/<name>."""
     from tests.helpers.dist import train_distributed
     from tests.helpers.reference import save_initial
     from tests.helpers.zoo import hf_config
 
-    initials = {f: save_initial(hf_config(f), str(out / "initial" / f)) for f in families}
+    initials = {f: save_initial(hf_config(f, **changes), str(out / "initial" / f)) for f in families}
     done = {}
     for world in sorted({*runs, *knobs}):
         named = {
@@ -89,12 +91,12 @@ def train_families(out, families, base: list[str], runs: dict, knobs: dict, knob
     return initials, done
 
 
-def trained_with_references(out, families, base: list[str], runs: dict, knobs: dict, knob_family: str):
+def trained_with_references(out, families, base: list[str], runs: dict, knobs: dict, knob_family: str, **changes):
     """train_families, then each family's single-process reference (losses, final weights, gradient norms): returns
     (out, initials, runs, {family: (losses, weights, norms)})."""
     from tests.helpers.reference import reference_run
 
-    initials, done = train_families(out, families, base, runs, knobs, knob_family)
+    initials, done = train_families(out, families, base, runs, knobs, knob_family, **changes)
     norms = {f: [] for f in families}
     references = {
         f: (*reference_run(compose(loading(base, initials[f])), initials[f], norms=norms[f]), norms[f])
