@@ -7,8 +7,8 @@ train.py ...`, alternated, each run's median step after the first few), at the s
   dp_mod_ep=2 and ep=4 against FSDP alone.
 - `cp` (run it with --seq-len 4096): llama_mid on 2 ranks, each sequence split over cp=2 against dp_shard=2 (each
   rank a whole sequence), a sequence per micro-batch, 2 a step.
-- `pp`: llama_mid on 2 ranks, its layers split over pp=2 stages (1F1B, then GPipe) against dp_shard=2; rank 0's
-  peak is the first stage's.
+- `pp`: llama_mid on 2 ranks, its layers split over pp=2 stages (1F1B, GPipe, InterleavedZeroBubble and ZBV with
+  2 stages a rank) against dp_shard=2; rank 0's peak is the first stage's (ZBV's: the first and the last).
 
     .venv/bin/python bench/parallel.py [--suite tp|ep|cp|pp] [--steps 12] [--repeats 2] [--seq-len 256] [overrides ...]
 """
@@ -34,6 +34,8 @@ MOE = [
     "model.config.num_key_value_heads=4", "model.config.max_position_embeddings=1024",
 ]  # fmt: skip
 BATCH = ["trainer.global_batch_size=16", "trainer.micro_batch_size=4"]
+# Two stages a rank (the looped and V schedules).
+LOOPED = ["parallel.pp=2", "parallel.pp_stages_per_rank=2"]
 BATCH_CP = ["trainer.global_batch_size=2", "trainer.micro_batch_size=1"]
 # suite -> (model and batch overrides, description, {ranks: {case: overrides}}); the first case of each world is the
 # baseline.
@@ -70,6 +72,8 @@ SUITES = {
                 "dp_shard 2": [],
                 "pp 2 (1F1B)": ["parallel.pp=2"],
                 "pp 2 (GPipe)": ["parallel.pp=2", "parallel.pp_schedule=GPipe"],
+                "pp 2 (InterleavedZeroBubble)": [*LOOPED, "parallel.pp_schedule=InterleavedZeroBubble"],
+                "pp 2 (ZBVZeroBubble)": [*LOOPED, "parallel.pp_schedule=ZBVZeroBubble"],
             }
         },
     ),

@@ -168,6 +168,27 @@ BREAKS: list[Break] = [
         ("tests/distributed/test_pipeline.py::test_tied_embeddings_are_one_weight_across_the_end_stages",),
     ),
     Break(
+        "pp_step_stats",
+        "Pipeline.run",
+        "self._stats = self._stats[-self.micro_steps :]",
+        "pass",
+        ("tests/distributed/test_pipeline.py::test_a_step_s_stats_are_its_micro_batches_as_at_1_rank",),
+    ),
+    Break(
+        "zb_deferred_reduction",
+        "Pipeline.run",
+        "with deferred_reduction(self._model) if self.zero_bubble else contextlib.nullcontext():",
+        "with contextlib.nullcontext():",
+        ("tests/distributed/test_pipeline.py::test_tied_embeddings_are_one_weight_across_the_end_stages",),
+    ),
+    Break(
+        "zb_fp32_accumulation",
+        "WeightPassStage.backward_weight_one_chunk",
+        "for param in self.params:",
+        "for param in []:",
+        ("tests/distributed/test_pipeline.py::test_the_weight_pass_sums_bf16_gradients_in_fp32",),
+    ),
+    Break(
         "pp_norm_over_stages",
         "reduce_squares",
         'dist.all_reduce(whole, group=root.get_group("pp"))',

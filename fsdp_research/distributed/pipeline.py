@@ -34,7 +34,7 @@ SCHEDULES = {
     "DualPipeV": 2,
 }
 # Their weight-gradient pass (torch's stage_backward_weight) runs after the input-gradient pass, apart from autograd's
-# hooks: FSDP's reduction is deferred to the step's end (Pipeline._deferred_reduction).
+# hooks: FSDP's reduction is deferred to the step's end (deferred_reduction).
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 # Families whose forward is split-tested (tests/distributed/test_pipeline.py): the base model does nothing to
 # inputs_embeds before its layers and the causal LM nothing to the head's output (Gemma scales the embeddings, its
@@ -242,13 +242,37 @@ def deferred_reduction(model: FSDPModule) -> Iterator[None]:
     with kept_gathered(model):
         model.set_reshard_after_backward(False)
         model.set_requires_gradient_sync(False)
-        yield
-        model.set_reshard_after_backward(True)
-        model.set_requires_gradient_sync(True)
+        try:
+            yield
+        finally:
+            model.set_reshard_after_backward(True)
+            model.set_requires_gradient_sync(True)
         for each in state._state_ctx.all_states:
             for group in each._fsdp_param_groups:
                 group.post_backward()
         state._root_post_backward_final_callback()
+
+
+def fsdp_params(model: nn.Module) -> list:
+    """FSDP's records of the model's parameters (each unit's groups')."""
+    groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
+    return [p for g in groups for p in g.fsdp_params]
+
+
+class WeightPassStage(PipelineStage):
+    """torch's stage, whose weight pass (the zero-bubble schedules', after FSDP's post-backward has run) moves the
+    gradients it wrote into FSDP's accumulator of the reduce dtype, as that post-backward does: micro-batches summed
+    in fp32 under bf16 parameters, not in bf16."""
+
+    def __init__(self, *args, params: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.params = params
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False):
+        super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
+        for param in self.params:
+            param.accumulate_unsharded_grad_if_needed()
+            param.to_accumulated_grad_if_needed()
 
 
 LossOf = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -285,7 +309,8 @@ class Pipeline:
         # One stage: the model itself (an FSDP module: the schedule reduces its gradients after the last
         # micro-batch); several: a view of it for each.
         parts = [model] if len(held) == 1 else [StageView(model, i) for i in held]
-        built = [PipelineStage(part, i, stages, device, group=self.group) for part, i in zip(parts, held)]
+        params = fsdp_params(model)
+        built = [WeightPassStage(p, i, stages, device, group=self.group, params=params) for p, i in zip(parts, held)]
         schedule = get_schedule_class(parallel.pp_schedule)
         self._schedule = schedule(
             built if SCHEDULES[parallel.pp_schedule] != 1 else built[0],
@@ -315,6 +340,9 @@ class Pipeline:
             self._schedule.step(*args, **target, **kwargs, return_outputs=False)
         if self.shared is not None:  # the embedding's gradient on the first stage, the head's on the last: the sum
             dist.all_reduce(self.shared.grad.to_local(), group=self.ends)
+        # torch calls the loss once more before a step's micro-batches, to learn its shapes (the first step's, and
+        # the first after an eval): only the micro-batches' stats.
+        self._stats = self._stats[-self.micro_steps :]
         # From the CPU: an object broadcast pickles tensors with their device.
         loss_sum = torch.stack(losses).sum().detach().cpu() if self.last else None
         shared = [(loss_sum, [{k: v.cpu() for k, v in s.items()} for s in self._stats])]

@@ -60,12 +60,13 @@ def actions(schedule: str, pp: int, micro_steps: int, stages_per_rank: int) -> l
     ]
 
 
-def _held(order: list[Action]) -> int:
+def _held(order: list[Action], released: tuple[str, ...] = ("B", "W")) -> int:
     """The most micro-batch stages whose activations are held at once (forward done, backward not; an input pass
-    keeps the graph for its weight pass: torch's stage_backward_input retains it)."""
+    keeps the graph for its weight pass: torch's stage_backward_input retains it), or with `released` ("B", "I")
+    their losses (the input pass detaches the loss: its logits go)."""
     held = top = 0
     for a in order:
-        held += 1 if a.kind == "F" else -1 if a.kind in ("B", "W") else 0
+        held += 1 if a.kind == "F" else -1 if a.kind in released else 0
         top = max(top, held)
     return top
 
@@ -106,5 +107,5 @@ def _bubble(ranks: list[list[Action]]) -> float:
 def pipeline_shape(schedule: str, pp: int, micro_steps: int, stages_per_rank: int) -> PipelineShape:
     ranks = actions(schedule, pp, micro_steps, stages_per_rank)
     last = max(a.stage for order in ranks for a in order)
-    losses = max(_held([a for a in order if a.stage == last]) for order in ranks)
+    losses = max(_held([a for a in order if a.stage == last], ("B", "I")) for order in ranks)
     return PipelineShape(tuple(_held(order) / stages_per_rank for order in ranks), losses, _bubble(ranks))

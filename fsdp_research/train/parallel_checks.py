@@ -9,7 +9,7 @@ from fsdp_research.config.schema import Strategy
 from fsdp_research.data.pipeline import packed
 from fsdp_research.distributed.context_parallel import check_cp
 from fsdp_research.distributed.expert_parallel import check_ep
-from fsdp_research.distributed.pipeline import SCHEDULES
+from fsdp_research.distributed.pipeline import SCHEDULES, ZERO_BUBBLE
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.distributed.tensor_parallel import check_divisible, sequence_parallel, tp_plan
@@ -108,13 +108,6 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
         )
     if p.pp_schedule not in SCHEDULES:
         raise ConfigError("parallel.pp_schedule", f"{p.pp_schedule!r} is unknown", f"use one of {', '.join(SCHEDULES)}")
-    # torch 2.13's V schedules cannot run forwards alone (their eval asks a stage without a backward for one).
-    if SCHEDULES[p.pp_schedule] == 2 and cfg.trainer.eval_interval:
-        raise ConfigError(
-            "trainer.eval_interval",
-            f"eval through {p.pp_schedule} is not supported yet (torch's V schedules have no forward-only pass)",
-            "use trainer.eval_interval=0, or parallel.pp_schedule=InterleavedZeroBubble",
-        )
     per_rank = SCHEDULES[p.pp_schedule]
     if (p.pp_stages_per_rank < 2) if per_rank == "looped" else (p.pp_stages_per_rank != per_rank):
         runs, fix = {
@@ -124,6 +117,21 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
         }[per_rank]
         raise ConfigError(
             "parallel.pp_stages_per_rank", f"{p.pp_stages_per_rank} with {p.pp_schedule}, which runs {runs} a rank", fix
+        )
+    # torch 2.13's V schedules cannot run forwards alone (their eval asks a stage without a backward for one).
+    if SCHEDULES[p.pp_schedule] == 2 and cfg.trainer.eval_interval:
+        raise ConfigError(
+            "trainer.eval_interval",
+            f"eval through {p.pp_schedule} is not supported yet (torch's V schedules have no forward-only pass)",
+            "use trainer.eval_interval=0, or parallel.pp_schedule=InterleavedZeroBubble",
+        )
+    # Their weight pass is a second backward through a block, which recomputes it: selective checkpointing refuses.
+    if p.pp_schedule in ZERO_BUBBLE and cfg.activation_checkpointing.mode == "selective":
+        raise ConfigError(
+            "activation_checkpointing",
+            f"selective checkpointing with {p.pp_schedule} is not supported (its weight pass backs through a block "
+            "a second time)",
+            "use activation_checkpointing=every_block, or parallel.pp_schedule=Interleaved1F1B",
         )
     strategy = Strategy(cfg.sharding.strategy)
     refused = [
@@ -176,7 +184,7 @@ def _check_pipeline_micro_batches(p: DictConfig, micro: int) -> None:
             f"{micro} micro-batches a step do not divide into {p.pp_schedule}'s {rounds} rounds",
             f"use a multiple of {p.pp} micro-batches a step",
         )
-    if p.pp_schedule == "DualPipeV" and micro < 2 * p.pp:
+    if p.pp_schedule == "DualPipeV" and 0 < micro < 2 * p.pp:
         raise ConfigError(
             "trainer.micro_batch_size",
             f"{micro} micro-batches a step are fewer than DualPipeV's {2 * p.pp} stages",

@@ -53,6 +53,7 @@ KNOBS = {
         "docmask": ["data.document_masking=true", "trainer.eval_interval=2"],
         "init": ["model.load_weights=false"],
         "eval": ["trainer.eval_interval=2"],
+        "zloss": ["loss.z_loss=0.01", "trainer.eval_interval=2"],
     },
     2: {
         "pp2+docmask": ["parallel.pp=2", "data.document_masking=true", "trainer.eval_interval=2"],
@@ -60,9 +61,20 @@ KNOBS = {
         "pp2+init": ["parallel.pp=2", "model.load_weights=false"],
         "pp2-loopedbfs": [*INTERLEAVED, "parallel.pp_schedule=LoopedBFS"],
         "pp2-dualpipev": DUALPIPEV,
+        # A block recomputed in the input pass and again in the weight pass.
+        "pp2-zbv+ac": [*ZBV, "activation_checkpointing=every_block"],
+        # The logged stats: each step's micro-batches' (torch calls the loss once more to learn its shapes).
+        "pp2+zloss": ["parallel.pp=2", "loss.z_loss=0.01", "trainer.eval_interval=2"],
+        # bf16 parameters, fp32 reduction: torch's FSDP stage (1F1B) sums micro-batches' gradients in fp32.
+        "pp2-bf16": ["parallel.pp=2", "precision=bf16", "trainer.micro_batch_size=1"],
+        "pp2-zbv-bf16": [*ZBV, "precision=bf16"],
     },
     4: {
         "pp2+hsdp": ["parallel.pp=2", "sharding=hsdp", "sharding.replicate=2", "trainer.micro_batch_size=1"],
+        # Each schedule with FSDP over 2 ranks a stage (2 micro-batches a rank: DualPipeV would need 4).
+        "pp2xdp2-gpipe": ["parallel.pp=2", "parallel.pp_schedule=GPipe", "trainer.micro_batch_size=1"],
+        "pp2xdp2-interleaved": [*INTERLEAVED, "parallel.pp_schedule=Interleaved1F1B"],
+        "pp2xdp2-izb": IZB,
         "pp2xdp2-zbv": ZBV,
         # Sequence parallel with several stages a rank is refused.
         "pp2xtp2-izb": [*IZB, "parallel.tp=2", "parallel.sequence_parallel=false"],
@@ -80,6 +92,10 @@ CASES = [(f, n, w) for w in sorted(RUNS) for f in FAMILIES for n in RUNS[w]] + [
     ("llama", "pp2+ac", 2),
     ("llama", "pp2-loopedbfs", 2),
     ("llama", "pp2-dualpipev", 2),
+    ("llama", "pp2-zbv+ac", 2),
+    ("llama", "pp2xdp2-gpipe", 4),
+    ("llama", "pp2xdp2-interleaved", 4),
+    ("llama", "pp2xdp2-izb", 4),
     ("llama", "pp2xdp2-zbv", 4),
     ("llama", "pp2xtp2-izb", 4),
 ]
@@ -182,6 +198,25 @@ def test_eval_through_the_pipeline_is_the_1_rank_eval(results, family):
         assert list(packed) == [2, 4] and packed == pytest.approx(_evals(out, 1, "llama", "docmask"), rel=1e-5)
 
 
+def test_a_step_s_stats_are_its_micro_batches_as_at_1_rank(results):
+    """The z-loss logged each step (the first, and the first after an eval, included) as 1 rank logs it."""
+    from fsdp_research.metrics.sinks import read_records
+
+    out, *_ = results
+    logged = [
+        [r["z_loss"] for r in read_records(str(out / f"w{world}" / "llama" / name)) if "z_loss" in r]
+        for world, name in ((1, "zloss"), (2, "pp2+zloss"))
+    ]
+    assert len(logged[0]) == 4 and logged[1] == pytest.approx(logged[0], rel=1e-5)
+
+
+def test_the_weight_pass_sums_bf16_gradients_in_fp32(results):
+    """Under bf16 parameters, ZBV's weight passes (after FSDP's post-backward) leave their gradients in FSDP's fp32
+    accumulator: the losses of torch's own FSDP stage by 1F1B (a sum in bf16 moves them by 1e-5)."""
+    _, _, runs, _ = results
+    assert ok(runs, "llama/pp2-zbv-bf16")["losses"] == pytest.approx(ok(runs, "llama/pp2-bf16")["losses"], rel=1e-6)
+
+
 def test_a_stage_is_initialised_as_the_whole_model(results):
     """From the config alone (model.load_weights=false): each stage's weights as the whole model's on 1 rank."""
     _, _, runs, _ = results
@@ -240,6 +275,11 @@ def test_split_points_place_the_stages_where_they_say(points, layers):
             "parallel.pp_stages_per_rank: 1 with ZBVZeroBubble, which runs exactly 2 stages (a V) a rank",
         ),
         (2, [*ZBV, "trainer.eval_interval=2"], "trainer.eval_interval: eval through ZBVZeroBubble is not supported"),
+        (
+            2,
+            [*ZBV, "activation_checkpointing=selective"],
+            "activation_checkpointing: selective checkpointing with ZBVZeroBubble is not supported",
+        ),
         (2, [*DUALPIPEV, "trainer.global_batch_size=2"], "2 micro-batches a step are fewer than DualPipeV's 4 stages"),
         (
             4,

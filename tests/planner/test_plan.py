@@ -274,21 +274,47 @@ def test_pipeline_bubble_and_micro_batches_in_flight_as_the_papers_count_them(sc
             assert shape.in_flight[0] == pytest.approx(pp * (1 + (pp - 1) / (stages_per_rank * pp)))
 
 
-@pytest.mark.parametrize(("schedule", "stages_per_rank"), [("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2)])
+def test_zero_bubble_schedules_wait_least():
+    """The zero-bubble schedules (weight gradients apart, filling the waits) below Interleaved1F1B's bubble, which is
+    below 1F1B's, read from torch's action lists (DualPipeV's overlapped forward and backward one after the other);
+    their activations held until the weight pass: every rank's peak pp micro-batches' worth of its layers, 1F1B's
+    first rank's (ZB-V's claim, Qi et al. 2024), its loss's logits until the input pass (one at a time)."""
+    for pp, m in ((2, 4), (4, 8)):
+        bubble = {s: pipeline_shape(s, pp, m, 1 if s == "1F1B" else 2).bubble for s in ("1F1B", "Interleaved1F1B")}
+        for schedule in ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV"):
+            shape = pipeline_shape(schedule, pp, m, 2)
+            assert shape.bubble < bubble["Interleaved1F1B"] < bubble["1F1B"]
+            assert shape.losses == 1
+            if schedule != "DualPipeV":  # its overlapped pairs hold one more forward's, half the layers' worth
+                assert shape.in_flight == (pp,) * pp
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages_per_rank"),
+    [("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)],
+)
 def test_pipeline_ranks_are_planned_by_their_stages(schedule, stages_per_rank):
     """Tied embeddings at pp 2 (the first stage keeps the head's weight for its passthrough, the last the
-    embedding): the first rank embeds, the last holds the head and the loss, by the stages each holds. One stage a
-    rank: torch's schedule accumulates its gradients unsharded to the last micro-batch; several (views of one
-    module): FSDP reduces after each. GPipe's last stage holds every micro-batch's loss, 1F1B's one."""
+    embedding): the first rank embeds, the last holds the head and the loss, by the stages each holds (a V holds
+    both ends on the first rank). One stage a rank: torch's schedule accumulates its gradients unsharded to the last
+    micro-batch; several (views of one module): FSDP reduces after each; the zero-bubble schedules keep every unit
+    gathered and its gradients unsharded over the step. GPipe's last stage holds every micro-batch's loss, 1F1B's
+    one."""
     cfg = compose(
         ["model.config.tie_word_embeddings=true", "parallel.pp=2", "trainer.micro_batch_size=2"]
         + [f"parallel.pp_schedule={schedule}", f"parallel.pp_stages_per_rank={stages_per_rank}"]
     )
     first, last = summary_for(cfg, 0), summary_for(cfg, 1)
-    assert (first.embeds_here, first.loss_here, last.embeds_here, last.loss_here) == (True, False, False, True)
-    assert first.head_flops_per_token == 0 < last.head_flops_per_token
-    run = run_settings(cfg, 4, "cpu", 1)
-    assert run.defer_grad_sync == (stages_per_rank == 1)
+    v = schedule == "ZBVZeroBubble"
+    assert (first.embeds_here, first.loss_here, last.embeds_here, last.loss_here) == (True, v, False, not v)
+    assert (first.head_flops_per_token > 0) == v and (last.head_flops_per_token > 0) != v
+    run, zero_bubble = run_settings(cfg, 4, "cpu", 1), "ZeroBubble" in schedule
+    assert run.defer_grad_sync == (stages_per_rank == 1 or zero_bubble)
+    assert (
+        all(not u.reshard_after_forward for u in last.units)
+        if zero_bubble
+        else any(u.reshard_after_forward for u in last.units)
+    )
     assert run.losses == (run.micro_steps if schedule == "GPipe" else 1)
 
 
