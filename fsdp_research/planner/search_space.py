@@ -60,13 +60,13 @@ def shardings(world: int, per_node: int, pp: int) -> Iterator[dict[str, Any]]:
 
 def pp_sizes(cfg: DictConfig, hf_config, world: int) -> list[int]:
     """The pp sizes worth searching: dividing the world, for a family split-tested for stages, on a config pipeline
-    parallel takes (train.parallel_checks refuses LoRA, CPU offload, compile, callbacks, loss scaling, anomaly
-    checks, samples and the chunked loss with it; a test holds every pick to those checks). A split the model's
-    layers refuse (check_split) is left out when its stages are built."""
+    parallel takes (train.parallel_checks refuses LoRA, CPU offload, callbacks, loss scaling, anomaly checks,
+    samples and the chunked loss with it, and compile with the zero-bubble schedules, which --fit does not search;
+    a test holds every pick to those checks). A split the model's layers refuse (check_split) is left out when its
+    stages are built."""
     refused = (
         lora_enabled(cfg.model.lora),
         cfg.sharding.cpu_offload,
-        cfg.trainer.compile,
         bool(cfg.callbacks),
         cfg.precision.loss_scaling,
         cfg.trainer.detect_anomaly,

@@ -58,6 +58,8 @@ KNOBS = {
     2: {
         "pp2+docmask": ["parallel.pp=2", "data.document_masking=true", "trainer.eval_interval=2"],
         "pp2+ac": ["parallel.pp=2", "activation_checkpointing=every_block"],
+        # Each stage's blocks' forwards compiled, as without pp.
+        "pp2+compile": ["parallel.pp=2", "trainer.compile=true"],
         "pp2+init": ["parallel.pp=2", "model.load_weights=false"],
         "pp2-loopedbfs": [*INTERLEAVED, "parallel.pp_schedule=LoopedBFS"],
         "pp2-dualpipev": DUALPIPEV,
@@ -90,6 +92,7 @@ def results(tmp_path_factory):
 
 CASES = [(f, n, w) for w in sorted(RUNS) for f in FAMILIES for n in RUNS[w]] + [
     ("llama", "pp2+ac", 2),
+    ("llama", "pp2+compile", 2),
     ("llama", "pp2-loopedbfs", 2),
     ("llama", "pp2-dualpipev", 2),
     ("llama", "pp2-zbv+ac", 2),
@@ -275,6 +278,7 @@ def test_split_points_place_the_stages_where_they_say(points, layers):
             "parallel.pp_stages_per_rank: 1 with ZBVZeroBubble, which runs exactly 2 stages (a V) a rank",
         ),
         (2, [*ZBV, "trainer.eval_interval=2"], "trainer.eval_interval: eval through ZBVZeroBubble is not supported"),
+        (2, [*IZB, "trainer.compile=true"], "trainer.compile: torch.compile with InterleavedZeroBubble is not"),
         (
             2,
             [*ZBV, "activation_checkpointing=selective"],
