@@ -168,7 +168,7 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config, 
 
     # The zero-bubble schedules keep every unit gathered over the step (pipeline.deferred_reduction).
     gathered = cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in ZERO_BUBBLE
-    flags = {u.path: u.reshard_after_forward and not gathered for u in plan.units}
+    flags = {u.path: False if gathered else u.reshard_after_forward for u in plan.units}
     units = tuple(
         UnitSize(
             p,
