@@ -73,9 +73,11 @@ KNOBS = {
     },
     4: {
         "pp2+hsdp": ["parallel.pp=2", "sharding=hsdp", "sharding.replicate=2", "trainer.micro_batch_size=1"],
-        # Each schedule with FSDP over 2 ranks a stage (2 micro-batches a rank: DualPipeV would need 4).
+        # Each schedule with FSDP over 2 ranks a stage (2 micro-batches a rank; DualPipeV's 4 at global batch 8).
         "pp2xdp2-gpipe": ["parallel.pp=2", "parallel.pp_schedule=GPipe", "trainer.micro_batch_size=1"],
         "pp2xdp2-interleaved": [*INTERLEAVED, "parallel.pp_schedule=Interleaved1F1B"],
+        "pp2xdp2-loopedbfs": [*INTERLEAVED, "parallel.pp_schedule=LoopedBFS"],
+        "pp2xdp2-dualpipev": [*DUALPIPEV, "trainer.global_batch_size=8"],
         "pp2xdp2-izb": IZB,
         "pp2xdp2-zbv": ZBV,
         # Sequence parallel with several stages a rank is refused.
@@ -98,6 +100,7 @@ CASES = [(f, n, w) for w in sorted(RUNS) for f in FAMILIES for n in RUNS[w]] + [
     ("llama", "pp2-zbv+ac", 2),
     ("llama", "pp2xdp2-gpipe", 4),
     ("llama", "pp2xdp2-interleaved", 4),
+    ("llama", "pp2xdp2-loopedbfs", 4),
     ("llama", "pp2xdp2-izb", 4),
     ("llama", "pp2xdp2-zbv", 4),
     ("llama", "pp2xtp2-izb", 4),
@@ -126,6 +129,27 @@ def test_losses_norms_and_weights_match_the_single_process_reference(results, fa
 # Tied: the embedding's and the head's gradients summed between the end ranks (1F1B, InterleavedZeroBubble), or one
 # parameter on rank 0, which holds both ends of a V.
 TIED = {"pp2": [], "pp2-izb": IZB, "pp2-zbv": ZBV, "pp2-dualpipev": DUALPIPEV}
+
+
+def test_dualpipev_with_fsdp_over_2_ranks_a_stage(results):
+    """DualPipeV needs 2 pp micro-batches a rank: pp=2 x dp_shard=2 at global batch 8, against the reference at 8
+    (losses and norms 1e-5, its export)."""
+    from fsdp_research.jobs.compose import compose
+    from fsdp_research.metrics.sinks import read_records
+    from tests.helpers.parallel import loading
+    from tests.helpers.reference import reference_run
+
+    out, initials, runs, _ = results
+    norms = []
+    eight = compose(loading(PP, initials["llama"]) + ["trainer.global_batch_size=8"])
+    losses, weights = reference_run(eight, initials["llama"], norms=norms)
+    run_dir = out / "w4" / "llama" / "pp2xdp2-dualpipev"
+    torch.testing.assert_close(
+        torch.tensor(ok(runs, "llama/pp2xdp2-dualpipev")["losses"]), torch.tensor(losses), rtol=1e-5, atol=0
+    )
+    logged = [r["grad_norm"] for r in read_records(str(run_dir)) if "grad_norm" in r]
+    torch.testing.assert_close(torch.tensor(logged), torch.tensor(norms), rtol=1e-5, atol=0)
+    assert_export_matches(run_dir / "export", weights)
 
 
 @pytest.fixture(scope="module")
