@@ -19,7 +19,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import get_schedule_class
 
 from fsdp_research.distributed.mesh import Mesh
-from fsdp_research.distributed.sharding import kept_gathered
+from fsdp_research.distributed.sharding import fsdp_groups, kept_gathered
 from fsdp_research.distributed.step_layout import Layout
 from fsdp_research.errors import ConfigError
 
@@ -247,16 +247,9 @@ def deferred_reduction(model: FSDPModule) -> Iterator[None]:
         finally:
             model.set_reshard_after_backward(True)
             model.set_requires_gradient_sync(True)
-        for each in state._state_ctx.all_states:
-            for group in each._fsdp_param_groups:
-                group.post_backward()
+        for group in fsdp_groups(model):
+            group.post_backward()
         state._root_post_backward_final_callback()
-
-
-def fsdp_params(model: nn.Module) -> list:
-    """FSDP's records of the model's parameters (each unit's groups')."""
-    groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
-    return [p for g in groups for p in g.fsdp_params]
 
 
 class WeightPassStage(PipelineStage):
@@ -309,7 +302,7 @@ class Pipeline:
         # One stage: the model itself (an FSDP module: the schedule reduces its gradients after the last
         # micro-batch); several: a view of it for each.
         parts = [model] if len(held) == 1 else [StageView(model, i) for i in held]
-        params = fsdp_params(model)
+        params = [p for g in fsdp_groups(model) for p in g.fsdp_params]
         built = [WeightPassStage(p, i, stages, device, group=self.group, params=params) for p, i in zip(parts, held)]
         schedule = get_schedule_class(parallel.pp_schedule)
         self._schedule = schedule(

@@ -56,13 +56,18 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
+def fsdp_groups(model: nn.Module) -> list:
+    """FSDP's parameter groups of every unit of the model."""
+    return [g for m in model.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
+
+
 @contextlib.contextmanager
 def kept_gathered(model: nn.Module) -> Iterator[None]:
     """Every unit keeps its parameters gathered after each forward within (a generation's forwards, a token each:
     gathered once, not at every token, as TRL's ds3_gather_for_generation), then all are sharded again, each unit's
     reshard_after_forward as it was. Enter it after the model's first forward (FSDP's lazy init sets the root's)."""
     # FSDP2's public set_reshard_after_forward takes a bool only: a unit's k (reshard to groups of k) is kept so.
-    groups = [g for m in model.modules() if isinstance(m, FSDPModule) for g in m._get_fsdp_state()._fsdp_param_groups]
+    groups = fsdp_groups(model)
     # A unit resharded to groups of k after that forward gathers from its k-group, which it finds by the info set
     # to None here: sharded fully first.
     reshard(model)
