@@ -36,6 +36,13 @@ SCHEDULES = {
 # Their weight-gradient pass (torch's stage_backward_weight) runs after the input-gradient pass, apart from autograd's
 # hooks: FSDP's reduction is deferred to the step's end (deferred_reduction).
 ZERO_BUBBLE = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def zero_bubble(parallel) -> bool:
+    """Whether the parallel section's pipeline runs a zero-bubble schedule."""
+    return parallel.pp > 1 and parallel.pp_schedule in ZERO_BUBBLE
+
+
 # Families whose forward is split-tested (tests/distributed/test_pipeline.py): the base model does nothing to
 # inputs_embeds before its layers and the causal LM nothing to the head's output (Gemma scales the embeddings, its
 # second version caps the logits: a stage in between would be changed by them).
@@ -210,8 +217,11 @@ def split_stages(model: nn.Module, parallel, pp_rank: int) -> None:
 
     model.register_forward_pre_hook(inputs, with_kwargs=True)
     # A stage before the last returns the hidden states as sliced by the family's head (a view): the zero-bubble
-    # schedules detach a stage's output in place.
-    model.register_forward_hook(lambda module, args, out: out.logits.clone() if out.logits._is_view() else out.logits)
+    # schedules detach a stage's output in place (copied for them alone).
+    copied = zero_bubble(parallel)
+    model.register_forward_hook(
+        lambda module, args, out: out.logits.clone() if copied and out.logits._is_view() else out.logits
+    )
 
 
 class StageView(nn.Module):
@@ -312,7 +322,7 @@ class Pipeline:
             scale_grads=False,
         )
         model.pipeline = self  # what eval finds of it (pipeline_of)
-        self._model, self.zero_bubble = model, parallel.pp_schedule in ZERO_BUBBLE
+        self._model, self.zero_bubble = model, zero_bubble(parallel)
         self._loss_of: LossOf | None = None
         self._stats: list[dict[str, torch.Tensor]] = []
 

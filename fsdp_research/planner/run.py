@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from fsdp_research.callbacks.footprint import Declared, PlannedGeneration, declared_state
 from fsdp_research.config.targets import kwargs_of, resolve
-from fsdp_research.distributed.pipeline import ZERO_BUBBLE
+from fsdp_research.distributed.pipeline import zero_bubble
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.planner.pipeline import pipeline_shape
@@ -91,9 +91,7 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
         # torch's schedules reduce an FSDP module's gradients after its last micro-batch only, unsharded until then
         # (the zero-bubble ones: the rank's model, pipeline.deferred_reduction); several stages a rank are views of
         # one module, which FSDP reduces after each micro-batch's backward.
-        defer_grad_sync=(p.pp_stages_per_rank == 1 or p.pp_schedule in ZERO_BUBBLE)
-        if steps.pp > 1
-        else cfg.trainer.defer_grad_sync,
+        defer_grad_sync=(p.pp_stages_per_rank == 1 or zero_bubble(p)) if steps.pp > 1 else cfg.trainer.defer_grad_sync,
         cpu_offload=cfg.sharding.cpu_offload,
         foreach=device_type == "cuda" and not cfg.sharding.cpu_offload,
         prefetch_forward=cfg.sharding.prefetch_forward,

@@ -16,7 +16,7 @@ from fsdp_research.config.schema import CheckpointMode, Strategy
 from fsdp_research.config.targets import kwargs_of, resolve
 from fsdp_research.distributed.expert_parallel import fused_experts, split_experts
 from fsdp_research.distributed.names import clean_name
-from fsdp_research.distributed.pipeline import ZERO_BUBBLE, stages_of
+from fsdp_research.distributed.pipeline import stages_of, zero_bubble
 from fsdp_research.distributed.precision import dtypes, kept_in_fp32, parse_dtype
 from fsdp_research.distributed.sharding import ShardingPlan, build_plan, owner
 from fsdp_research.distributed.tensor_parallel import sequence_parallel, tp_plan
@@ -167,7 +167,7 @@ def summarize(cfg: DictConfig, model: nn.Module, plan: ShardingPlan, hf_config, 
         return next((i for i, b in enumerate(plan.blocks) if name == b or name.startswith(b + ".")), None)
 
     # The zero-bubble schedules keep every unit gathered over the step (pipeline.deferred_reduction).
-    gathered = cfg.parallel.pp > 1 and cfg.parallel.pp_schedule in ZERO_BUBBLE
+    gathered = zero_bubble(cfg.parallel)
     flags = {u.path: False if gathered else u.reshard_after_forward for u in plan.units}
     units = tuple(
         UnitSize(

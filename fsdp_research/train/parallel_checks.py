@@ -9,7 +9,7 @@ from fsdp_research.config.schema import Strategy
 from fsdp_research.data.pipeline import packed
 from fsdp_research.distributed.context_parallel import check_cp
 from fsdp_research.distributed.expert_parallel import check_ep
-from fsdp_research.distributed.pipeline import SCHEDULES, ZERO_BUBBLE
+from fsdp_research.distributed.pipeline import SCHEDULES, zero_bubble
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.distributed.tensor_parallel import check_divisible, sequence_parallel, tp_plan
@@ -108,46 +108,14 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
         )
     if p.pp_schedule not in SCHEDULES:
         raise ConfigError("parallel.pp_schedule", f"{p.pp_schedule!r} is unknown", f"use one of {', '.join(SCHEDULES)}")
-    per_rank = SCHEDULES[p.pp_schedule]
-    if (p.pp_stages_per_rank < 2) if per_rank == "looped" else (p.pp_stages_per_rank != per_rank):
-        runs, fix = {
-            1: ("one stage", "use 1, or parallel.pp_schedule=Interleaved1F1B"),
-            2: ("exactly 2 stages (a V)", "use 2"),
-            "looped": ("several stages", "use 2 or more"),
-        }[per_rank]
-        raise ConfigError(
-            "parallel.pp_stages_per_rank", f"{p.pp_stages_per_rank} with {p.pp_schedule}, which runs {runs} a rank", fix
-        )
-    # torch 2.13's V schedules cannot run forwards alone (their eval asks a stage without a backward for one).
-    if SCHEDULES[p.pp_schedule] == 2 and cfg.trainer.eval_interval:
-        raise ConfigError(
-            "trainer.eval_interval",
-            f"eval through {p.pp_schedule} is not supported yet (torch's V schedules have no forward-only pass)",
-            "use trainer.eval_interval=0, or parallel.pp_schedule=InterleavedZeroBubble",
-        )
-    # torch refuses them with compiled stage modules; the blocks' compiled forwards here slip past its check.
-    if p.pp_schedule in ZERO_BUBBLE and cfg.trainer.compile:
-        raise ConfigError(
-            "trainer.compile",
-            f"torch.compile with {p.pp_schedule} is not supported (torch's zero-bubble schedules refuse compiled "
-            "stages)",
-            "use trainer.compile=false, or parallel.pp_schedule=1F1B",
-        )
-    # Their weight pass is a second backward through a block, which recomputes it: selective checkpointing refuses.
-    if p.pp_schedule in ZERO_BUBBLE and cfg.activation_checkpointing.mode == "selective":
-        raise ConfigError(
-            "activation_checkpointing",
-            f"selective checkpointing with {p.pp_schedule} is not supported (its weight pass backs through a block "
-            "a second time)",
-            "use activation_checkpointing=every_block, or parallel.pp_schedule=Interleaved1F1B",
-        )
+    _check_pipeline_schedule(cfg)
     strategy = Strategy(cfg.sharding.strategy)
     refused = [
         # Sequence parallel splits the residual stream at the rank's first block and gathers it at its last: with
         # several stages a rank, a stage's first block may be neither.
         (
             "parallel.sequence_parallel",
-            per_rank != 1 and p.tp > 1 and sequence_parallel(p),
+            SCHEDULES[p.pp_schedule] != 1 and p.tp > 1 and sequence_parallel(p),
             f"with {p.pp_schedule}'s several stages a rank is not supported yet",
         ),
         ("parallel.cp", p.cp > 1, "context parallel with pipeline parallel is not supported yet"),
@@ -174,6 +142,45 @@ def check_pipeline_parallel(cfg: DictConfig, world_size: int) -> None:
             "trainer.sample_prompts", "samples through the pipeline are not supported yet", "leave it unset"
         )
     _check_pipeline_micro_batches(p, layout(cfg, world_size).micro_steps)
+
+
+def _check_pipeline_schedule(cfg: DictConfig) -> None:
+    """The schedule's stages a rank, and what it does not take (eval through a V; compile and selective
+    checkpointing with the zero-bubble ones)."""
+    p = cfg.parallel
+    per_rank = SCHEDULES[p.pp_schedule]
+    if (p.pp_stages_per_rank < 2) if per_rank == "looped" else (p.pp_stages_per_rank != per_rank):
+        runs, fix = {
+            1: ("one stage", "use 1, or parallel.pp_schedule=Interleaved1F1B"),
+            2: ("exactly 2 stages (a V)", "use 2"),
+            "looped": ("several stages", "use 2 or more"),
+        }[per_rank]
+        raise ConfigError(
+            "parallel.pp_stages_per_rank", f"{p.pp_stages_per_rank} with {p.pp_schedule}, which runs {runs} a rank", fix
+        )
+    # torch 2.13's V schedules cannot run forwards alone (their eval asks a stage without a backward for one).
+    if per_rank == 2 and cfg.trainer.eval_interval:
+        raise ConfigError(
+            "trainer.eval_interval",
+            f"eval through {p.pp_schedule} is not supported yet (torch's V schedules have no forward-only pass)",
+            "use trainer.eval_interval=0, or parallel.pp_schedule=InterleavedZeroBubble",
+        )
+    # torch refuses them with compiled stage modules; the blocks' compiled forwards here slip past its check.
+    if zero_bubble(p) and cfg.trainer.compile:
+        raise ConfigError(
+            "trainer.compile",
+            f"torch.compile with {p.pp_schedule} is not supported (torch's zero-bubble schedules refuse compiled "
+            "stages)",
+            "use trainer.compile=false, or parallel.pp_schedule=1F1B",
+        )
+    # Their weight pass is a second backward through a block, which recomputes it: selective checkpointing refuses.
+    if zero_bubble(p) and cfg.activation_checkpointing.mode == "selective":
+        raise ConfigError(
+            "activation_checkpointing",
+            f"selective checkpointing with {p.pp_schedule} is not supported (its weight pass backs through a block "
+            "a second time)",
+            "use activation_checkpointing=every_block, or parallel.pp_schedule=Interleaved1F1B",
+        )
 
 
 def _check_pipeline_micro_batches(p: DictConfig, micro: int) -> None:

@@ -31,6 +31,7 @@ from fsdp_research.callbacks.ema import EMA
 from fsdp_research.cli.common import checked_config
 from fsdp_research.cli.plan import main
 from fsdp_research.config.sizes import parse_size
+from fsdp_research.distributed.pipeline import ZERO_BUBBLE
 from fsdp_research.distributed.sharding import local_shard
 from fsdp_research.jobs.compose import compose
 from fsdp_research.metrics.hardware import (
@@ -308,7 +309,7 @@ def test_pipeline_ranks_are_planned_by_their_stages(schedule, stages_per_rank):
     v = schedule == "ZBVZeroBubble"
     assert (first.embeds_here, first.loss_here, last.embeds_here, last.loss_here) == (True, v, False, not v)
     assert (first.head_flops_per_token > 0) == v and (last.head_flops_per_token > 0) != v
-    run, zero_bubble = run_settings(cfg, 4, "cpu", 1), "ZeroBubble" in schedule
+    run, zero_bubble = run_settings(cfg, 4, "cpu", 1), schedule in ZERO_BUBBLE
     assert run.defer_grad_sync == (stages_per_rank == 1 or zero_bubble)
     assert (
         all(not u.reshard_after_forward for u in last.units)
