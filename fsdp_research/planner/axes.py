@@ -1,13 +1,18 @@
 """The parallel axes beside FSDP's sharding, as the planner prices them, one object each: what an axis's ranks
 receive in a step, how long that holds compute up (its collectives stand between a block's operations: nothing
-hides them), and how the plan names it. The memory an axis saves is in the per-rank shapes and tokens summary.py
-reads (a tp rank's part of each split Linear, an ep rank's experts, a cp rank's tokens). A new axis is one class
-here and its entry in AXES."""
+hides them), what it adds to the memory of a step's moments, and how the plan names it. The memory an axis saves is
+in the per-rank shapes and tokens summary.py reads (a tp rank's part of each split Linear, an ep rank's experts, a
+cp rank's tokens, a pipeline rank's stages). A new axis is one class here and its entry in AXES."""
 
 from typing import Protocol
 
+from fsdp_research.planner.activations import residual_bytes
+from fsdp_research.planner.phases import Phases
 from fsdp_research.planner.run import Run
 from fsdp_research.planner.summary import ModelSummary
+
+# A step's moments where memory can peak: (name, bytes by part) (planner.memory).
+Moments = list[tuple[str, dict[str, int]]]
 
 
 class Links(Protocol):
@@ -39,6 +44,11 @@ class Axis:
     def describe(self, m: ModelSummary, run: Run) -> str:
         """Its part of the plan's layout line ("" when it is off)."""
         return ""
+
+    def moments(self, moments: Moments, m: ModelSummary, run: Run, deferred: int, phases: Phases) -> Moments:
+        """The step's moments with what the axis holds besides the per-rank shapes (`deferred`: the earlier
+        micro-batches' gradients the moments hold unsharded)."""
+        return moments
 
 
 class TensorParallel(Axis):
@@ -105,4 +115,50 @@ class ContextParallel(Axis):
         return f", cp {run.cp} ({run.tokens // run.micro_batch} tokens of each sequence a rank)" if run.cp > 1 else ""
 
 
-AXES = (TensorParallel(), ExpertParallel(), ContextParallel())
+class PipelineParallel(Axis):
+    """Per micro-batch, each of a rank's stages receives the hidden states of the stage before it in forward and their
+    gradient from the stage after it in backward (point-to-point, the residual stream's bytes), from another rank of
+    the pp group (a V's two middle stages meet on one rank: no transfer), and waits for them. The schedule's bubble
+    is the step's (planner.timing), its held micro-batches this rank's memory (`moments`)."""
+
+    row = "pipeline parallel (stage boundaries, pp group)"
+
+    def received(self, m: ModelSummary, run: Run) -> float:
+        return run.micro_steps * run.pp_receives * run.tokens * residual_bytes(m, run.compute_bytes)
+
+    def blocking(self, m: ModelSummary, run: Run, hw: Links, received: int) -> float:
+        # pp is the mesh's outermost axis: a pp group's ranks are world / pp apart, on one node while the world is.
+        return received / link_bps(hw, run.world_size) + run.micro_steps * run.pp_receives * hw.latency_s
+
+    def moments(self, moments: Moments, m: ModelSummary, run: Run, deferred: int, phases: Phases) -> Moments:
+        """The micro-batches in flight on this rank's stages hold their activations (`phases.saved` each, beside
+        the one a moment is of; on the last stage, the norm's and log-probabilities of each loss it holds), a stage
+        after the first the hidden states it received for each, and makes their gradient to send back. With one
+        stage a rank, torch's schedules reduce the stage's gradients and reshard it after its last micro-batch's
+        backward only (run.defer_grad_sync, not run.reshard_after_backward): until then a unit stays gathered from
+        its backward to the next micro-batch's forward (the end of a backward holds every unit and the last one's
+        all-gather buffer), its gradients accumulate unsharded (`deferred`, in the reduce dtype; each unit's new
+        ones in the compute dtype beside them at its reduction where the two differ) and none is sharded yet."""
+        if run.pp == 1:
+            return moments
+        e, units = run.compute_bytes, [*m.units, m.root]
+        held = int((run.in_flight - 1) * phases.saved)
+        if m.loss_here:
+            held += (run.losses - 1) * (phases.backward_start - phases.saved)
+        received = 0 if m.embeds_here else int(residual_bytes(m, e) * run.tokens)
+        new_grads = e * max(u.trained().numel for u in units) if e != run.reduce_bytes else 0
+        for name, parts in moments:
+            if name == "the root's gradient reduction":  # every micro-batch's backward is done
+                continue
+            parts["activations"] = parts.get("activations", 0) + held + int(run.in_flight * received)
+            parts["temporaries"] = parts.get("temporaries", 0) + received
+            if run.defer_grad_sync:
+                parts.update(grads=0, unsharded_grads=deferred + (new_grads if name.endswith("(reduction)") else 0))
+        if not run.defer_grad_sync:
+            return moments
+        whole = e * (sum(u.numel for u in units) + max(u.numel for u in units))
+        last_gather = dict(moments[-1][1], activations=held, temporaries=0, gathered=whole, grads=0)
+        return [*moments, ("the last unit's all-gather in backward", dict(last_gather, unsharded_grads=deferred))]
+
+
+AXES = (TensorParallel(), ExpertParallel(), ContextParallel(), PipelineParallel())

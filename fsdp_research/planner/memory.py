@@ -39,7 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fsdp_research.config.schema import Strategy
-from fsdp_research.planner.activations import FP32, residual_bytes
+from fsdp_research.planner.activations import FP32
+from fsdp_research.planner.axes import AXES
 from fsdp_research.planner.generation import generation_moments
 from fsdp_research.planner.optimizer import step_temporaries
 from fsdp_research.planner.phases import Phases, step_phases
@@ -104,8 +105,9 @@ def _fsdp_backward(
         prefetch = sum(u.numel for u in ahead if u.reshard_after_forward is not False)
         # FSDP2 keeps the previous unit's reduce-scatter input until this unit's reduction starts.
         previous = units[j + 1].trained().numel if j is not None and j + 1 < len(units) else 0
-        # Pipeline parallel: the units behind stay gathered until the last micro-batch's backward is done.
-        done = sum(u.numel for u in units[j + 1 :]) if run.pp > 1 and run.defer_grad_sync and j is not None else 0
+        # Not resharded after backward (a pipeline's schedule): the units behind stay gathered until the last
+        # micro-batch's backward is done.
+        done = sum(u.numel for u in units[j + 1 :]) if not run.reshard_after_backward and j is not None else 0
         # The root's gradients stay unsharded until its reduction at the very end of backward; the input
         # embedding's is computed last.
         root_grads = (
@@ -246,45 +248,14 @@ def _fsdp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> li
             ),
         )
     )
-    if run.pp > 1:
-        moments = _pipelined(moments, m, run, deferred, phases)
+    for axis in AXES:
+        moments = axis.moments(moments, m, run, deferred, phases)
     moments.append(("optimizer step", dict(state(0), grads=grad_shards, temporaries=step_temporaries(m, trained, run))))
     moments += generation_moments(m, run, dict(state(0), grads=0), resident(len(units)))
     if run.cpu_offload:  # the callbacks' copies of the parameters are made where the parameters live
         for _, parts in moments:
             parts["host"] = sum(parts.pop(k) for k in ("params", "optimizer", "grads", "callbacks"))
     return moments
-
-
-def _pipelined(
-    moments: list[tuple[str, dict[str, int]]], m: ModelSummary, run: Run, deferred: int, phases: Phases
-) -> list[tuple[str, dict[str, int]]]:
-    """Pipeline parallel. The micro-batches in flight on this rank's stages hold their activations (`phases.saved`
-    each, beside the one a moment is of; on the last stage, the norm's and log-probabilities of each loss it holds),
-    a stage after the first the hidden states it received for each, and makes their gradient to send back. With one
-    stage a rank, torch's schedules reduce the stage's gradients and reshard it after its last micro-batch's backward
-    only (run.defer_grad_sync): until then a unit stays gathered from its backward to the next micro-batch's forward
-    (_fsdp_backward's `done`; the end of a backward holds every unit and the last one's all-gather buffer), its
-    gradients accumulate unsharded (`deferred`, in the reduce dtype; each unit's new ones in the compute dtype beside
-    them at its reduction where the two differ) and none is sharded yet."""
-    e, units = run.compute_bytes, [*m.units, m.root]
-    held = int((run.in_flight - 1) * phases.saved)
-    if m.loss_here:
-        held += (run.losses - 1) * (phases.backward_start - phases.saved)
-    received = 0 if m.embeds_here else int(residual_bytes(m, e) * run.tokens)
-    new_grads = e * max(u.trained().numel for u in units) if e != run.reduce_bytes else 0
-    for name, parts in moments:
-        if name == "the root's gradient reduction":  # every micro-batch's backward is done
-            continue
-        parts["activations"] = parts.get("activations", 0) + held + int(run.in_flight * received)
-        parts["temporaries"] = parts.get("temporaries", 0) + received
-        if run.defer_grad_sync:
-            parts.update(grads=0, unsharded_grads=deferred + (new_grads if name.endswith("(reduction)") else 0))
-    if not run.defer_grad_sync:
-        return moments
-    whole = e * (sum(u.numel for u in units) + max(u.numel for u in units))
-    last_gather = dict(moments[-1][1], activations=held, temporaries=0, gathered=whole, grads=0)
-    return [*moments, ("the last unit's all-gather in backward", dict(last_gather, unsharded_grads=deferred))]
 
 
 def _ddp_moments(m: ModelSummary, run: Run, checkpointed: Sequence[bool]) -> list[tuple[str, dict[str, int]]]:

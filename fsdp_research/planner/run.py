@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 from fsdp_research.callbacks.footprint import Declared, PlannedGeneration, declared_state
 from fsdp_research.config.targets import kwargs_of, resolve
-from fsdp_research.distributed.pipeline import zero_bubble
+from fsdp_research.distributed.pipeline import stages_of, zero_bubble
 from fsdp_research.distributed.precision import dtypes
 from fsdp_research.distributed.step_layout import layout
 from fsdp_research.planner.pipeline import pipeline_shape
@@ -50,6 +50,11 @@ class Run:
     in_flight: float = 1.0
     losses: int = 1
     bubble: float = 0.0
+    # Hidden-state tensors a pipeline rank receives from the others per micro-batch: its stages' forward inputs from
+    # the stage before, their gradients from the stage after.
+    pp_receives: int = 0
+    # False where a pipeline's schedule keeps units gathered from one micro-batch's backward to the next's forward.
+    reshard_after_backward: bool = True
     # Positions of a sequence whose logits the loss takes (GRPO: its completion's); 0: every one.
     loss_positions: int = 0
     # fp32 tensors of those logits' shape the objective's loss holds at the end of forward besides the logits; None:
@@ -75,6 +80,10 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
     compute, reduce = dtypes(cfg.precision)
     p = cfg.parallel
     shape = pipeline_shape(p.pp_schedule, p.pp, steps.micro_steps, p.pp_stages_per_rank) if p.pp > 1 else None
+    # torch's schedules reduce an FSDP module's gradients after its last micro-batch only, unsharded until then (the
+    # zero-bubble ones: the rank's model, pipeline.deferred_reduction); several stages a rank are views of one
+    # module, which FSDP reduces after each micro-batch's backward.
+    scheduled = p.pp_stages_per_rank == 1 or zero_bubble(p)
     objective, declared = resolve(cfg.objective._target_, "objective._target_"), kwargs_of(cfg.objective)
     sequence = objective.planned_sequence(cfg.data.seq_len, **declared)
     return Run(
@@ -88,10 +97,7 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
         micro_batch=cfg.trainer.micro_batch_size,
         seq_len=sequence[0],
         micro_steps=steps.micro_steps,
-        # torch's schedules reduce an FSDP module's gradients after its last micro-batch only, unsharded until then
-        # (the zero-bubble ones: the rank's model, pipeline.deferred_reduction); several stages a rank are views of
-        # one module, which FSDP reduces after each micro-batch's backward.
-        defer_grad_sync=(p.pp_stages_per_rank == 1 or zero_bubble(p)) if steps.pp > 1 else cfg.trainer.defer_grad_sync,
+        defer_grad_sync=scheduled if steps.pp > 1 else cfg.trainer.defer_grad_sync,
         cpu_offload=cfg.sharding.cpu_offload,
         foreach=device_type == "cuda" and not cfg.sharding.cpu_offload,
         prefetch_forward=cfg.sharding.prefetch_forward,
@@ -105,7 +111,14 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
         in_flight=shape.in_flight[stage] if shape else 1.0,
         losses=shape.losses if shape else 1,
         bubble=shape.bubble if shape else 0.0,
+        pp_receives=_receives(*stages_of(stage, p)) if p.pp > 1 else 0,
+        reshard_after_backward=not (scheduled and p.pp > 1),
         loss_positions=sequence[1],
         loss_held=sequence[2],
         generation=objective.planned_generation(**declared),
     )
+
+
+def _receives(held: list[int], stages: int) -> int:
+    """A rank's stages' inputs and incoming gradients that come from another rank."""
+    return sum((s > 0 and s - 1 not in held) + (s < stages - 1 and s + 1 not in held) for s in held)

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
+from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_research.callbacks.ema import EMA
@@ -288,6 +289,34 @@ def test_zero_bubble_schedules_wait_least():
             assert shape.losses == 1
             if schedule != "DualPipeV":  # its overlapped pairs hold one more forward's, half the layers' worth
                 assert shape.in_flight == (pp,) * pp
+
+
+@pytest.mark.parametrize(
+    ("schedule", "stages_per_rank"),
+    [("1F1B", 1), ("GPipe", 1), ("LoopedBFS", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)],
+)
+def test_pipeline_ranks_receive_what_torchs_schedules_send_them(schedule, stages_per_rank):
+    """The pipeline's row of the traffic: per micro-batch, the receives torch's schedule runs on each rank (its
+    RECV_F and RECV_B actions, lowered by torch's own runtime; the single-stage schedules, which torch lowers only
+    with real stages: a middle stage receives its input and its output's gradient, an end one of them), each the
+    micro-batch's hidden states in the compute dtype; a V's two middle stages meet on one rank, no receive."""
+    pp, micro_steps = 4, 8
+    cfg = compose(
+        ["parallel.pp=4", f"parallel.pp_schedule={schedule}", f"parallel.pp_stages_per_rank={stages_per_rank}"]
+        + ["trainer.micro_batch_size=1", "trainer.global_batch_size=8", "model.config.num_hidden_layers=8"]
+    )
+    if stages_per_rank == 1:
+        expected = [1, 2, 2, 1]
+    else:
+        ops = get_schedule_ops(schedule, pp, micro_steps, stages_per_rank, with_comms=True)
+        kinds = [[o.computation_type.value for a in rank if a for o in (a.sub_actions or (a,))] for rank in ops]
+        expected = [sum(k in ("RECV_F", "RECV_B") for k in rank) / micro_steps for rank in kinds]
+    runs = [run_settings(cfg, pp, "cpu", stage) for stage in range(pp)]
+    assert [run.micro_steps for run in runs] == [micro_steps] * pp
+    assert [run.pp_receives for run in runs] == expected
+    hidden = cfg.model.config.hidden_size * 2  # bf16
+    received = traffic(summary_for(cfg, 1), runs[1]).axes[-1]
+    assert received == micro_steps * expected[1] * cfg.data.seq_len * hidden
 
 
 @pytest.mark.parametrize(
