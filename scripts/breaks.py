@@ -197,9 +197,9 @@ BREAKS: list[Break] = [
     ),
     Break(
         "grpo_clip_high",
-        "PolicyLoss.__call__",
-        "high = self.epsilon if self.epsilon_high is None else self.epsilon_high",
-        "high = self.epsilon",
+        "PolicyLoss.upper",
+        "return self.epsilon if self.epsilon_high is None else self.epsilon_high",
+        "return self.epsilon",
         # DAPO's clip-higher ignored: the ratios between 1.2 and 1.28 with a positive advantage are clipped.
         ("tests/train/test_grpo.py::test_each_loss_is_trl_s_and_so_are_its_gradients",),
     ),
@@ -230,7 +230,7 @@ BREAKS: list[Break] = [
     Break(
         "planner_grpo_sequence",
         "GRPO.planned_sequence",
-        "return seq_len + max_completion_length, max_completion_length + 1, 1",
+        "return seq_len + max_completion_length, max_completion_length + 1, 2",
         "return seq_len, seq_len, 0",
         # The update planned over the prompts alone: its activations a third of the tracker's.
         ("tests/planner/test_grpo_plan.py::test_generation_and_update_within_10_percent_of_the_tracker",),
