@@ -15,6 +15,8 @@ from tests.conftest import ROOT
 from tests.helpers.chats import chat_llama
 from tests.helpers.cli import finish, read_metrics, start
 
+pytestmark = pytest.mark.distributed  # train.py launches
+
 QUESTIONS = [f"What is {i} + {i % 7}?" for i in range(48)]
 
 

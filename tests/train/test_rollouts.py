@@ -135,6 +135,7 @@ def _on_two_ranks(model_dir: str) -> dict:
 
 
 @pytest.mark.slow  # 2 processes of their own
+@pytest.mark.distributed
 def test_two_fsdp_ranks_sample_what_one_process_does(model_dir):
     ids, real, keys = _prompts(model_dir)
     model = _model(model_dir)
