@@ -86,8 +86,8 @@ _beside: beside.Beside | None = None
 def pytest_collection_modifyitems(config, items):
     """The markers whole folders carry (before -m and -k choose): tests/slurm (a real cluster, many launches) and
     tests/census (every family) are slow and distributed (the census on pools of 1 and 2 ranks); tests/slurm is
-    slurm too. Then, of what was chosen, the
-    SLURM tests go to a pytest of their own beside this one, which runs the modules that leave a core idle first."""
+    slurm too. Then, of what was chosen, the SLURM tests go to a pytest of their own beside this one, which runs the
+    modules that leave a core idle first."""
     for item in items:
         parts = item.nodeid.split("/")
         if parts[1:2] == ["slurm"]:

@@ -196,4 +196,4 @@ def test_every_deliberate_break_still_finds_its_code():
     listed = subprocess.run(
         [sys.executable, os.path.join(ROOT, "scripts", "breaks.py"), "--list"], capture_output=True, text=True
     )
-    assert listed.returncode == 0, [line for line in listed.stdout.splitlines() if "REFUSED" in line]
+    assert listed.returncode == 0, [line for line in listed.stdout.splitlines() if "REFUSED" in line] + [listed.stderr]

@@ -6,7 +6,6 @@ cp rank's tokens, a pipeline rank's stages). A new axis is one class here and it
 
 from typing import Protocol
 
-from fsdp_research.planner.activations import residual_bytes
 from fsdp_research.planner.phases import Phases
 from fsdp_research.planner.run import Run
 from fsdp_research.planner.summary import ModelSummary
@@ -117,14 +116,15 @@ class ContextParallel(Axis):
 
 class PipelineParallel(Axis):
     """Per micro-batch, each of a rank's stages receives the hidden states of the stage before it in forward and their
-    gradient from the stage after it in backward (point-to-point, the residual stream's bytes), from another rank of
+    gradient from the stage after it in backward (point-to-point, whole), from another rank of
     the pp group (a V's two middle stages meet on one rank: no transfer), and waits for them. The schedule's bubble
     is the step's (planner.timing), its held micro-batches this rank's memory (`moments`)."""
 
     row = "pipeline parallel (stage boundaries, pp group)"
 
     def received(self, m: ModelSummary, run: Run) -> float:
-        return run.micro_steps * run.pp_receives * run.tokens * residual_bytes(m, run.compute_bytes)
+        # Whole hidden states also under sequence parallel: a stage's last block gathers its output.
+        return run.micro_steps * run.pp_receives * run.tokens * run.compute_bytes * m.hidden
 
     def blocking(self, m: ModelSummary, run: Run, hw: Links, received: int) -> float:
         # pp is the mesh's outermost axis: a pp group's ranks are world / pp apart, on one node while the world is.
@@ -145,7 +145,8 @@ class PipelineParallel(Axis):
         held = int((run.in_flight - 1) * phases.saved)
         if m.loss_here:
             held += (run.losses - 1) * (phases.backward_start - phases.saved)
-        received = 0 if m.embeds_here else int(residual_bytes(m, e) * run.tokens)
+        # Whole, as received (the stage before gathered it under sequence parallel).
+        received = 0 if m.embeds_here else e * m.hidden * run.tokens
         new_grads = e * max(u.trained().numel for u in units) if e != run.reduce_bytes else 0
         for name, parts in moments:
             if name == "the root's gradient reduction":  # every micro-batch's backward is done

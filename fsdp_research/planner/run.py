@@ -53,8 +53,6 @@ class Run:
     # Hidden-state tensors a pipeline rank receives from the others per micro-batch: its stages' forward inputs from
     # the stage before, their gradients from the stage after.
     pp_receives: int = 0
-    # False where a pipeline's schedule keeps units gathered from one micro-batch's backward to the next's forward.
-    reshard_after_backward: bool = True
     # Positions of a sequence whose logits the loss takes (GRPO: its completion's); 0: every one.
     loss_positions: int = 0
     # fp32 tensors of those logits' shape the objective's loss holds at the end of forward besides the logits; None:
@@ -62,6 +60,12 @@ class Run:
     loss_held: int | None = None
     # What a micro-batch's generation holds (GRPO's rollouts); None: the objective generates nothing.
     generation: PlannedGeneration | None = None
+
+    @property
+    def reshard_after_backward(self) -> bool:
+        """False where a pipeline's schedule defers the reduction (torch's turns FSDP's resharding after backward off
+        with it): units stay gathered from one micro-batch's backward to the next's forward."""
+        return not (self.pp > 1 and self.defer_grad_sync)
 
     @property
     def tokens(self) -> int:
@@ -79,7 +83,7 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
     steps = layout(cfg, world_size)
     compute, reduce = dtypes(cfg.precision)
     p = cfg.parallel
-    shape = pipeline_shape(p.pp_schedule, p.pp, steps.micro_steps, p.pp_stages_per_rank) if p.pp > 1 else None
+    shape = pipeline_shape(p.pp_schedule, p.pp, steps.micro_steps, p.pp_stages_per_rank) if steps.pp > 1 else None
     # torch's schedules reduce an FSDP module's gradients after its last micro-batch only, unsharded until then (the
     # zero-bubble ones: the rank's model, pipeline.deferred_reduction); several stages a rank are views of one
     # module, which FSDP reduces after each micro-batch's backward.
@@ -111,8 +115,7 @@ def run_settings(cfg: DictConfig, world_size: int, device_type: str, stage: int 
         in_flight=shape.in_flight[stage] if shape else 1.0,
         losses=shape.losses if shape else 1,
         bubble=shape.bubble if shape else 0.0,
-        pp_receives=_receives(*stages_of(stage, p)) if p.pp > 1 else 0,
-        reshard_after_backward=not (scheduled and p.pp > 1),
+        pp_receives=_receives(*stages_of(stage, p)) if steps.pp > 1 else 0,
         loss_positions=sequence[1],
         loss_held=sequence[2],
         generation=objective.planned_generation(**declared),

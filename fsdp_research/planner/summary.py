@@ -219,8 +219,10 @@ def _ends(parallel, model: nn.Module, d, stage: int) -> dict:
     """What the pipeline's ends hold, by the rank's stages (not by the modules left: with tied embeddings the first
     stage keeps the head's weight for its passthrough, the last the embedding): the token embedding on the first,
     the head, logits and loss on the last (both at pp = 1)."""
-    held, stages = stages_of(stage, parallel)
-    first, last = 0 in held, stages - 1 in held
+    first, last = True, True
+    if parallel.pp > 1:  # the schedule's name and stages a rank are read (and checked) only with stages
+        held, stages = stages_of(stage, parallel)
+        first, last = 0 in held, stages - 1 in held
     embedding = input_embedding(model)
     output = output_layer(model) if last else None
     tied = output is not None and embedding is not None and any(p is embedding.weight for p in output.parameters())

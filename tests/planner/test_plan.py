@@ -25,7 +25,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
-from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
 from torch.utils.flop_counter import FlopCounterMode
 
 from fsdp_research.callbacks.ema import EMA
@@ -293,18 +292,21 @@ def test_zero_bubble_schedules_wait_least():
 
 @pytest.mark.parametrize(
     ("schedule", "stages_per_rank"),
-    [("1F1B", 1), ("GPipe", 1), ("LoopedBFS", 2), ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)],
+    [("1F1B", 1), ("GPipe", 1), ("Interleaved1F1B", 2), ("LoopedBFS", 2)]
+    + [("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2), ("DualPipeV", 2)],
 )
 def test_pipeline_ranks_receive_what_torchs_schedules_send_them(schedule, stages_per_rank):
     """The pipeline's row of the traffic: per micro-batch, the receives torch's schedule runs on each rank (its
     RECV_F and RECV_B actions, lowered by torch's own runtime; the single-stage schedules, which torch lowers only
     with real stages: a middle stage receives its input and its output's gradient, an end one of them), each the
-    micro-batch's hidden states in the compute dtype; a V's two middle stages meet on one rank, no receive."""
+    micro-batch's hidden states in the compute dtype, whole under sequence parallel too (a stage's last block gathers
+    its output); a V's two middle stages meet on one rank, no receive."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
     pp, micro_steps = 4, 8
-    cfg = compose(
-        ["parallel.pp=4", f"parallel.pp_schedule={schedule}", f"parallel.pp_stages_per_rank={stages_per_rank}"]
-        + ["trainer.micro_batch_size=1", "trainer.global_batch_size=8", "model.config.num_hidden_layers=8"]
-    )
+    overrides = ["parallel.pp=4", f"parallel.pp_schedule={schedule}", f"parallel.pp_stages_per_rank={stages_per_rank}"]
+    overrides += ["trainer.micro_batch_size=1", "trainer.global_batch_size=8", "model.config.num_hidden_layers=8"]
+    cfg = compose(overrides)
     if stages_per_rank == 1:
         expected = [1, 2, 2, 1]
     else:
@@ -317,6 +319,9 @@ def test_pipeline_ranks_receive_what_torchs_schedules_send_them(schedule, stages
     hidden = cfg.model.config.hidden_size * 2  # bf16
     received = traffic(summary_for(cfg, 1), runs[1]).axes[-1]
     assert received == micro_steps * expected[1] * cfg.data.seq_len * hidden
+    if stages_per_rank == 1:  # tp 2 with sequence parallel (the default): each tp rank receives the whole
+        tp = compose([*overrides, "parallel.tp=2"])
+        assert traffic(summary_for(tp, 1), run_settings(tp, 2 * pp, "cpu", 1)).axes[-1] == received
 
 
 @pytest.mark.parametrize(
