@@ -326,9 +326,9 @@ def line_offsets(text: str) -> list[int]:
     return [0] + [i + 1 for i, c in enumerate(text) if c == "\n"]
 
 
-def locate(b: Break, root: Path) -> Site:
-    """The one place b's snippet is: inside the one definition named b.symbol. Raises Refused."""
-    matches = []
+def parsed(root: Path) -> list[tuple[Path, str, list[tuple[str, ast.AST]]]]:
+    """(path, text, its definitions) of every module a break may edit, as they are now."""
+    found = []
     for path in sources(root):
         text = path.read_text()
         try:
@@ -336,7 +336,15 @@ def locate(b: Break, root: Path) -> Site:
         except SyntaxError as err:
             print(f"warning: {path.relative_to(root)} does not parse ({err.msg}, line {err.lineno})", file=sys.stderr)
             continue
-        matches += [(path, text, node) for name, node in definitions(tree) if name == b.symbol]
+        found.append((path, text, definitions(tree)))
+    return found
+
+
+def locate(b: Break, root: Path, modules: list | None = None) -> Site:
+    """The one place b's snippet is: inside the one definition named b.symbol, in `modules` (parsed(root)'s; read
+    afresh when None: a break run edits and restores files). Raises Refused."""
+    modules = parsed(root) if modules is None else modules
+    matches = [(path, text, node) for path, text, defs in modules for name, node in defs if name == b.symbol]
     if len(matches) != 1:
         where = ", ".join(f"{p.relative_to(root)}:{n.lineno}" for p, _, n in matches)
         found = f"found {len(matches)} times ({where})" if matches else "found nowhere"
@@ -432,10 +440,10 @@ def report(status: str, b: Break, rel: str, seconds: float, output: str = "") ->
 
 
 def list_breaks(breaks: list[Break], root: Path) -> int:
-    bad = 0
+    bad, modules = 0, parsed(root)  # nothing is edited while listing: parsed once
     for b in breaks:
         try:
-            site = locate(b, root)
+            site = locate(b, root, modules)
             print(f"{b.name}  {b.symbol}  {site.path.relative_to(root)}:{site.line}  ({' '.join(b.targets)})")
         except Refused as err:
             bad += 1
