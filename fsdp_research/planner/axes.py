@@ -116,9 +116,9 @@ class ContextParallel(Axis):
 
 class PipelineParallel(Axis):
     """Per micro-batch, each of a rank's stages receives the hidden states of the stage before it in forward and their
-    gradient from the stage after it in backward (point-to-point, whole), from another rank of
-    the pp group (a V's two middle stages meet on one rank: no transfer), and waits for them. The schedule's bubble
-    is the step's (planner.timing), its held micro-batches this rank's memory (`moments`)."""
+    gradient from the stage after it in backward (point-to-point, whole), from another rank of the pp group (a V's
+    two middle stages meet on one rank: no transfer), and waits for them. The schedule's bubble is the step's
+    (planner.timing), its held micro-batches this rank's memory (`moments`)."""
 
     row = "pipeline parallel (stage boundaries, pp group)"
 
