@@ -12,7 +12,8 @@ import hydra  # noqa: E402
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from fsdp_research.distributed.processes import launch_env
+from fsdp_research.distributed import forkserver
+from fsdp_research.distributed.processes import device_for, launch_env
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import check_command_line, continue_run, register_configs
 
@@ -21,10 +22,12 @@ register_configs()
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    # Here, not at the top: a bad command line is refused before torch and transformers are imported.
+    env = launch_env()
+    if env is None and cfg.distributed.nproc_per_node > 1 and device_for(cfg.trainer.device, 0).type == "cpu":
+        forkserver.start()  # the workers' imports on another core, beside this process's own below
+    # Here, not at the top: a bad command line is refused before transformers is imported.
     from fsdp_research.jobs.launch import launch
 
-    env = launch_env()
     if env is None or env.rank == 0:
         print(f"run dir: {HydraConfig.get().runtime.output_dir}", flush=True)
     try:
@@ -39,6 +42,14 @@ def _refuse(err: ConfigError) -> None:
     sys.exit(2)
 
 
+def _command_line() -> None:
+    try:
+        check_command_line(sys.argv[1:])
+    except ConfigError as err:
+        _refuse(err)
+    main()
+
+
 if __name__ == "__main__":
     env = launch_env()
     if env is not None and env.rank != 0:
@@ -46,7 +57,7 @@ if __name__ == "__main__":
         # its own); the others are told rank 0's run dir once the process group exists.
         sys.argv += ["hydra.run.dir=."]
     try:
-        check_command_line(sys.argv[1:])
-    except ConfigError as err:
-        _refuse(err)
-    main()
+        _command_line()
+    except SystemExit as stop:
+        forkserver.exit_now(stop.code)
+    forkserver.exit_now(0)

@@ -19,6 +19,7 @@ from torch.multiprocessing import ProcessExitedException
 from fsdp_research.checkpoint.resume import checkpoints_in
 from fsdp_research.config.schema import typed
 from fsdp_research.data.tokenizer import resolve_tokenizer
+from fsdp_research.distributed import forkserver
 from fsdp_research.distributed.processes import dead_ranks, device_for, launch_env, members, spawn
 from fsdp_research.errors import AnomalyError, CheckpointError, ConfigError, RewardError
 from fsdp_research.jobs.sweep import sweep_value
@@ -145,7 +146,7 @@ def run_spawned(cfg: DictConfig, world_size: int, run_dir: str) -> None:
     ProcessExitedException when a worker fails (a bad config: exit code 2, said once on stderr). CPU workers are
     forked from a forkserver that imports the trainer once for all of them (CUDA cannot be forked: spawn)."""
     cpu = device_for(cfg.trainer.device, 0).type == "cpu"
-    preload = ("fsdp_research.jobs.launch",) if cpu else ()
+    preload = forkserver.PRELOAD if cpu else ()
     spawn(_spawned_worker, world_size, OmegaConf.to_container(cfg, resolve=True), run_dir, preload=preload)
 
 

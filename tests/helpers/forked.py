@@ -46,7 +46,8 @@ def _share_the_server(address: str, outputs: tuple[str, str], workers: str) -> N
     import torch.multiprocessing
 
     forkserver._forkserver._forkserver_address = address
-    forkserver._forkserver.ensure_running = resource_tracker.ensure_running
+    # multiprocessing's own calls and the app's early start (forkserver.start) alike
+    forkserver._forkserver.ensure_running = forkserver.ensure_running = resource_tracker.ensure_running
     start = torch.multiprocessing.start_processes
 
     def start_writing_here(fn, args=(), *rest, **kwargs):
