@@ -56,8 +56,4 @@ if __name__ == "__main__":
         # Under torchrun/srun every rank runs this file: only rank 0 makes the run dir (its timestamp is
         # its own); the others are told rank 0's run dir once the process group exists.
         sys.argv += ["hydra.run.dir=."]
-    try:
-        _command_line()
-    except SystemExit as stop:
-        forkserver.exit_now(stop.code)
-    forkserver.exit_now(0)
+    forkserver.run_and_exit(_command_line)

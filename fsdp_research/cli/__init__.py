@@ -4,6 +4,9 @@ parse_intermixed_args: its flags and the Hydra overrides go in any order."""
 
 import importlib
 import sys
+from typing import NoReturn
+
+from fsdp_research.distributed.forkserver import run_and_exit
 
 COMMANDS = {
     "plan": "memory and communication per rank of a config, without allocating the model",
@@ -16,6 +19,11 @@ COMMANDS = {
     "submit": "submit a file of override lines as one SLURM job array",
     "tokenize": "build the token stores of a data config ahead of training",
 }
+
+
+def run() -> NoReturn:
+    """The command line's entry (`fsdp-research`, `python -m fsdp_research`): main() in a process of its own."""
+    run_and_exit(main)
 
 
 def main(argv: list[str] | None = None) -> int:

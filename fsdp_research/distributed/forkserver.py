@@ -8,10 +8,9 @@ import atexit
 import os
 import signal
 import sys
+from collections.abc import Callable
 from multiprocessing import forkserver
 from typing import NoReturn
-
-import torch.multiprocessing as mp
 
 # What the workers run: the server imports it once, before its first fork.
 PRELOAD = ("fsdp_research.jobs.launch",)
@@ -19,7 +18,7 @@ PRELOAD = ("fsdp_research.jobs.launch",)
 
 def start(preload: tuple[str, ...] = PRELOAD) -> None:
     """The server, importing `preload`, unless it runs already; spawn(preload=...) forks from it."""
-    mp.set_forkserver_preload(list(preload))
+    forkserver.set_forkserver_preload(list(preload))
     forkserver.ensure_running()
 
 
@@ -37,9 +36,14 @@ def _stop() -> None:
         pass
 
 
-def exit_now(code: int | str | None) -> NoReturn:
-    """Leave as sys.exit(code) would (None: 0; a message: said on stderr, 1), after the exit handlers (logging's,
-    W&B's, temporary dirs') but without the interpreter's teardown of its modules, and with the server stopped."""
+def run_and_exit(command: Callable[[], int | None]) -> NoReturn:
+    """Run a process's command and leave with its exit code as sys.exit would (None: 0; a message: said on stderr,
+    1), after the exit handlers (logging's, W&B's, temporary dirs') but without the interpreter's teardown of its
+    modules, and with the server stopped."""
+    try:
+        code = command()
+    except SystemExit as stop:
+        code = stop.code
     if code is not None and not isinstance(code, int):
         print(code, file=sys.stderr)
         code = 1
