@@ -23,18 +23,23 @@ register_configs()
 @hydra.main(version_base="1.3", config_path="conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     env = launch_env()
-    if env is None and cfg.distributed.nproc_per_node > 1 and device_for(cfg.trainer.device, 0).type == "cpu":
-        forkserver.start()  # the workers' imports on another core, beside this process's own below
-    # Here, not at the top: a bad command line is refused before transformers is imported.
-    from fsdp_research.jobs.launch import launch
-
     if env is None or env.rank == 0:
         print(f"run dir: {HydraConfig.get().runtime.output_dir}", flush=True)
     try:
         cfg = continue_run(cfg)
     except ConfigError as err:
         _refuse(err)
+    if env is None and cfg.distributed.nproc_per_node > 1 and _on_cpu(cfg.trainer.device):
+        forkserver.start()  # the workers' imports on another core, beside this process's own below
+    # Here, not at the top: a bad command line is refused before transformers is imported.
+    from fsdp_research.jobs.launch import launch
+
     return launch(cfg, HydraConfig.get().runtime.output_dir)
+
+
+def _on_cpu(device: str) -> bool:
+    """Whether the workers will be forked (CUDA's are spawned); another value is launch's to refuse."""
+    return device == "cpu" or device == "auto" and device_for(device, 0).type == "cpu"
 
 
 def _refuse(err: ConfigError) -> None:

@@ -106,6 +106,8 @@ def planned_nodes() -> int:
 
 
 def device_for(requested: str, local_rank: int) -> torch.device:
+    if requested not in ("auto", "cpu", "cuda"):
+        raise ConfigError("trainer.device", f"{requested!r} is not a device it runs on", "use auto, cpu or cuda")
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
     if requested == "cuda":

@@ -26,6 +26,7 @@ APP_ERRORS = {
     "hsdp": ("sharding.replicate", ["distributed.nproc_per_node=2", "sharding=hsdp", "sharding.replicate=3"]),
     "paths": ("data.paths", ["data.paths=[/no/such/dir/*.txt]"]),
     "dtype": ("precision.param_dtype", ["precision.param_dtype=float8"]),
+    "device": ("trainer.device", ["distributed.nproc_per_node=2", "trainer.device=gpu"]),
     "no_eval_data": ("trainer.eval_interval", ["data.eval_fraction=0", "trainer.eval_interval=1"]),
     # CORPUS: a JSON Lines corpus the fixture writes, whose records hold "text" and "id".
     "text_field": ("data.text_field", ["data.paths=[CORPUS]", "data.text_field=body"]),

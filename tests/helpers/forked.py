@@ -46,7 +46,7 @@ def _share_the_server(address: str, outputs: tuple[str, str], workers: str) -> N
     import torch.multiprocessing
 
     forkserver._forkserver._forkserver_address = address
-    # multiprocessing's own calls and the app's early start (forkserver.start) alike
+    # multiprocessing's own calls and the app's early start (fsdp_research.distributed.forkserver.start) alike
     forkserver._forkserver.ensure_running = forkserver.ensure_running = resource_tracker.ensure_running
     start = torch.multiprocessing.start_processes
 

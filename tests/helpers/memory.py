@@ -145,12 +145,12 @@ def measure_step_memory(configs: dict[str, Any], world_size: int, fake: bool = F
     containers = {name: OmegaConf.to_container(cfg, resolve=True) for name, cfg in configs.items()}
     if not fake:
         return run_distributed(_measure_each, world_size, containers)
-    # Two fake ranks, each measuring every other config on one core (the planner's: 23.5 s, against 27.6 s in one
-    # process of torch's default two threads; two such processes: 67 s). The same bytes as in one process, checked:
-    # all but cp 2 x tp 2's activations, 2 KiB more of 101 MB (the 2 KiB real ranks allocate more too).
+    # Two processes, each rank 0 of the fake ranks for every other config on one core (the planner's: 23.5 s,
+    # against 27.6 s in one process of torch's default two threads; two such processes: 67 s). The same bytes as in
+    # one process, checked: all but cp 2 x tp 2's activations, 2 KiB more of 101 MB (as real ranks allocate too).
     names = list(containers)
-    shares = [{name: containers[name] for name in names[first::2]} for first in (0, 1)]
+    shares = [{name: containers[name] for name in names[first::2]} for first in (0, 1) if names[first:]]
     with ThreadPoolExecutor(2) as pool:
-        found = list(pool.map(lambda share: run_fake(_measure_each_on_a_core, world_size, share), shares))
-    merged = found[0] | found[1]
+        found = [*pool.map(lambda share: run_fake(_measure_each_on_a_core, world_size, share), shares)]
+    merged = {name: peaks for share in found for name, peaks in share.items()}
     return {name: merged[name] for name in names}
