@@ -13,7 +13,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from fsdp_research.distributed import forkserver
-from fsdp_research.distributed.processes import device_for, launch_env
+from fsdp_research.distributed.processes import device_for, launch_env, starts_own_workers
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import check_command_line, continue_run, register_configs
 
@@ -29,7 +29,7 @@ def main(cfg: DictConfig) -> float | None:
         cfg = continue_run(cfg)
     except ConfigError as err:
         _refuse(err)
-    if env is None and cfg.distributed.nproc_per_node > 1 and _on_cpu(cfg.trainer.device):
+    if starts_own_workers(cfg.distributed) and _on_cpu(cfg.trainer.device):
         forkserver.start()  # the workers' imports on another core, beside this process's own below
     # Here, not at the top: a bad command line is refused before transformers is imported.
     from fsdp_research.jobs.launch import launch

@@ -94,6 +94,11 @@ def planned_world_size(cfg: DistributedConfig) -> int:
     return env.world_size if env else cfg.nproc_per_node
 
 
+def starts_own_workers(cfg: DistributedConfig) -> bool:
+    """Whether this process starts its ranks itself (distributed.nproc_per_node), no launcher having started it."""
+    return launch_env() is None and cfg.nproc_per_node > 1
+
+
 def planned_nodes() -> int:
     """How many nodes this launch spans, as its launcher says: torchrun (WORLD_SIZE over LOCAL_WORLD_SIZE) or
     an srun step; 1 for a single process or this app's own workers."""

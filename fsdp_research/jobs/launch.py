@@ -20,7 +20,7 @@ from fsdp_research.checkpoint.resume import checkpoints_in
 from fsdp_research.config.schema import typed
 from fsdp_research.data.tokenizer import resolve_tokenizer
 from fsdp_research.distributed import forkserver
-from fsdp_research.distributed.processes import dead_ranks, device_for, launch_env, members, spawn
+from fsdp_research.distributed.processes import dead_ranks, device_for, launch_env, members, spawn, starts_own_workers
 from fsdp_research.errors import AnomalyError, CheckpointError, ConfigError, RewardError
 from fsdp_research.jobs.sweep import sweep_value
 from fsdp_research.model.architecture import build_hf_config
@@ -176,7 +176,7 @@ def _name_sweep_job(logger_cfg: DictConfig) -> None:
 
 def _run(cfg: DictConfig, run_dir: str) -> dict[str, Any]:
     """Train here, or in nproc_per_node workers when no launcher started this process; returns the outcome."""
-    if launch_env() is None and cfg.distributed.nproc_per_node > 1:
+    if starts_own_workers(cfg.distributed):
         _check_before_spawning(cfg, run_dir)
         try:
             run_spawned(cfg, cfg.distributed.nproc_per_node, run_dir)
