@@ -82,7 +82,7 @@ def pytest_terminal_summary(terminalreporter):
 
 
 def _machine() -> str:
-    """The kind of machine the times are of: the suite's bf16 cases run ~35x slower without AVX-512 BF16, and the
+    """The kind of machine the times are of: bf16 matmuls run ~35x slower without AVX-512 BF16, and the
     35-minute aim of CI is for such machines (issue 43)."""
     cores = f"{len(os.sched_getaffinity(0))} cores"
     try:
