@@ -25,7 +25,7 @@ from fsdp_research.errors import AnomalyError, CheckpointError, ConfigError, Rew
 from fsdp_research.jobs.sweep import sweep_value
 from fsdp_research.model.architecture import build_hf_config
 from fsdp_research.train import rundir
-from fsdp_research.train.preemption import REQUEUE, requeue
+from fsdp_research.train.preemption import REQUEUE, HeldAfter, requeue
 from fsdp_research.train.refusals import checked_plan
 from fsdp_research.train.trainer import train
 
@@ -53,8 +53,10 @@ def run_worker(cfg: Any, run_dir: str) -> dict[str, Any]:
     env = launch_env()
     outcome: dict[str, Any] = {"status": "failed"}
     error = None
+    held = HeldAfter()
     try:
-        result = train(cfg, run_dir)
+        with held:
+            result = train(cfg, run_dir)
         outcome = {"status": "completed"}
         if result.stop:
             outcome = {"status": "preempted", "requeue": result.stop == REQUEUE}
@@ -70,9 +72,12 @@ def run_worker(cfg: Any, run_dir: str) -> dict[str, Any]:
         error = _failure(err)
         raise
     finally:
-        if env is None or env.rank == 0:
-            details = {key: value for key, value in outcome.items() if key != "status"}
-            rundir.write_status(run_dir, outcome["status"], error, **details, ranks=members())
+        try:
+            if env is None or env.rank == 0:
+                details = {key: value for key, value in outcome.items() if key != "status"}
+                rundir.write_status(run_dir, outcome["status"], error, **details, ranks=members())
+        finally:
+            held.release()
         if dist.is_initialized():
             dist.destroy_process_group()
 

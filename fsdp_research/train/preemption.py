@@ -14,12 +14,12 @@ import signal
 import subprocess
 import threading
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from fsdp_research.distributed.processes import control_group
+from fsdp_research.distributed.processes import FORWARDED, control_group
 from fsdp_research.errors import ConfigError
 
 log = logging.getLogger("fsdp_research")
@@ -86,6 +86,34 @@ class Signals:
     def waited_ms(self) -> int:
         """Milliseconds since this rank's first signal; 0 without one."""
         return 0 if self._at is None else int(1000 * (time.monotonic() - self._at))
+
+
+class HeldAfter:
+    """The signals a launcher passes on, held from the end of the `with` body until release(), then delivered as they
+    would have been: what a worker records after training (rank 0's status.json) is not cut short by a launcher's
+    SIGTERM, which torchrun's agent sends the other ranks the moment one dies (its default action left `running`).
+    In the main thread only (signal's rule); elsewhere nothing is held."""
+
+    def __init__(self) -> None:
+        self._before: dict[int, Any] = {}
+        self._held: list[int] = []
+
+    def __enter__(self) -> "HeldAfter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if threading.current_thread() is threading.main_thread():
+            self._before = {num: signal.signal(num, self._hold) for num in FORWARDED}
+
+    def _hold(self, signum, frame) -> None:
+        self._held.append(signum)
+
+    def release(self) -> None:
+        for num, handler in self._before.items():
+            signal.signal(num, signal.SIG_DFL if handler is None else handler)
+        self._before = {}
+        for num in dict.fromkeys(self._held):
+            os.kill(os.getpid(), num)
 
 
 class Boundary(NamedTuple):

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.multiprocessing import ProcessExitedException
 
 from fsdp_research.checkpoint.resume import verify
 from fsdp_research.errors import ConfigError
@@ -30,6 +31,7 @@ from fsdp_research.train.rundir import outcome
 from tests.conftest import FAST
 from tests.helpers.checkpointing import complete_steps, with_overrides
 from tests.helpers.cli import TRAIN, read_metrics, subprocess_env
+from tests.helpers.dist import run_distributed
 from tests.helpers.faults import Launch
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -239,6 +241,34 @@ def test_a_dead_rank_stops_the_others_and_is_named(work, launcher):
     if launcher == "spawn":
         assert status["error"].startswith("rank 1 was killed by SIGKILL"), status
     assert _all_checkpoints_intact(run_dir)
+
+
+def _failing_run_signalled_as_it_records(cfg, run_dir: str) -> None:
+    """run_worker on a rank of its own, its run failing at step 2, a SIGTERM sent to itself the moment rank 0 starts
+    recording the failure: where torchrun's agent's SIGTERM (sent the moment another rank died) landed once, in CI."""
+    from fsdp_research.jobs.launch import run_worker
+    from fsdp_research.train import rundir
+
+    write = rundir.write_status
+
+    def signalled_first(run_dir: str, status: str, *args, **kwargs) -> None:
+        if status == "failed":
+            os.kill(os.getpid(), signal.SIGTERM)
+        write(run_dir, status, *args, **kwargs)
+
+    rundir.write_status = signalled_first
+    run_worker(cfg, run_dir)
+
+
+def test_a_sigterm_as_a_failed_run_is_recorded_ends_it_after_the_record(tmp_path):
+    """Its default action had left status.json `running` (the failure unsaid); the SIGTERM still ends the process."""
+    run_dir = str(tmp_path / "run")
+    cfg = compose([*BASE, "+callbacks.raises._target_=tests.helpers.plugins.Raises"])
+    with pytest.raises(ProcessExitedException) as ended:
+        run_distributed(_failing_run_signalled_as_it_records, 1, cfg, run_dir)
+    assert ended.value.signal_name == "SIGTERM"
+    status = _status(run_dir)
+    assert status["status"] == "failed" and "this callback fails at step 2" in status["error"], status
 
 
 def test_a_kill_between_async_saves_keeps_the_first(work):
