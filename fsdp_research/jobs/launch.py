@@ -77,7 +77,14 @@ def run_worker(cfg: Any, run_dir: str) -> dict[str, Any]:
                 details = {key: value for key, value in outcome.items() if key != "status"}
                 rundir.write_status(run_dir, outcome["status"], error, **details, ranks=members())
         finally:
-            held.release()
+            _release_and_leave(held)
+
+
+def _release_and_leave(held: HeldAfter) -> None:
+    """The held signals delivered (a Ctrl-C's KeyboardInterrupt raises here), the process group left either way."""
+    try:
+        held.release()
+    finally:
         if dist.is_initialized():
             dist.destroy_process_group()
 

@@ -112,8 +112,9 @@ class HeldAfter:
         for num, handler in self._before.items():
             signal.signal(num, signal.SIG_DFL if handler is None else handler)
         self._before = {}
-        for num in dict.fromkeys(self._held):
-            os.kill(os.getpid(), num)
+        for num in FORWARDED:  # SIGINT last: its KeyboardInterrupt would stop the loop
+            if num in self._held:
+                os.kill(os.getpid(), num)
 
 
 class Boundary(NamedTuple):
