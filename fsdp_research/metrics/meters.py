@@ -248,7 +248,7 @@ class Throughput:
     def stop(self, steps: int) -> dict[str, float]:
         """The window's rates; a collective where tokens were added (every rank adds them) in a process group."""
         self._sync()
-        dt = (time.perf_counter() - self._start - self._paused) / steps
+        dt, closed = (time.perf_counter() - self._start - self._paused) / steps, time.time()
         tokens = self.tokens_per_step * steps
         if self._tokens is not None:
             added = self._tokens.clone()
@@ -257,6 +257,9 @@ class Throughput:
             tokens = added.item() / self.group
         tokens_per_s = tokens / steps / dt
         out = {
+            # Wall clock (Unix seconds) when the window closed, after the device's queue: a reader holds step
+            # times against it.
+            "time": closed,
             "step_time_s": dt,
             "tokens_per_s": tokens_per_s,
             "tokens_per_s_per_device": tokens_per_s / self.world_size,

@@ -336,8 +336,6 @@ def _log_step(run: Run, result: TrainResult, steps: int, out: StepResult) -> dic
     done, scaler = run.state.step, run.state.scaler
     metrics = {
         "step": done,
-        # Wall clock (Unix seconds) when the window closed: what a reader holds step times against.
-        "time": time.time(),
         # Already reduced for the callbacks, where there are some.
         "loss": out.mean_loss if out.mean_loss is not None else mean_over_ranks(out.loss),
         "lr": out.lr,

@@ -26,6 +26,7 @@ class Clock:
 def test_saves_and_eval_are_left_out_of_the_window(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(metrics.time, "perf_counter", clock)
+    monkeypatch.setattr(metrics.time, "time", clock)
     throughput = Throughput(1024, 8, 2, 1e6, 100.0, torch.device("cpu"))
     throughput.start()
     for step in range(4):
@@ -34,6 +35,7 @@ def test_saves_and_eval_are_left_out_of_the_window(monkeypatch):
             with throughput.paused():
                 clock.now += 7.0  # a save or an eval
     out = throughput.stop(4)
+    assert out["time"] == clock.now  # the record's wall clock is the window's close: its steps lie before it
     assert out["step_time_s"] == pytest.approx(0.5)
     assert out["tokens_per_s"] == pytest.approx(2048.0)
     assert out["samples_per_s_per_device"] == pytest.approx(8.0)

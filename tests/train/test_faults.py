@@ -26,6 +26,7 @@ from fsdp_research.checkpoint.resume import verify
 from fsdp_research.errors import ConfigError
 from fsdp_research.jobs.compose import compose
 from fsdp_research.metrics.sinks import JsonlSink, read_records
+from fsdp_research.train.preemption import SAME_PRESS_S
 from fsdp_research.train.refusals import check_trainer
 from fsdp_research.train.rundir import outcome
 from tests.conftest import FAST
@@ -213,7 +214,9 @@ def test_a_second_ctrl_c_stops_at_once(work):
     job.wait_until("the slow step", lambda: os.path.exists(os.path.join(run_dir, "slow")))
     sent = time.monotonic()
     job.signal(signal.SIGINT)
-    time.sleep(1.0)
+    # The second press counts from the moment the first reached the worker, not from when it was sent.
+    job.wait_until("the first Ctrl-C taken", lambda: "Ctrl-C: stopping" in (work / "sigint2" / "job.out").read_text())
+    time.sleep(SAME_PRESS_S + 0.5)
     job.signal(signal.SIGINT)
     run = job.finish()
     assert run.returncode == 130 and time.monotonic() - sent < 30, run.stderr[-3000:]
@@ -271,27 +274,33 @@ def test_a_sigterm_as_a_failed_run_is_recorded_ends_it_after_the_record(tmp_path
     assert status["status"] == "failed" and "this callback fails at step 2" in status["error"], status
 
 
+def _held_async(run_dir: str, step: int, release) -> list[str]:
+    """Async saves, the run held after `step` while `release` is missing."""
+    hold = ["+callbacks.hold._target_=tests.helpers.plugins.HoldUntil", f"+callbacks.hold.step={step}"]
+    return [*SPAWN, "checkpoint.async=true", *hold, f"+callbacks.hold.release={release}", f"hydra.run.dir={run_dir}"]
+
+
 def test_a_kill_between_async_saves_keeps_the_first(work):
     """The async save of step 6 is published at a step boundary once every rank has written it, at the latest as the
-    next save begins (on a loaded machine the write can take 6 steps); a SIGKILL then loses at most
-    checkpoint.interval steps, and the resume is exact."""
-    overrides = [*SPAWN, "checkpoint.async=true"]
+    next save begins (on a loaded machine the write can take 6 steps). Held after step 13, before the boundary that
+    could publish step 12's save: a SIGKILL there keeps step 6's alone, and the resume from it is exact."""
+    held, release, base_release = 2 * INTERVAL + 1, work / "async_release", work / "async_base_release"
+    base_release.touch()  # the base has the same callbacks (the loss is reduced for them), never holding
+    base_dir, run_dir = str(work / "async_base" / "run"), str(work / "async" / "run")
     with ThreadPoolExecutor(2) as pool:
         base = pool.submit(
-            lambda: Launch(
-                str(work / "async_base"), [*overrides, f"hydra.run.dir={work}/async_base/run"], forked=True
-            ).finish()
+            lambda: Launch(str(work / "async_base"), _held_async(base_dir, held, base_release), forked=True).finish()
         )
-        run_dir = str(work / "async" / "run")
-        job = Launch(str(work / "async"), [*overrides, f"hydra.run.dir={run_dir}"])
-        job.wait_until("the first async checkpoint", lambda: bool(complete_steps(run_dir)))
+        job = Launch(str(work / "async"), _held_async(run_dir, held, release))
+        job.wait_until(f"the run held after step {held}", lambda: os.path.exists(os.path.join(run_dir, "held")))
         logged = _steps(run_dir)
         job.kill()
         assert base.result().returncode == 0
-    assert complete_steps(run_dir) == [INTERVAL] and logged <= 2 * INTERVAL, logged
-    resumed = Launch(str(work / "async"), [*overrides, f"hydra.run.dir={run_dir}"], forked=True).finish()
+    assert complete_steps(run_dir) == [INTERVAL] and logged == held, logged
+    release.touch()
+    resumed = Launch(str(work / "async"), _held_async(run_dir, held, release), forked=True).finish()
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    _same_run(run_dir, str(work / "async_base" / "run"))
+    _same_run(run_dir, base_dir)
 
 
 def test_a_line_cut_short_is_skipped_with_a_warning(tmp_path, caplog):
