@@ -240,7 +240,8 @@ def test_a_killed_build_publishes_nothing_and_resumes(tmp_path):
     corpus = str(tmp_path / "corpus.jsonl")
     line = json.dumps({"text": "x" * 4000}) + "\n"
     with open(corpus, "w") as f:
-        # Eight parts: the seven after the first (~1 s at 18 MB/s) leave a loaded machine's test time to kill.
+        # Eight parts of 4 MiB, the last tiny: those after the first (~1.4 s at 18 MB/s) leave a loaded machine's test
+        # time to kill.
         f.write(line * (7 * parts.MIN_PART_BYTES // len(line) + 1))
     stores = tmp_path / "stores"
     args = [f"data.paths=[{corpus}]", f"data.store_dir={stores}", "data.build_workers=1"]

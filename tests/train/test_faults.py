@@ -2,8 +2,9 @@
 torchrun --max-restarts (the restarted group finds its run and ends bitwise where an uninterrupted run ends);
 SIGTERM (finish the step, agree, save, `preempted`, exit 143; resumes exactly); a second SIGTERM during the save;
 SIGINT (prompt, `interrupted`, 130); a rank that dies (the others stop, status.json names it, checkpoints intact),
-self-spawned and under torchrun; a kill between two async saves (the first was published at the next step
-boundary; resume is exact); a metrics.jsonl line cut short; a status.json left `running` by a killed run."""
+self-spawned and under torchrun; a kill between two async saves (the first published at a step boundary, at the
+latest as the second begins; resume is exact); a metrics.jsonl line cut short; a status.json left `running` by a
+killed run."""
 
 import glob
 import json
@@ -285,7 +286,7 @@ def test_a_kill_between_async_saves_keeps_the_first(work):
     next save begins (on a loaded machine the write can take 6 steps). Held after step 13, before the boundary that
     could publish step 12's save: a SIGKILL there keeps step 6's alone, and the resume from it is exact."""
     held, release, base_release = 2 * INTERVAL + 1, work / "async_release", work / "async_base_release"
-    base_release.touch()  # the base has the same callbacks (the loss is reduced for them), never holding
+    base_release.touch()  # the base has the same callbacks, never holding: the held run's code path
     base_dir, run_dir = str(work / "async_base" / "run"), str(work / "async" / "run")
     with ThreadPoolExecutor(2) as pool:
         base = pool.submit(
