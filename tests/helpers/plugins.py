@@ -135,6 +135,12 @@ class HoldUntil:
                 time.sleep(0.1)
 
 
+def hold_at(step: int, release) -> list[str]:
+    """The overrides that add HoldUntil(step, release) to a run's callbacks."""
+    target = "+callbacks.hold._target_=tests.helpers.plugins.HoldUntil"
+    return [target, f"+callbacks.hold.step={step}", f"+callbacks.hold.release={release}"]
+
+
 class SweepFault:
     """In job `job` of a sweep (its run dir's name), during step `step`: `signal` (a name) to this process's group,
     the sweep's launcher and its job, as a kill or a Ctrl-C reaches them; once (the marker file remembers it), so

@@ -17,6 +17,7 @@ from harness.jobs import lose_node, stop_controller
 from tests.conftest import FAST, ROOT
 from tests.helpers.checkpointing import complete_steps, with_overrides
 from tests.helpers.cli import finish, read_metrics, start
+from tests.helpers.plugins import hold_at
 from tests.slurm.cluster import states, wait_done, wait_for
 
 SCRIPT = os.path.join(ROOT, "slurm", "train.sbatch")
@@ -94,10 +95,7 @@ def test_a_lost_node_requeues_and_the_run_resumes(jobs, tmp_path):
     """One rank on each of 2 nodes (their ranks and master address from SLURM); node2 lost after the first
     checkpoint: the job requeues itself, resumes, and ends with the uninterrupted run's weights, to the bit."""
     release = tmp_path / "release"
-    hold = ["+callbacks.hold._target_=tests.helpers.plugins.HoldUntil", "+callbacks.hold.step=7"]
-    job, run_dir = _run(
-        jobs, tmp_path, ["--nodes=2", "--ntasks-per-node=1"], [*LOST, *hold, f"+callbacks.hold.release={release}"], 40
-    )
+    job, run_dir = _run(jobs, tmp_path, ["--nodes=2", "--ntasks-per-node=1"], [*LOST, *hold_at(7, release)], 40)
     baseline = start([*LOST, "distributed.nproc_per_node=2", f"hydra.run.dir={tmp_path}/baseline"], str(tmp_path))
     # Held after step 7 (a checkpoint at 5): lost mid-run however late this process looks.
     wait_for("the run held after its first checkpoint", lambda: os.path.exists(f"{run_dir}/held"), timeout=240)

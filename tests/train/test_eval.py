@@ -11,7 +11,7 @@ import torch
 
 from fsdp_research.jobs.compose import compose
 from tests.conftest import FAST
-from tests.helpers.checkpointing import with_overrides
+from tests.helpers.checkpointing import snapshot, with_overrides
 from tests.helpers.cli import command, finish, start
 from tests.helpers.corpora import DOCS, bpe_tokenizer, write
 from tests.helpers.dist import ok, train_distributed
@@ -102,18 +102,14 @@ def test_a_store_built_ahead_is_only_opened(corpus, tmp_path):
     assert "built in" in built.stdout and "MB/s of text" in built.stdout and " tokens (uint16)" in built.stdout
     again = command(["tokenize", *data])
     assert "(already built)" in again.stdout and "built in" not in again.stdout
-    before = _files(tmp_path / "stores")
+    before = snapshot(str(tmp_path / "stores"))
     run = finish(
         start([*_overrides(corpus, "trainer.max_steps=1"), stores, f"hydra.run.dir={tmp_path / 'run'}"], str(tmp_path))
     )
     assert run.returncode == 0, run.stderr[-3000:]
     # Not a time (a loaded machine takes seconds to load the tokenizer): the stores' files as they were.
     assert "tokenizing" not in run.stdout and "; ready in " in run.stdout
-    assert _files(tmp_path / "stores") == before
-
-
-def _files(root) -> dict[str, int]:
-    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
+    assert snapshot(str(tmp_path / "stores")) == before
 
 
 def test_a_build_longer_than_the_collective_timeout(tmp_path):

@@ -35,6 +35,7 @@ from tests.helpers.checkpointing import complete_steps, with_overrides
 from tests.helpers.cli import TRAIN, read_metrics, subprocess_env
 from tests.helpers.dist import run_distributed
 from tests.helpers.faults import Launch
+from tests.helpers.plugins import hold_at
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -277,8 +278,7 @@ def test_a_sigterm_as_a_failed_run_is_recorded_ends_it_after_the_record(tmp_path
 
 def _held_async(run_dir: str, step: int, release) -> list[str]:
     """Async saves, the run held after `step` while `release` is missing."""
-    hold = ["+callbacks.hold._target_=tests.helpers.plugins.HoldUntil", f"+callbacks.hold.step={step}"]
-    return [*SPAWN, "checkpoint.async=true", *hold, f"+callbacks.hold.release={release}", f"hydra.run.dir={run_dir}"]
+    return [*SPAWN, "checkpoint.async=true", *hold_at(step, release), f"hydra.run.dir={run_dir}"]
 
 
 def test_a_kill_between_async_saves_keeps_the_first(work):
